@@ -1,0 +1,1 @@
+"""twinshard.conformance: cases, oracles and the parity report (not yet written)."""

@@ -1,0 +1,1 @@
+"""twinshard.optimized: the overlapped, multi-stream implementation (not yet written)."""

@@ -1,0 +1,11 @@
+"""twinshard: fully sharded data parallel (FSDP, ZeRO-3) for PyTorch, written twice.
+
+- ``twinshard.reference``: the readable, single-stream specification.
+- ``twinshard.optimized``: the overlapped production path (same interface).
+- ``twinshard.conformance``: checks any implementation against the truth.
+- ``twinshard.api``: the shared types (policies, the ``FSDPModule`` contract, errors).
+- ``twinshard.launch``: run a function on N local ranks.
+- ``twinshard.models``: small example models with adjustable (uneven) sizes.
+"""
+
+__version__ = "0.1.0"
