@@ -1,0 +1,58 @@
+"""The three collectives FSDP needs, one call per parameter, each blocking.
+
+Every parameter of shape (rows, *rest) is padded with zero rows up to a multiple of the shard
+group size S, so that it splits into S blocks of ``chunk = ceil(rows / S)`` rows each:
+
+    all-gather      each rank's (chunk, *rest) block  ->  (S * chunk, *rest) on every rank
+    reduce-scatter  every rank's (S * chunk, *rest) gradient  ->  the sum of block r on rank r
+    all-reduce      HSDP only: the sum of a block over the replicas (mesh columns)
+
+The padding rows are zero in the parameter and are never read by the model, so they add
+nothing to any sum. The functions return when the data is in place: the reference has one
+stream and no asynchronous work, which is what makes it easy to step through.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renamed the single-tensor collectives; torch 2.11 has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def padded_rows(rows: int, shard_size: int) -> int:
+    """Rows per shard block: ``ceil(rows / shard_size)``."""
+    return -(-rows // shard_size)
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Append zero rows so ``tensor`` has ``rows`` rows (no copy when it already has)."""
+    missing = rows - tensor.shape[0]
+    if missing == 0:
+        return tensor
+    zeros = tensor.new_zeros((missing, *tensor.shape[1:]))  # (missing, *rest)
+    return torch.cat([tensor, zeros], dim=0)  # (rows, *rest)
+
+
+def all_gather_rows(out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Fill ``out`` (S * chunk, *rest) with every rank's ``block`` (chunk, *rest), in rank order."""
+    with torch.profiler.record_function("twinshard::all_gather"):
+        _all_gather(out, block.contiguous(), group=group)
+
+
+def reduce_scatter_rows(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``full`` (S * chunk, *rest) over the group and return this rank's block (chunk, *rest)."""
+    size = dist.get_world_size(group)
+    out = full.new_empty((full.shape[0] // size, *full.shape[1:]))  # (chunk, *rest)
+    with torch.profiler.record_function("twinshard::reduce_scatter"):
+        _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Sum ``tensor`` in place over ``group`` (HSDP replicas)."""
+    with torch.profiler.record_function("twinshard::all_reduce"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

@@ -1,0 +1,107 @@
+"""Which ranks hold which piece of a parameter: the device mesh of ``fully_shard``.
+
+A 1D mesh of W ranks is plain FSDP: every parameter is cut into W row-blocks along dim 0 and
+rank r keeps block r. A 2D mesh of R x S ranks is HSDP (hybrid sharding): the S ranks of one
+mesh row share the parameter between them as in FSDP, and the R rows are replicas of each other.
+Gradients are reduce-scattered inside a row and then all-reduced down each column.
+
+``reshard_after_forward`` as an int N (a divisor of S) asks for a middle ground between
+keeping the whole parameter after forward and keeping 1/S of it: after forward each rank keeps
+1/N, gathered again in backward among N neighbouring ranks. That needs one more process group,
+built here as a second mesh that views the ranks as rows of N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from twinshard.api import FSDPUsageError
+
+
+@dataclass
+class MeshInfo:
+    """The groups a parameter group communicates over."""
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup  # all-gather and reduce-scatter run here
+    shard_size: int  # S: how many pieces a parameter is cut into
+    shard_rank: int  # which piece this rank keeps
+    replicate_group: dist.ProcessGroup | None  # HSDP: gradients are all-reduced here
+    replicate_size: int  # R: 1 for FSDP
+
+    @property
+    def placements(self) -> tuple:
+        """DTensor placements of a sharded parameter on ``mesh``."""
+        if self.replicate_group is None:
+            return (Shard(0),)
+        return (Replicate(), Shard(0))
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device of this rank: the mesh's device type, current index."""
+        kind = self.mesh.device_type
+        if kind == "cpu":
+            return torch.device("cpu")
+        return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1D mesh over every rank of the default process group (plain FSDP)."""
+    if not dist.is_initialized():
+        raise FSDPUsageError(
+            "fully_shard needs torch.distributed: call init_process_group first "
+            "(twinshard.launch does it for you) or pass mesh=..."
+        )
+    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(kind, (dist.get_world_size(),))
+
+
+def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Read the shard and replicate groups off a 1D (FSDP) or 2D (HSDP) mesh."""
+    if not isinstance(mesh, DeviceMesh):
+        raise FSDPUsageError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return MeshInfo(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
+    if mesh.ndim == 2:
+        return MeshInfo(
+            mesh, mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1),
+            mesh.get_group(0), mesh.size(0),
+        )
+    raise FSDPUsageError(
+        f"fully_shard takes a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate, shard), "
+        f"got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}; flatten it first"
+    )
+
+
+def post_forward_mesh_info(reshard_after_forward, info: MeshInfo) -> MeshInfo | None:
+    """The group to keep parameters sharded over between forward and backward.
+
+    ``None`` means: keep them unsharded. ``info`` itself means: reshard fully (True).
+    """
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise FSDPUsageError(
+            f"reshard_after_forward must be a bool or an int (a group size), "
+            f"got {reshard_after_forward!r}"
+        )
+    if reshard_after_forward is True:
+        return info
+    if reshard_after_forward is False:
+        return None
+    n = reshard_after_forward
+    if n < 1 or info.shard_size % n != 0:
+        raise FSDPUsageError(
+            f"reshard_after_forward={n} must divide the shard group size {info.shard_size} "
+            f"(a group size to reshard to); use True, False or a divisor"
+        )
+    if n == 1:
+        return None  # keeping a 1/1 piece is keeping the whole parameter
+    if n == info.shard_size:
+        return info
+    # Rows of n consecutive ranks: rank r all-gathers with the others in its row in backward.
+    small = DeviceMesh(info.mesh.device_type, info.mesh.mesh.reshape(-1, n))
+    return MeshInfo(small, small.get_group(1), n, small.get_local_rank(1), None, 1)

@@ -1,0 +1,129 @@
+"""The parameters of one ``fully_shard`` call and what happens to them in a training step.
+
+A step, seen from one parameter group (one transformer block, say):
+
+    pre_forward     all-gather every parameter (unshard)          forward runs on full weights
+    post_forward    free them again (reshard), unless told to keep them
+    pre_backward    all-gather again: backward needs the weights too
+    post_backward   reduce-scatter the gradients into sharded DTensor gradients, free weights
+
+Each hook has its twin right below it. The reference issues the collectives one parameter
+at a time and waits for each; the optimized implementation batches and overlaps them.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+import torch.nn as nn
+
+from twinshard.api import MixedPrecisionPolicy
+
+from .mesh import MeshInfo
+from .sharded_param import ParamState, ShardedParam
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # between steps, or between forward and backward
+    FORWARD = auto()  # inside this group's forward
+    PRE_BACKWARD = auto()  # backward through this group's modules has started
+    POST_BACKWARD = auto()  # this group's gradients were reduced in this backward
+
+
+class ParamGroup:
+    """Unshards, reshards and reduces one group's parameters, one parameter at a time."""
+
+    def __init__(self, params: list[ShardedParam], info: MeshInfo, post_forward: MeshInfo | None,
+                 mp: MixedPrecisionPolicy, device: torch.device):
+        self.params = params
+        self.info = info
+        self.post_forward_mesh = post_forward  # None: keep unsharded after forward
+        self.mp = mp
+        self.device = device
+        self.state = TrainingState.IDLE
+        self.reduce_grads = True  # set_requires_gradient_sync
+        self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
+        self.reshard_after_backward = True  # set_reshard_after_backward
+        self.divide_factor: float | None = None  # set_gradient_divide_factor
+
+    # --- dtypes -------------------------------------------------------------------------------
+    def param_dtype(self, p: ShardedParam) -> torch.dtype:
+        """Compute dtype of ``p``: the policy's ``param_dtype``, else its own."""
+        return self.mp.param_dtype or p.sharded_param.dtype
+
+    def reduce_dtype(self, p: ShardedParam) -> torch.dtype:
+        """Gradient reduction dtype: ``reduce_dtype``, else the compute dtype."""
+        return self.mp.reduce_dtype or self.param_dtype(p)
+
+    # --- unshard / reshard ----------------------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return all(p.state is ParamState.UNSHARDED for p in self.params)
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        """All-gather every parameter of the group (a no-op for those already unsharded)."""
+        with torch.profiler.record_function("twinshard::unshard"):
+            for p in self.params:
+                if p.state is ParamState.SHARDED:
+                    p.refresh()
+                p.unshard(self.param_dtype(p), self.post_forward_mesh)
+
+    @torch.no_grad()
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the unsharded parameters; after forward, an int setting keeps a 1/N piece."""
+        with torch.profiler.record_function("twinshard::reshard"):
+            for p in self.params:
+                p.reshard(self.post_forward_mesh if after_forward else None)
+
+    # --- forward: unshard before, reshard after ---------------------------------------------------
+    def pre_forward(self) -> None:
+        self.state = TrainingState.FORWARD
+        self.unshard()
+
+    def post_forward(self) -> None:
+        if self.post_forward_mesh is not None:
+            self.reshard(after_forward=True)
+        self.state = TrainingState.IDLE
+
+    # --- backward: unshard before, reduce and reshard after ------------------------------------------
+    def pre_backward(self) -> None:
+        if self.state is TrainingState.PRE_BACKWARD:
+            return  # one output's hook already did it
+        self.state = TrainingState.PRE_BACKWARD
+        with torch.profiler.record_function("twinshard::pre_backward"):
+            self.unshard()
+
+    @torch.no_grad()
+    def post_backward(self) -> None:
+        """Reduce this group's gradients and reshard; safe to call when nothing was computed."""
+        self.state = TrainingState.POST_BACKWARD
+        with torch.profiler.record_function("twinshard::post_backward"):
+            for p in self.params:
+                p.take_grad(self.reduce_dtype(p))
+            if self.reduce_grads:
+                self.reduce_grads_now()
+            if self.reshard_after_backward:
+                self.reshard()
+
+    def reduce_grads_now(self) -> None:
+        """Reduce-scatter (and for HSDP all-reduce) each waiting gradient, one by one."""
+        divide_by = self.divide_factor or self.info.shard_size * self.info.replicate_size
+        for p in self.params:
+            p.reduce_grad(divide_by, self.all_reduce_grads)
+
+    def finish_backward(self) -> None:
+        """End of the whole backward: groups whose inputs needed no gradient never got their
+        post-backward call from autograd, so it runs here; then every group is idle again."""
+        if self.state is not TrainingState.POST_BACKWARD and any(
+            p.unsharded_param is not None and p.unsharded_param.grad is not None
+            for p in self.params
+        ):
+            self.post_backward()
+        elif self.reshard_after_backward:
+            self.reshard()  # parameters that got no gradient are still freed
+        self.state = TrainingState.IDLE
+
+    def named_modules_with_params(self) -> set[nn.Module]:
+        return {m for p in self.params for m, _ in p.owners}

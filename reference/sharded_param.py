@@ -1,0 +1,195 @@
+"""One parameter under FSDP: its sharded, unsharded and in-between forms.
+
+A parameter of shape (rows, *rest) lives in one of three states:
+
+- SHARDED: the module holds a ``DTensor`` whose local tensor is this rank's block of rows
+  (``Shard(0)``: rank r keeps rows [r * chunk, (r + 1) * chunk), fewer or none at the end when
+  rows do not divide). This is what the optimizer steps and what ``state_dict()`` returns.
+- UNSHARDED: the module holds the whole parameter as a plain tensor, all-gathered from the
+  blocks, in the compute dtype. Forward and backward use it; autograd writes its ``.grad``.
+- SHARDED_POST_FORWARD: between forward and backward with ``reshard_after_forward=N``, this
+  rank keeps a 1/N piece of the whole parameter, to all-gather among N ranks in backward.
+
+The key trick of FSDP lives here. Autograd saves the unsharded parameter in forward to use it
+in backward, but we free the parameter's memory right after forward. So the unsharded
+parameter is one tensor object for the whole training run: resharding shrinks its storage to
+zero bytes, unsharding grows it back and all-gathers into it. What autograd saved is the same
+object, so by the time backward needs it the data is there again.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from twinshard.api import CPUOffloadPolicy, FSDPUsageError
+
+from .collectives import all_gather_rows, all_reduce_sum, pad_rows, padded_rows, reduce_scatter_rows
+from .mesh import MeshInfo
+
+
+class ParamState(Enum):
+    SHARDED = auto()  # module holds the DTensor block; no unsharded memory
+    SHARDED_POST_FORWARD = auto()  # a 1/N piece is kept for the backward all-gather
+    UNSHARDED = auto()  # module holds the whole parameter as a plain tensor
+
+
+class ShardedParam:
+    """Shards one parameter at construction and moves it between its states."""
+
+    def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]],
+                 info: MeshInfo, device: torch.device, offload: CPUOffloadPolicy | None):
+        if param.dim() == 0:
+            raise FSDPUsageError(
+                f"fully_shard cannot shard the 0-dim parameter '{owners[0][1]}' of "
+                f"{type(owners[0][0]).__name__}; reshape it to (1,) or pass it in ignored_params"
+            )
+        self.owners = owners  # every (module, attribute) that holds it: tied weights share one
+        self.fqn = owners[0][1]  # replaced by the full name at the root's first forward
+        self.info = info
+        self.device = device  # where compute happens
+        self.shard_device = torch.device("cpu") if offload is not None else device
+        # Pinned host memory lets the copy to an accelerator run without staging.
+        self.pin = offload is not None and offload.pin_memory and device.type != "cpu"
+        self.shape = param.shape  # (rows, *rest), the global shape
+        self.chunk = padded_rows(param.shape[0], info.shard_size)  # rows in each rank's block
+        self.unsharded_param: nn.Parameter | None = None  # created at the first unshard
+        self.padded: torch.Tensor | None = None  # (S * chunk, *rest) all-gather output
+        self.post_forward_block: torch.Tensor | None = None  # SHARDED_POST_FORWARD piece
+        self.grad_to_reduce: torch.Tensor | None = None  # (rows, *rest) unreduced gradient sum
+        self.partial_reduce: torch.Tensor | None = None  # HSDP: reduce-scattered, not all-reduced
+        self.sharded_param = nn.Parameter(self._shard(param), requires_grad=param.requires_grad)
+        self.state = ParamState.SHARDED
+        self._register(self.sharded_param)
+
+    # --- construction and the module attribute ----------------------------------------------
+    def _shard(self, param: torch.Tensor) -> DTensor:
+        """Cut this rank's block of rows out of the full parameter and wrap it as a DTensor."""
+        start = min(self.info.shard_rank * self.chunk, self.shape[0])
+        length = min(self.chunk, self.shape[0] - start)
+        block = param.detach().narrow(0, start, length)  # (length <= chunk, *rest)
+        device = param.device if param.device.type == "meta" else self.shard_device
+        block = block.to(device).clone()  # our own memory, not a view of the full tensor
+        if self.pin and device.type == "cpu":
+            block = block.pin_memory()
+        return self._as_dtensor(block)
+
+    def _as_dtensor(self, block: torch.Tensor) -> DTensor:
+        full_stride = torch.empty(self.shape, device="meta").stride()
+        return DTensor.from_local(block, self.info.mesh, self.info.placements,
+                                  run_check=False, shape=self.shape, stride=full_stride)
+
+    def _register(self, tensor: nn.Parameter) -> None:
+        # Writing _parameters directly skips nn.Module.__setattr__'s checks on every swap.
+        for module, name in self.owners:
+            module._parameters[name] = tensor
+
+    def refresh(self) -> None:
+        """Adopt the module's sharded parameter if the user replaced it.
+
+        ``model.to_empty(...)``, ``load_state_dict(assign=True)`` and DCP may put a new
+        ``DTensor`` parameter on the module; from then on that one is the sharded parameter.
+        """
+        current = self.owners[0][0]._parameters[self.owners[0][1]]
+        if current is not self.sharded_param:
+            if not isinstance(current, DTensor) or current.shape != self.shape:
+                raise FSDPUsageError(
+                    f"parameter '{self.fqn}' was replaced by a {type(current).__name__} of shape "
+                    f"{tuple(current.shape)} outside fully_shard; load values with "
+                    "load_state_dict or copy_ into the existing DTensor instead"
+                )
+            self.sharded_param = current
+            self._register(current)
+        if self.sharded_param.device.type == "meta":
+            raise FSDPUsageError(
+                f"parameter '{self.fqn}' is still on the meta device; materialize it first, "
+                "e.g. model.to_empty(device=...) and then initialize or load the weights"
+            )
+
+    # --- unshard and reshard ----------------------------------------------------------------
+    def unshard(self, dtype: torch.dtype, post_forward: MeshInfo | None) -> None:
+        """All-gather the whole parameter into the unsharded tensor and put it on the module."""
+        if self.state is ParamState.UNSHARDED:
+            return
+        if self.state is ParamState.SHARDED_POST_FORWARD:
+            block, group = self.post_forward_block, post_forward.shard_group  # (S*chunk/N, *rest)
+        else:
+            local = self.sharded_param.to_local()  # (<= chunk, *rest)
+            block = pad_rows(local.to(self.device, dtype), self.chunk)  # (chunk, *rest)
+            group = self.info.shard_group
+        self._allocate_unsharded(dtype)
+        all_gather_rows(self.padded, block, group)  # padded: (S * chunk, *rest)
+        self.post_forward_block = None
+        self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
+        self._register(self.unsharded_param)
+        self.state = ParamState.UNSHARDED
+
+    def _allocate_unsharded(self, dtype: torch.dtype) -> None:
+        rows = self.info.shard_size * self.chunk
+        if self.padded is None:
+            self.padded = torch.empty((rows, *self.shape[1:]), dtype=dtype, device=self.device)
+            # ``.data`` gives the parameter its own version counter, so that writing the
+            # all-gather into ``padded`` does not look like an in-place change to autograd.
+            view = self.padded.data.narrow(0, 0, self.shape[0])  # (rows, *rest)
+            self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+        else:
+            storage = self.padded.untyped_storage()
+            storage.resize_(self.padded.numel() * self.padded.element_size())
+
+    def reshard(self, post_forward: MeshInfo | None = None) -> None:
+        """Free the unsharded memory and put the DTensor back on the module.
+
+        With ``post_forward`` (an int ``reshard_after_forward``), keep this rank's 1/N piece.
+        """
+        if self.state is not ParamState.UNSHARDED:
+            return
+        if post_forward is not None and post_forward is not self.info:
+            piece = self.padded.shape[0] // post_forward.shard_size
+            start = post_forward.shard_rank * piece
+            self.post_forward_block = self.padded[start:start + piece].clone()  # (S*chunk/N, *rest)
+        self.padded.untyped_storage().resize_(0)  # the memory FSDP saves
+        self._register(self.sharded_param)
+        keep_piece = self.post_forward_block is not None
+        self.state = ParamState.SHARDED_POST_FORWARD if keep_piece else ParamState.SHARDED
+
+    # --- gradients --------------------------------------------------------------------------
+    def take_grad(self, reduce_dtype: torch.dtype) -> None:
+        """Move autograd's unsharded ``.grad`` into the sum waiting to be reduced."""
+        if self.unsharded_param is None or self.unsharded_param.grad is None:
+            return
+        grad = self.unsharded_param.grad.to(reduce_dtype)  # (rows, *rest)
+        self.unsharded_param.grad = None
+        if self.grad_to_reduce is None:
+            self.grad_to_reduce = grad
+        else:
+            self.grad_to_reduce += grad
+
+    def reduce_grad(self, divide_by: float, all_reduce: bool) -> None:
+        """Reduce-scatter the waiting gradient (and all-reduce it across HSDP replicas), then
+        add this rank's block to the sharded ``DTensor`` gradient."""
+        if self.grad_to_reduce is None:
+            return
+        grad = pad_rows(self.grad_to_reduce, self.info.shard_size * self.chunk)  # (S*chunk, *rest)
+        self.grad_to_reduce = None
+        block = reduce_scatter_rows(grad, self.info.shard_group)  # (chunk, *rest) summed
+        if self.info.replicate_group is not None:
+            if self.partial_reduce is not None:
+                block += self.partial_reduce
+            self.partial_reduce = None
+            if not all_reduce:
+                self.partial_reduce = block  # summed over the shard group only, for now
+                return
+            all_reduce_sum(block, self.info.replicate_group)
+        block = block / divide_by  # the sum over ranks becomes their mean (by default)
+        local_rows = self.sharded_param.to_local().shape[0]
+        self._accumulate(block[:local_rows])  # (<= chunk, *rest): padding rows dropped
+
+    def _accumulate(self, block: torch.Tensor) -> None:
+        block = block.to(self.sharded_param.dtype).to(self.shard_device)
+        if self.sharded_param.grad is None:
+            self.sharded_param.grad = self._as_dtensor(block.contiguous())
+        else:
+            self.sharded_param.grad.to_local().add_(block)

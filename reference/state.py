@@ -1,0 +1,160 @@
+"""The hooks: how a sharded module learns that forward or backward is about to reach it.
+
+``fully_shard`` attaches one ``FSDPState`` to the module. Forward is easy to intercept with
+``nn.Module`` hooks. Backward has no module hooks we can rely on, so we plant two markers in
+the autograd graph during forward:
+
+- on the module's *outputs*, a tensor hook: autograd calls it when the gradient of an output
+  arrives, i.e. just before backward runs through the module -> pre_backward (unshard);
+- around the module's *inputs*, an identity autograd function: its backward runs once the
+  gradients of the inputs exist, i.e. after backward left the module -> post_backward (reduce).
+
+If a module's inputs need no gradient (token ids, data) the second marker cannot be planted,
+so the root also queues a callback that autograd runs when the whole backward has finished;
+it completes whatever post_backward did not run and returns every group to idle.
+
+The first module to run forward is the root. At that moment every ``fully_shard`` call has
+been made, so the root looks at its whole subtree once ("lazy init").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from twinshard.api import FSDPUsageError, MixedPrecisionPolicy, map_tensors, named_tensors_in
+
+from .mixed_precision import cast_inputs, cast_output
+from .param_group import ParamGroup, TrainingState
+
+
+def get_state(module: nn.Module) -> "FSDPState | None":
+    return module.__dict__.get("_twinshard_state")
+
+
+class FSDPState:
+    """What ``fully_shard`` attaches to one module: its parameter group, policy and hooks."""
+
+    def __init__(self, module: nn.Module, group: ParamGroup | None, mp: MixedPrecisionPolicy,
+                 auto_reshard_after_forward: bool):
+        self.module = module
+        self.group = group  # None when every parameter belongs to sharded children
+        self.mp = mp
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.is_root: bool | None = None  # decided by the first forward
+        self.root: FSDPState | None = None
+        self.all_states: list[FSDPState] = []  # root only: every state in its subtree
+        self.callback_queued = False  # root only
+        self.is_last_backward = True  # root only; the reference finishes every backward
+        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self.post_forward, prepend=False)
+
+    # --- lazy init -------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        """At the first forward: become the root of every sharded module below."""
+        if self.is_root is not None:
+            return
+        self.is_root, self.root = True, self
+        for name, module in self.module.named_modules():
+            state = get_state(module)
+            if state is None:
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise FSDPUsageError(
+                        f"'{name}' ({type(module).__name__}) already ran forward on its own, "
+                        f"before its parent {type(self.module).__name__}; run forward through "
+                        "the root module first so it can take charge of its children"
+                    )
+                state.is_root, state.root = False, self
+            self.all_states.append(state)
+            if state.group is not None:
+                for p in state.group.params:  # full names for error messages
+                    p.fqn = f"{name}.{p.owners[0][1]}".lstrip(".")
+        if self.auto_reshard_after_forward and self.group is not None:
+            # The root's parameters are the first ones backward needs: keep them.
+            self.group.post_forward_mesh = None
+
+    # --- forward: pre and post ------------------------------------------------------------------
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.lazy_init()
+        if self.group is not None and self.group.state is TrainingState.PRE_BACKWARD:
+            self.group.unshard()  # forward recomputed in backward (activation checkpointing)
+            return cast_inputs(self.mp, args, kwargs)
+        if self.is_root and self.group is not None and self.group.device.type != "cpu":
+            to_device = lambda t: t.to(self.group.device)  # noqa: E731
+            args, kwargs = map_tensors(to_device, args), map_tensors(to_device, kwargs)
+        args, kwargs = cast_inputs(self.mp, args, kwargs)
+        if self.group is not None:
+            self.group.pre_forward()
+            args, kwargs = self._plant_post_backward(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.group is not None and self.group.state is TrainingState.PRE_BACKWARD:
+            return cast_output(self.mp, output)  # recomputation: backward will reshard
+        if self.group is not None:
+            self.group.post_forward()
+        output = self._plant_pre_backward(output)
+        return cast_output(self.mp, output)
+
+    # --- backward: pre and post -----------------------------------------------------------------
+    def pre_backward(self, grad: torch.Tensor) -> None:
+        """Tensor hook on an output: backward is about to enter this module."""
+        self.root.queue_final_callback()
+        if self.group is not None:
+            self.group.pre_backward()
+
+    def post_backward(self) -> None:
+        """Backward has left this module: reduce its gradients."""
+        if self.group is not None:
+            self.group.post_backward()
+
+    # --- planting the backward markers --------------------------------------------------------------
+    def _plant_pre_backward(self, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            for t in named_tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(self.pre_backward)
+        return output
+
+    def _plant_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        inputs = [t for t in named_tensors_in((args, kwargs)) if t.requires_grad]
+        if not inputs:
+            return args, kwargs  # the root's final callback will do post_backward
+        marked = iter(PostBackwardMarker.apply(self, *inputs))
+        swap = lambda t: next(marked) if t.requires_grad else t  # noqa: E731
+        return map_tensors(swap, args), map_tensors(swap, kwargs)
+
+    # --- end of backward (root only) ---------------------------------------------------------------
+    def queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.final_callback)
+
+    def final_callback(self) -> None:
+        """Runs once autograd has finished the whole backward."""
+        with torch.profiler.record_function("twinshard::final_callback"):
+            for state in self.all_states:
+                if state.group is not None:
+                    state.group.finish_backward()
+        self.callback_queued = False
+
+
+class PostBackwardMarker(torch.autograd.Function):
+    """Identity in forward; in backward, tells the state that its module is done."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.state.post_backward()
+        return (None, *grads)

@@ -1,0 +1,250 @@
+"""The interface every twinshard implementation shares: policies, the FSDPModule contract, errors.
+
+This file holds no algorithm. It is the contract of PyTorch's FSDP2 ``fully_shard`` (torch >=
+2.11) written once, so that ``twinshard.reference`` and ``twinshard.optimized`` expose the same
+types and a user can swap ``torch.distributed.fsdp.fully_shard`` for either one and back.
+
+- ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``: user-facing settings.
+  twinshard's implementations also accept torch's own policy objects (same fields).
+- ``FSDPModule``: the methods that ``fully_shard`` adds to a module. An implementation subclasses
+  it and fills in the abstract methods; the docstrings here are the specification.
+- ``UnshardHandle``: what ``FSDPModule.unshard(async_op=True)`` returns.
+- ``FSDPUsageError``: raised for misuse; it names the module or parameter and says what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "UnshardHandle",
+    "FSDPUsageError",
+    "as_mp_policy",
+    "as_offload_policy",
+]
+
+
+class FSDPUsageError(ValueError, RuntimeError):
+    """``fully_shard`` or an ``FSDPModule`` method was used in a way that cannot work.
+
+    It derives from both ``ValueError`` and ``RuntimeError`` because torch's ``fully_shard``
+    raises one or the other for the same misuse; code written against torch keeps catching it.
+    """
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Module-level mixed precision: which dtypes parameters, gradients and outputs use.
+
+    Attributes:
+        param_dtype: dtype of the unsharded parameters, hence of the all-gather and of the
+            forward/backward compute. ``None`` keeps the original dtype. The sharded
+            parameters (what the optimizer steps) always keep their original dtype.
+        reduce_dtype: dtype of the gradient reduction (reduce-scatter, all-reduce). ``None``
+            means the gradient's own dtype (``param_dtype`` when that is set).
+        output_dtype: when set, floating-point forward outputs are cast to it.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype`` before
+            each sharded module's forward.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass
+class OffloadPolicy:
+    """No offloading: sharded parameters and gradients stay on the compute device (default)."""
+
+
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, their gradients and hence the optimizer state on the CPU.
+
+    Parameters are copied to the compute device for the all-gather; reduced gradient shards
+    are copied back to the CPU, where the optimizer steps.
+
+    Attributes:
+        pin_memory: pin the CPU shards so host/device copies can be asynchronous. Only used
+            when the compute device is an accelerator.
+    """
+
+    pin_memory: bool = True
+
+
+def as_mp_policy(policy: Any) -> MixedPrecisionPolicy:
+    """Accept twinshard's or torch's ``MixedPrecisionPolicy`` (or any object with its fields)."""
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if policy is None or not all(hasattr(policy, f) for f in fields):
+        raise FSDPUsageError(
+            f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}; "
+            "pass twinshard.api.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)"
+        )
+    return MixedPrecisionPolicy(**{f: getattr(policy, f) for f in fields})
+
+
+def as_offload_policy(policy: Any) -> OffloadPolicy:
+    """Accept twinshard's or torch's ``OffloadPolicy``/``CPUOffloadPolicy``."""
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    name = type(policy).__name__
+    if name == "CPUOffloadPolicy":
+        return CPUOffloadPolicy(pin_memory=getattr(policy, "pin_memory", True))
+    if name == "OffloadPolicy":
+        return OffloadPolicy()
+    raise FSDPUsageError(
+        f"offload_policy must be OffloadPolicy() or CPUOffloadPolicy(), got {name}"
+    )
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` blocks until the
+    all-gathered parameters are usable. A single-stream implementation returns a handle that
+    is already complete."""
+
+    def wait(self) -> None:
+        """Block until the unshard has finished (no-op when it already has)."""
+
+
+class FSDPModule:
+    """Methods that ``fully_shard`` adds to a module.
+
+    ``fully_shard(module)`` changes ``type(module)`` to a new class that derives from an
+    implementation's ``FSDPModule`` (itself a subclass of this one) and from the module's
+    original class, so ``isinstance(module, twinshard.api.FSDPModule)`` holds for every
+    implementation and the module keeps its own methods.
+    """
+
+    # --- communication on demand ---------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters so they are unsharded.
+
+        With ``async_op=False`` the parameters are ready on return and ``None`` is returned.
+        With ``async_op=True`` an ``UnshardHandle`` is returned; call its ``wait()`` before
+        using the parameters. The next forward uses the unsharded parameters as they are.
+        """
+        return self._fsdp_unshard(wait=not async_op)
+
+    def _fsdp_unshard(self, wait: bool) -> UnshardHandle | None:
+        """Implementation hook of ``unshard``: return ``None`` when ``wait`` else a handle."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones on the module again."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+
+    # --- gradient synchronization ---------------------------------------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether backward reduces gradients across data-parallel ranks.
+
+        ``False`` accumulates unsharded gradients locally (gradient accumulation without
+        communication); the next backward with ``True`` reduces the sum. With ``recurse`` the
+        setting applies to every FSDP module in this module's subtree.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: whether backward all-reduces gradient shards across replicas.
+
+        ``False`` still reduce-scatters within the shard group and keeps a partial sum;
+        the next backward with ``True`` all-reduces everything accumulated.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` at run time (a bool)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether parameters are freed after backward. ``False`` keeps them unsharded
+        (useful between gradient-accumulation micro-batches); they are resharded by an explicit
+        ``reshard()`` or a later backward with ``True``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last one before the optimizer step, so that
+        an implementation can finish all outstanding gradient work at its end."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+
+    # --- scheduling hints -----------------------------------------------------------------
+    def set_modules_to_forward_prefetch(self, modules: Iterable["FSDPModule"]) -> None:
+        """Modules whose all-gather is issued right after this module's, in forward.
+
+        An implementation without overlap accepts and checks the list and otherwise ignores it:
+        the reference is single-stream, so issuing an all-gather early would not overlap
+        anything. The optimized implementation overrides this.
+        """
+        self._fsdp_forward_hint = _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: Iterable["FSDPModule"]) -> None:
+        """Modules whose all-gather is issued right after this module's, in backward.
+
+        Accepted and checked, and otherwise ignored by an implementation without overlap
+        (see ``set_modules_to_forward_prefetch``).
+        """
+        self._fsdp_backward_hint = _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Let the next forward's first all-gather wait on ``event`` (recorded after the
+        optimizer step) instead of on the whole current stream. A single-stream implementation
+        has nothing to overlap and ignores it."""
+        self._fsdp_post_optim_event = event
+
+
+def _check_fsdp_modules(modules: Iterable[Any], where: str) -> list:
+    modules = list(modules)
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise FSDPUsageError(
+                f"{where} expects modules that fully_shard was applied to; "
+                f"{type(m).__name__} is not one"
+            )
+    return modules
+
+
+def named_tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside a nested structure of tuples, lists, dicts and dataclasses."""
+    found: list[torch.Tensor] = []
+    map_tensors(lambda t: found.append(t) or t, obj)
+    return found
+
+
+def map_tensors(fn, obj: Any) -> Any:
+    """Apply ``fn`` to every tensor in a nested structure, rebuilding the structure."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+        changes = {f: map_tensors(fn, getattr(obj, f)) for f in obj.__dataclass_fields__}
+        try:
+            return type(obj)(**changes)
+        except TypeError:  # a dataclass whose fields are not all init arguments
+            for f, v in changes.items():
+                object.__setattr__(obj, f, v)
+            return obj
+    return obj
+
+
+def is_container_without_forward(module: nn.Module) -> bool:
+    """``ModuleList``/``ModuleDict`` hold modules but cannot be called."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
