@@ -1,0 +1,589 @@
+"""The conformance cases. Each one trains or inspects a model through the interface only.
+
+A case takes a ``Context`` (the implementation under test, the mesh, this rank) and returns a
+``Checker`` with every comparison it made. Training cases compare the implementation with the
+plain model (the truth) and with torch's ``fully_shard`` (the oracle), step by step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import os
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from .compare import Checker
+from .driver import Recipe, compare, run_plain, run_sharded
+from . import models as M
+
+
+@dataclass
+class Context:
+    impl: object  # the implementation module under test
+    impl_name: str
+    oracle: object | None  # torch.distributed.fsdp, unless that is what is under test
+    mesh_shape: tuple[int, ...]
+    tmpdir: str
+    _mesh: object = None
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def hsdp(self) -> bool:
+        return len(self.mesh_shape) == 2
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh_shape[-1]
+
+    @property
+    def mesh(self):
+        if self._mesh is None:
+            kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            self._mesh = init_device_mesh(kind, self.mesh_shape)
+        return self._mesh
+
+
+@dataclass
+class Case:
+    name: str
+    fn: Callable[[Context], Checker]
+    group: str
+    needs: Callable[[Context], bool] = lambda ctx: True  # where the case applies
+    doc: str = ""
+
+
+CASES: dict[str, Case] = {}
+
+
+def case(group: str, needs=None):
+    def register(fn):
+        name = fn.__name__.removeprefix("case_")
+        CASES[name] = Case(name, fn, group, needs or (lambda ctx: True), (fn.__doc__ or "").strip())
+        return fn
+    return register
+
+
+def train_case(ctx: Context, recipe: Recipe, tolerance: str = "fp32") -> Checker:
+    """Truth, implementation and oracle on the same recipe, compared every step."""
+    checker = Checker(tolerance)
+    truth = run_plain(recipe)
+    truth_low = run_plain(recipe, low=recipe.low_precision) if recipe.low_precision else None
+    mine, _ = run_sharded(recipe, ctx.impl, ctx.mesh)
+    compare(checker, ctx.impl_name, mine, truth, truth_low)
+    if ctx.oracle is not None:
+        theirs, _ = run_sharded(recipe, ctx.oracle, ctx.mesh)
+        compare(checker, "torch", theirs, truth, truth_low)
+        compare(checker, f"{ctx.impl_name} vs torch", mine, truth, truth_low, other=theirs)
+    return checker
+
+
+# --- training --------------------------------------------------------------------------------
+@case("training")
+def case_one_group(ctx):
+    """The whole MLP as one group (root only)."""
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=lambda i, m, mesh: i.fully_shard(m, mesh=mesh)))
+
+
+@case("training")
+def case_per_block(ctx):
+    """One group per block plus the root; uneven sizes (15, 37)."""
+    return train_case(ctx, M.mlp_recipe(ctx.world))
+
+
+@case("training")
+def case_llama(ctx):
+    """Llama-style transformer (grouped-query attention, SwiGLU 37), per block plus root."""
+    return train_case(ctx, M.llama_recipe(ctx.world))
+
+
+@case("training")
+def case_llama_tied(ctx):
+    """Tied input/output embedding in the root group."""
+    return train_case(ctx, M.llama_recipe(ctx.world, tie=True))
+
+
+@case("training")
+def case_reshard_false(ctx):
+    """reshard_after_forward=False: parameters stay unsharded until after backward."""
+    wrap = functools.partial(M.shard_blocks, reshard_after_forward=False)
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
+
+
+@case("training")
+def case_reshard_true_root(ctx):
+    """reshard_after_forward=True given explicitly, so the root reshards too."""
+    wrap = functools.partial(M.shard_blocks, reshard_after_forward=True)
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
+
+
+@case("training", needs=lambda ctx: ctx.shard_size % 2 == 0)
+def case_reshard_int(ctx):
+    """reshard_after_forward=2: a half-size piece is kept between forward and backward."""
+    wrap = functools.partial(M.shard_blocks, reshard_after_forward=2)
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
+
+
+@case("training")
+def case_module_twice(ctx):
+    """A block used twice in one forward."""
+    return train_case(ctx, replace(M.mlp_recipe(ctx.world), build=lambda: M.TwiceMLP()))
+
+
+@case("training")
+def case_two_forwards(ctx):
+    """Two forwards, then one backward through both losses."""
+    def loss(model, batch):
+        x, y = batch
+        half = x.shape[0] // 2
+        return 0.5 * (M.mse(model, (x[:half], y[:half])) + M.mse(model, (x[half:], y[half:])))
+    return train_case(ctx, replace(M.mlp_recipe(ctx.world), loss=loss))
+
+
+@case("training")
+def case_dict_output(ctx):
+    """Blocks take and return dicts; the root returns a dataclass."""
+    def loss(model, batch):
+        x, y = batch
+        return (model(x).prediction - y).pow(2).mean()
+    return train_case(ctx, replace(M.mlp_recipe(ctx.world), build=lambda: M.DictMLP(), loss=loss))
+
+
+@case("training")
+def case_frozen(ctx):
+    """Some parameters frozen (requires_grad=False) before sharding."""
+    def build():
+        model = M.MLPStack()
+        model.blocks[0].w1.weight.requires_grad_(False)
+        model.norm.requires_grad_(False)
+        return model
+    return train_case(ctx, replace(M.mlp_recipe(ctx.world), build=build))
+
+
+@case("training")
+def case_unused(ctx):
+    """Parameters that forward never uses: no gradient, still resharded."""
+    return train_case(ctx, replace(M.mlp_recipe(ctx.world), build=lambda: M.UnusedMLP()))
+
+
+# --- gradient accumulation and clipping ------------------------------------------------------------
+def _no_sync(select: Callable[[nn.Module], list[nn.Module]], recurse: bool = True):
+    def on_micro(model, micro, last):
+        for m in select(model):
+            m.set_requires_gradient_sync(last, recurse=recurse)
+    return on_micro
+
+
+@case("gradients")
+def case_no_sync_all(ctx):
+    """Two micro-batches; set_requires_gradient_sync(False) on the root for the first."""
+    recipe = M.mlp_recipe(ctx.world, micro=2, on_micro=_no_sync(lambda m: [m]))
+    return train_case(ctx, recipe)
+
+
+@case("gradients")
+def case_no_sync_root_only(ctx):
+    """Only the root skips the reduction (recurse=False); blocks reduce every micro-batch."""
+    recipe = M.mlp_recipe(ctx.world, micro=2, on_micro=_no_sync(lambda m: [m], recurse=False))
+    return train_case(ctx, recipe)
+
+
+@case("gradients")
+def case_no_sync_some(ctx):
+    """Blocks 0 and 2 skip the reduction on the first micro-batch; the rest reduce."""
+    select = lambda m: [m.blocks[0], m.blocks[2]]  # noqa: E731
+    recipe = M.mlp_recipe(ctx.world, micro=2, on_micro=_no_sync(select, recurse=False))
+    return train_case(ctx, recipe)
+
+
+@case("gradients")
+def case_reshard_after_backward_false(ctx):
+    """set_reshard_after_backward(False) between micro-batches, without gradient sync."""
+    def on_micro(model, micro, last):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+    return train_case(ctx, M.mlp_recipe(ctx.world, micro=3, on_micro=on_micro))
+
+
+@case("gradients", needs=lambda ctx: ctx.hsdp)
+def case_no_all_reduce(ctx):
+    """HSDP: set_requires_all_reduce(False) on the first micro-batch."""
+    def on_micro(model, micro, last):
+        model.set_requires_all_reduce(last)
+    return train_case(ctx, M.mlp_recipe(ctx.world, micro=2, on_micro=on_micro))
+
+
+@case("gradients")
+def case_clip_norm_2(ctx):
+    """clip_grad_norm_ with the 2-norm (clipping active: small max norm)."""
+    return train_case(ctx, M.mlp_recipe(ctx.world, clip=0.05, norm_type=2.0))
+
+
+@case("gradients")
+def case_clip_norm_1(ctx):
+    """clip_grad_norm_ with the 1-norm."""
+    return train_case(ctx, M.mlp_recipe(ctx.world, clip=0.05, norm_type=1.0))
+
+
+@case("gradients")
+def case_clip_norm_inf(ctx):
+    """clip_grad_norm_ with the inf-norm."""
+    return train_case(ctx, M.mlp_recipe(ctx.world, clip=0.01, norm_type=float("inf")))
+
+
+@case("gradients")
+def case_gradient_divide_factor(ctx):
+    """set_gradient_divide_factor(2 * world): gradients come out scaled by world / factor."""
+    factor = 2.0 * ctx.world
+
+    def wrap(impl, model, mesh):
+        M.shard_blocks(impl, model, mesh)
+        for m in model.modules():
+            if isinstance(m, impl.FSDPModule):
+                m.set_gradient_divide_factor(factor)
+
+    def loss(model, batch):  # the plain model's gradient gets the same scale
+        loss = M.mse(model, batch)
+        if hasattr(model, "set_gradient_divide_factor"):
+            return loss
+        scale = ctx.world / factor
+        return loss * scale + (loss - loss * scale).detach()  # value: loss; gradient: scaled
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap, loss=loss))
+
+
+# --- mixed precision ------------------------------------------------------------------------------
+def _mp_recipe(ctx, param=torch.bfloat16, reduce=torch.float32, output=None, cast_children=True):
+    def wrap(impl, model, mesh):
+        child = impl.MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce,
+                                          cast_forward_inputs=cast_children)
+        for block in model.blocks:
+            impl.fully_shard(block, mesh=mesh, mp_policy=child)
+        root = impl.MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output)
+        impl.fully_shard(model, mesh=mesh, mp_policy=root)
+    return M.mlp_recipe(ctx.world, wrap=wrap, low_precision=param)
+
+
+@case("mixed_precision")
+def case_bf16_reduce_fp32(ctx):
+    """param_dtype bf16, reduce_dtype fp32."""
+    return train_case(ctx, _mp_recipe(ctx), "low_precision")
+
+
+@case("mixed_precision")
+def case_bf16_reduce_bf16(ctx):
+    """param_dtype bf16, reduce_dtype bf16."""
+    return train_case(ctx, _mp_recipe(ctx, reduce=torch.bfloat16), "low_precision")
+
+
+@case("mixed_precision")
+def case_bf16_output_fp32(ctx):
+    """output_dtype fp32 on the root: the model's output comes back in fp32."""
+    checker = train_case(ctx, _mp_recipe(ctx, output=torch.float32), "low_precision")
+    model = M.MLPStack()
+    _mp_recipe(ctx, output=torch.float32).wrap(ctx.impl, model, ctx.mesh)
+    out = model(torch.randn(2, 15))
+    if out.dtype != torch.float32:
+        checker.fail(f"output dtype {out.dtype}, policy asked for float32")
+    return checker
+
+
+@case("mixed_precision")
+def case_bf16_no_cast_children(ctx):
+    """cast_forward_inputs=False on the blocks (their inputs are bf16 already)."""
+    return train_case(ctx, _mp_recipe(ctx, cast_children=False), "low_precision")
+
+
+# --- offload and the explicit API ------------------------------------------------------------------
+@case("offload")
+def case_cpu_offload(ctx):
+    """CPUOffloadPolicy: shards, gradients and optimizer state on the CPU; same results."""
+    def wrap(impl, model, mesh):
+        M.shard_blocks(impl, model, mesh, offload_policy=impl.CPUOffloadPolicy(pin_memory=False))
+    checker = train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
+    _, model = run_sharded(M.mlp_recipe(ctx.world, wrap=wrap, steps=1), ctx.impl, ctx.mesh)
+    for name, p in model.named_parameters():
+        if p.device.type != "cpu" or (p.grad is not None and p.grad.device.type != "cpu"):
+            checker.fail(f"'{name}' or its gradient is not on the CPU under CPUOffloadPolicy")
+    return checker
+
+
+@case("api")
+def case_explicit_unshard(ctx):
+    """unshard() / unshard(async_op=True).wait() before forward, reshard() after the step."""
+    def loss(model, batch):
+        if hasattr(model, "unshard"):
+            model.unshard()
+            handle = model.blocks[1].unshard(async_op=True)
+            if handle is not None:
+                handle.wait()
+        out = M.mse(model, batch)
+        return out
+    checker = train_case(ctx, replace(M.mlp_recipe(ctx.world), loss=loss))
+    model = M.MLPStack()
+    M.shard_blocks(ctx.impl, model, ctx.mesh)
+    model.unshard()
+    if isinstance(model.head.weight, DTensor):
+        checker.fail("after unshard() the root's parameters should be plain (unsharded) tensors")
+    model.reshard()
+    if not isinstance(model.head.weight, DTensor):
+        checker.fail("after reshard() the root's parameters should be sharded DTensors")
+    return checker
+
+
+@case("api")
+def case_forward_method(ctx):
+    """register_fsdp_forward_method: a method other than forward runs the FSDP hooks."""
+    def wrap(impl, model, mesh):
+        impl.fully_shard(model, mesh=mesh)
+        impl.register_fsdp_forward_method(model, "score")
+    recipe = M.mlp_recipe(ctx.world, wrap=wrap, loss=lambda m, b: m.score(*b))
+    return train_case(ctx, replace(recipe, build=lambda: M.ScoreMLP()))
+
+
+@case("api")
+def case_scheduling_hints(ctx):
+    """Prefetch lists are accepted and change no result."""
+    def wrap(impl, model, mesh):
+        M.shard_blocks(impl, model, mesh)
+        blocks = list(model.blocks)
+        for a, b in zip(blocks, blocks[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
+
+
+# --- state dicts and checkpoints ----------------------------------------------------------------------
+def _dsd():
+    from torch.distributed.checkpoint import state_dict as dsd
+    return dsd
+
+
+def _close_to_full(checker: Checker, label: str, model: nn.Module, full: dict) -> None:
+    """Every parameter block of ``model`` equals the same rows of ``full`` (plain tensors)."""
+    from .compare import local_rows
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            checker.close(f"{label} '{name}'", p.to_local(), local_rows(full[name], p))
+        else:
+            checker.close(f"{label} '{name}'", p, full[name])
+
+
+@case("state_dict")
+def case_sharded_state_dict(ctx):
+    """state_dict() holds DTensor blocks under the plain keys; load_state_dict restores them."""
+    checker = Checker("bitwise")
+    recipe = M.mlp_recipe(ctx.world, steps=1)
+    plain = run_plain(recipe).model
+    _, model = run_sharded(recipe, ctx.impl, ctx.mesh)
+    sd = model.state_dict()
+    if set(sd) != set(plain.state_dict()):
+        checker.fail(f"state_dict keys differ from the plain model's: {sorted(set(sd) ^ set(plain.state_dict()))}")
+    for name, value in sd.items():
+        if not isinstance(value, DTensor):
+            checker.fail(f"state_dict['{name}'] is a {type(value).__name__}, expected a DTensor")
+    _close_to_full(checker, "state_dict", model, dict(plain.named_parameters()))
+    saved = {k: v.detach().clone() for k, v in sd.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    model.load_state_dict(saved)
+    _close_to_full(checker, "after load_state_dict", model, dict(plain.named_parameters()))
+    return checker
+
+
+@case("state_dict")
+def case_full_state_dict(ctx):
+    """get/set_model_state_dict with full_state_dict, cpu_offload and broadcast_from_rank0;
+    the optimizer state round-trips and training continues identically."""
+    dsd = _dsd()
+    checker = Checker("fp32")
+    recipe = M.mlp_recipe(ctx.world, steps=2)
+    truth = run_plain(recipe)
+    trace, model = run_sharded(recipe, ctx.impl, ctx.mesh)
+    full_opts = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = dsd.get_model_state_dict(model, options=full_opts)
+    osd = dsd.get_optimizer_state_dict(model, trace.optimizer, options=full_opts)
+    if ctx.rank == 0:
+        plain_sd = truth.model.state_dict()
+        for name in plain_sd:
+            checker.close(f"full state dict '{name}'", full.get(name), plain_sd[name])
+            if name in full and full[name].device.type != "cpu":
+                checker.fail(f"full state dict '{name}' not on the CPU with cpu_offload=True")
+    elif full:
+        checker.fail(f"rank {ctx.rank}: cpu_offload full state dict should be empty off rank 0")
+    torch.manual_seed(7)  # a different init, overwritten by the load
+    fresh = recipe.build()
+    recipe.wrap(ctx.impl, fresh, ctx.mesh)
+    load_opts = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dsd.set_model_state_dict(fresh, full if ctx.rank == 0 else {}, options=load_opts)
+    _close_to_full(checker, "loaded", fresh, dict(truth.model.named_parameters()))
+    from .driver import make_optimizer
+    fresh_opt = make_optimizer(recipe, fresh)
+    dsd.set_optimizer_state_dict(fresh, fresh_opt, osd if ctx.rank == 0 else {}, options=load_opts)
+    more = replace(recipe, steps=1, start=2)
+    a, _ = run_sharded(more, ctx.impl, ctx.mesh, model=model, opt=trace.optimizer)
+    b, _ = run_sharded(more, ctx.impl, ctx.mesh, model=fresh, opt=fresh_opt)
+    for name, value in a.params[0].items():
+        checker.close(f"continued after load '{name}'", b.params[0][name], value)
+    return checker
+
+
+def _ckpt_dir(ctx: Context, source: str) -> str:
+    return os.path.join(ctx.tmpdir, f"dcp-{source}")
+
+
+def _dcp_state(model, opt):
+    msd, osd = _dsd().get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+@case("checkpoint", needs=lambda ctx: ctx.world == 2 and not ctx.hsdp)
+def case_dcp_save(ctx):
+    """Train 2 steps and save model + optimizer with DCP (for dcp_load at other sizes)."""
+    import torch.distributed.checkpoint as dcp
+    checker = Checker("fp32")
+    recipe = M.mlp_recipe(ctx.world, steps=2)
+    truth = run_plain(recipe)
+    for source, impl in _sources(ctx):
+        trace, model = run_sharded(recipe, impl, ctx.mesh)
+        _close_to_full(checker, f"{source} before save", model, dict(truth.model.named_parameters()))
+        dcp.save(_dcp_state(model, trace.optimizer), checkpoint_id=_ckpt_dir(ctx, source))
+    return checker
+
+
+def _sources(ctx: Context):
+    yield "impl", ctx.impl
+    if ctx.oracle is not None:
+        yield "torch", ctx.oracle
+
+
+@case("checkpoint", needs=lambda ctx: not ctx.hsdp)
+def case_dcp_load(ctx):
+    """Load the world-size-2 checkpoints (this implementation's and torch's) here, into this
+    implementation and into torch's, and continue: identical to uninterrupted training."""
+    import torch.distributed.checkpoint as dcp
+    checker = Checker("fp32")
+    recipe = M.mlp_recipe(ctx.world, steps=4)
+    truth = run_plain(recipe)
+    for source, _ in _sources(ctx):
+        path = _ckpt_dir(ctx, source)
+        if not os.path.isdir(path):
+            checker.fail(f"no checkpoint at {path}: run the dcp_save case at world size 2 first")
+            continue
+        for target, impl in _sources(ctx):
+            torch.manual_seed(7)
+            model = recipe.build()
+            recipe.wrap(impl, model, ctx.mesh)
+            from .driver import make_optimizer
+            opt = make_optimizer(recipe, model)
+            state = _dcp_state(model, opt)
+            dcp.load(state, checkpoint_id=path)
+            _dsd().set_state_dict(model, opt, model_state_dict=state["model"],
+                                  optim_state_dict=state["optim"])
+            more = replace(recipe, steps=2, start=2)
+            run, _ = run_sharded(more, impl, ctx.mesh, model=model, opt=opt)
+            label = f"saved by {source} at 2, loaded by {target} at {ctx.world}"
+            for j in range(2):
+                checker.close(f"{label} step {2 + j} loss", run.losses[j], truth.losses[2 + j])
+            _close_to_full(checker, f"{label} final", model, dict(truth.model.named_parameters()))
+    return checker
+
+
+@case("state_dict")
+def case_meta_init(ctx):
+    """Build on the meta device, shard, to_empty, load the full state dict from rank 0, train."""
+    dsd = _dsd()
+    recipe = M.mlp_recipe(ctx.world)
+    truth = run_plain(recipe)
+    initial = run_plain(replace(recipe, steps=0)).model.state_dict()
+
+    def wrap(impl, model, mesh):
+        with torch.device("meta"):
+            meta_model = recipe.build()
+        M.shard_blocks(impl, meta_model, mesh)
+        meta_model.to_empty(device="cpu")
+        opts = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        dsd.set_model_state_dict(meta_model, initial if dist.get_rank() == 0 else {}, options=opts)
+        model.__dict__["_meta_twin"] = meta_model
+
+    checker = Checker("fp32")
+    for label, impl in _sources(ctx):
+        holder = nn.Module()
+        wrap(impl, holder, ctx.mesh)
+        model = holder.__dict__["_meta_twin"]
+        run, _ = run_sharded(recipe, impl, ctx.mesh, model=model)
+        compare(checker, f"{label} meta init", run, truth)
+    return checker
+
+
+# --- misuse ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _expect_error(checker: Checker, what: str, *words: str):
+    try:
+        yield
+    except (ValueError, RuntimeError, TypeError, AssertionError) as error:
+        text = str(error)
+        missing = [w for w in words if w.lower() not in text.lower()]
+        if missing:
+            checker.fail(f"{what}: the error does not mention {missing}: {text!r}")
+    else:
+        checker.fail(f"{what}: no error was raised")
+
+
+@case("errors")
+def case_errors(ctx):
+    """Misuse gives a clear error that names the module or parameter."""
+    checker = Checker("fp32")
+    impl, mesh = ctx.impl, ctx.mesh
+    with _expect_error(checker, "ModuleList", "ModuleList"):
+        impl.fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=mesh)
+    with _expect_error(checker, "3D mesh", "mesh"):
+        impl.fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1, ctx.world)))
+    with _expect_error(checker, "reshard_after_forward='yes'", "reshard_after_forward"):
+        impl.fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward="yes")
+    with _expect_error(checker, "reshard_after_forward=0", "reshard_after_forward"):
+        impl.fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=0)
+    twice = nn.Linear(3, 3)
+    impl.fully_shard(twice, mesh=mesh)
+    with _expect_error(checker, "applied twice"):
+        impl.fully_shard(twice, mesh=mesh)
+    with _expect_error(checker, "deepcopy", "deepcopy"):
+        copy.deepcopy(twice)
+    with torch.device("meta"):
+        on_meta = M.MLPStack()
+    M.shard_blocks(impl, on_meta, mesh)
+    with _expect_error(checker, "parameters left on meta", "meta"):
+        on_meta(torch.randn(2, 15))
+    tied = M.Llama(M.llama_config(tie=True))
+    impl.fully_shard(tied.tok_embeddings, mesh=mesh)
+    with _expect_error(checker, "tied parameters split across groups", "output.weight"):
+        impl.fully_shard(tied, mesh=mesh)
+        tied(torch.zeros(1, 4, dtype=torch.long))
+    return checker
+
+
+@case("errors")
+def case_child_forward_first(ctx):
+    """Forward through a block before the root: an error that says to run the root first."""
+    checker = Checker("fp32")
+    for label, impl in _sources(ctx):
+        model = M.MLPStack()
+        M.shard_blocks(impl, model, ctx.mesh)
+        model.blocks[0](torch.randn(2, 15))
+        with _expect_error(checker, f"{label}: child before root", "root"):
+            model(torch.randn(2, 15))
+    return checker

@@ -1,0 +1,114 @@
+"""Comparing a sharded run against the truth: tolerance classes and the worst difference.
+
+A ``Checker`` collects every comparison of one case (loss per step, each parameter shard,
+each gradient shard) instead of stopping at the first mismatch, so the report can say how
+far off the worst one was and where. The tolerance is chosen by the case, from three classes:
+
+- ``bitwise``: the same reduction order gives the same bits (reference vs optimized in fp32
+  at world size <= 2);
+- ``fp32``: ``torch.testing.assert_close`` defaults for float32 (rtol 1.3e-6, atol 1e-5);
+- ``low_precision``: for bf16/fp16 runs, the implementation may be off the fp32 truth by at
+  most twice what the plain (unsharded) model shows when it runs the same computation in
+  the same low precision, plus the fp32 ``atol`` as a floor. Nothing is tuned per case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+FP32_RTOL, FP32_ATOL = 1.3e-6, 1e-5
+
+
+@dataclass
+class Worst:
+    abs: float = 0.0
+    rel: float = 0.0
+    where: str = ""
+
+
+@dataclass
+class Checker:
+    """Records comparisons; ``failures`` lists the ones outside tolerance."""
+
+    tolerance: str = "fp32"  # "bitwise" | "fp32" | "low_precision"
+    worst: Worst = field(default_factory=Worst)
+    failures: list[str] = field(default_factory=list)
+    count: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def fail(self, message: str) -> None:
+        self.failures.append(message)
+
+    def close(self, where: str, actual, expected, plain_low=None, truth=None) -> None:
+        """Compare ``actual`` with ``expected``.
+
+        ``plain_low`` is the plain model's own low-precision result, required in the
+        ``low_precision`` class: the allowed error is twice its distance from the fp32 truth
+        (``truth``, which defaults to ``expected``).
+        """
+        self.count += 1
+        if actual is None or expected is None:
+            if (actual is None) != (expected is None):
+                self.fail(f"{where}: {'missing' if actual is None else 'unexpected'} value "
+                          f"(expected {'None' if expected is None else 'a tensor'})")
+            return
+        actual = torch.as_tensor(actual).detach().to("cpu")
+        expected = torch.as_tensor(expected).detach().to("cpu")
+        if actual.shape != expected.shape:
+            self.fail(f"{where}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+            return
+        a, e = actual.double(), expected.double()
+        diff = (a - e).abs()
+        max_abs = diff.max().item() if diff.numel() else 0.0
+        rel = diff / e.abs().clamp_min(1e-12)
+        max_rel = rel.max().item() if rel.numel() else 0.0
+        if max_abs > self.worst.abs:
+            self.worst = Worst(max_abs, max_rel, where)
+        self._judge(where, actual, expected, diff, max_abs, plain_low,
+                    expected if truth is None else torch.as_tensor(truth).detach().cpu())
+
+    def _judge(self, where, actual, expected, diff, max_abs, plain_low, truth) -> None:
+        if self.tolerance == "bitwise":
+            if not torch.equal(actual, expected.to(actual.dtype)):
+                self.fail(f"{where}: not bitwise equal (max abs diff {max_abs:.3e})")
+            return
+        if self.tolerance == "fp32":
+            allowed = FP32_ATOL + FP32_RTOL * expected.double().abs()
+            if bool((diff > allowed).any()) or not torch.isfinite(actual).all():
+                self.fail(f"{where}: max abs diff {max_abs:.3e} outside fp32 assert_close "
+                          f"defaults (rtol {FP32_RTOL}, atol {FP32_ATOL})")
+            return
+        if plain_low is None:
+            raise ValueError(f"{where}: the low_precision class needs the plain model's "
+                             "low-precision result")
+        plain_err = (torch.as_tensor(plain_low).detach().cpu().double()
+                     - truth.double()).abs().max().item()
+        allowed = 2 * plain_err + FP32_ATOL
+        if max_abs > allowed or not torch.isfinite(actual).all():
+            self.fail(f"{where}: max abs diff {max_abs:.3e} > 2 x plain low-precision error "
+                      f"{plain_err:.3e} + {FP32_ATOL}")
+
+    def summary(self) -> dict:
+        return {"ok": self.ok, "tolerance": self.tolerance, "compared": self.count,
+                "max_abs": self.worst.abs, "max_rel": self.worst.rel, "where": self.worst.where,
+                "failures": self.failures[:10]}
+
+
+def local_rows(full: torch.Tensor, dtensor) -> torch.Tensor:
+    """The block of ``full`` that this rank holds in ``dtensor`` (``Shard(0)`` placements,
+    ``torch.chunk`` semantics: ceil-sized blocks, the last ones shorter or empty)."""
+    coord = dtensor.device_mesh.get_coordinate()
+    block = full
+    for mesh_dim, placement in enumerate(dtensor.placements):
+        if placement.is_shard():
+            d = placement.dim
+            size = dtensor.device_mesh.size(mesh_dim)
+            chunk = -(-block.shape[d] // size)
+            start = min(coord[mesh_dim] * chunk, block.shape[d])
+            block = block.narrow(d, start, min(chunk, block.shape[d] - start))
+    return block

@@ -1,0 +1,183 @@
+"""Train the same model three ways and record every step: the plain model, the implementation
+under test, and torch's ``fully_shard`` (the oracles), so that a case can compare them.
+
+All three start from the same unsharded initial state (the model is built under one seed).
+The plain model trains on the whole global batch; each rank of a sharded run trains on its own
+slice of it, so averaging gradients over ranks must reproduce the plain gradients. Optimizer:
+SGD with momentum (Adam would hide a wrong gradient scale).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .compare import Checker, local_rows
+
+
+@dataclass
+class Recipe:
+    """What to train and how; the defaults are one plain training step per iteration."""
+
+    build: Callable[[], nn.Module]  # the unsharded model
+    wrap: Callable[[Any, nn.Module, Any], None]  # (impl, model, mesh): applies fully_shard
+    data: Callable[[int], tuple]  # global batch of step i, batch dimension first
+    loss: Callable[[nn.Module, tuple], torch.Tensor]  # (model, batch) -> scalar
+    steps: int = 3
+    micro: int = 1  # micro-batches per step (gradient accumulation)
+    on_micro: Callable | None = None  # (model, micro index, is last) before each backward
+    clip: float | None = None  # max norm for clip_grad_norm_
+    norm_type: float = 2.0
+    lr: float = 0.05
+    zero_grad_set_to_none: Callable[[int], bool] = lambda step: step % 2 == 0
+    low_precision: torch.dtype | None = None  # param_dtype of the policy, for the plain oracle
+    start: int = 0  # first step's index into ``data`` (a resumed run continues from there)
+
+
+@dataclass
+class Trace:
+    """What a run produced: per step the loss, gradients (before the step) and parameters."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    norms: list[torch.Tensor] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor | None]] = field(default_factory=list)
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    placements: dict[str, DTensor] = field(default_factory=dict)
+    optimizer: torch.optim.Optimizer | None = None
+    model: nn.Module | None = None  # the plain run's final model
+
+
+def seeded(build: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return build()
+
+
+def _local(t):
+    if t is None:
+        return None
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _float(v) -> torch.Tensor:
+    if isinstance(v, DTensor):
+        v = v.full_tensor()
+    return torch.as_tensor(v).detach().float().cpu()
+
+
+def _slice(batch: tuple, rank: int, world: int) -> tuple:
+    out = []
+    for t in batch:
+        n = t.shape[0] // world
+        out.append(t[rank * n:(rank + 1) * n])
+    return tuple(out)
+
+
+def run_plain(recipe: Recipe, low: torch.dtype | None = None) -> Trace:
+    """The truth: the unsharded model on the global batch (``low``: emulate mixed precision)."""
+    model = seeded(recipe.build)
+    trace = _train(recipe, model, model, rank=0, world=1, low=low)
+    trace.model = model
+    return trace
+
+
+def run_sharded(recipe: Recipe, impl, mesh, model: nn.Module | None = None,
+                opt: torch.optim.Optimizer | None = None) -> tuple[Trace, nn.Module]:
+    """The implementation ``impl`` on this rank's slice of each global batch (or continue
+    training a given sharded ``model`` and its optimizer)."""
+    if model is None:
+        model = seeded(recipe.build)
+        recipe.wrap(impl, model, mesh)
+    trace = _train(recipe, model, None, dist.get_rank(), dist.get_world_size(), None, opt)
+    return trace, model
+
+
+def make_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=0.9)
+
+
+def _train(recipe: Recipe, model: nn.Module, master: nn.Module | None, rank: int, world: int,
+           low: torch.dtype | None, opt: torch.optim.Optimizer | None = None) -> Trace:
+    opt = opt or make_optimizer(recipe, model)
+    trace = Trace(optimizer=opt)
+    for step in range(recipe.steps):
+        loss_sum = torch.zeros(())
+        for micro in range(recipe.micro):
+            index = (recipe.start + step) * recipe.micro + micro
+            batch = _slice(recipe.data(index), rank, world)
+            last = micro == recipe.micro - 1
+            if recipe.on_micro is not None and master is None:
+                recipe.on_micro(model, micro, last)
+            if low is not None:
+                loss = _low_precision_backward(recipe, model, batch, low)
+            else:
+                loss = recipe.loss(model, batch)
+                loss.backward()
+            loss_sum += loss.detach().float()
+        if master is None:  # sharded: the global loss is the mean over ranks
+            dist.all_reduce(loss_sum)
+            loss_sum /= world
+        trace.losses.append(loss_sum / recipe.micro)
+        if recipe.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip,
+                                                  norm_type=recipe.norm_type)
+            trace.norms.append(_float(norm))
+        named = dict(model.named_parameters())
+        trace.grads.append({n: _local(p.grad) for n, p in named.items()})
+        opt.step()
+        opt.zero_grad(set_to_none=recipe.zero_grad_set_to_none(step))
+        trace.params.append({n: _local(p) for n, p in named.items()})
+        trace.placements = {n: p for n, p in named.items() if isinstance(p, DTensor)}
+    return trace
+
+
+def _low_precision_backward(recipe: Recipe, master: nn.Module, batch: tuple, low: torch.dtype):
+    """Mixed precision on the plain model: a low-precision copy computes, gradients return
+    to the fp32 master. This is the plain model 'run in the same low precision'."""
+    work = copy.deepcopy(master).to(low)
+    batch = tuple(t.to(low) if t.is_floating_point() else t for t in batch)
+    loss = recipe.loss(work, batch)
+    loss.backward()
+    for p, q in zip(master.parameters(), work.parameters()):
+        if q.grad is not None:
+            g = q.grad.float()
+            p.grad = g if p.grad is None else p.grad + g
+    return loss
+
+
+def _blocks(run: Trace, name: str):
+    """Cut a full tensor of the plain run down to this rank's block of ``name``."""
+    dt = run.placements.get(name)
+    return lambda t: t if (t is None or dt is None) else local_rows(t, dt)
+
+
+def compare(checker: Checker, label: str, run: Trace, truth: Trace,
+            truth_low: Trace | None = None, other: Trace | None = None) -> None:
+    """Compare a sharded run with the plain truth on this rank's blocks, or, with ``other``
+    (another sharded run with the same placements), with that run, judged against the truth."""
+    for step, loss in enumerate(run.losses):
+        expected = other.losses[step] if other else truth.losses[step]
+        low = truth_low.losses[step] if truth_low else None
+        checker.close(f"{label} step {step} loss", loss, expected, low, truth.losses[step])
+        if run.norms:
+            expected = other.norms[step] if other else truth.norms[step]
+            low = truth_low.norms[step] if truth_low else None
+            checker.close(f"{label} step {step} grad norm", run.norms[step], expected, low,
+                          truth.norms[step])
+        for kind in ("grads", "params"):
+            mine, true = getattr(run, kind)[step], getattr(truth, kind)[step]
+            true_low = getattr(truth_low, kind)[step] if truth_low else None
+            if set(mine) != set(true):
+                checker.fail(f"{label} {kind}: names {sorted(set(mine) ^ set(true))} differ")
+                continue
+            for name, value in mine.items():
+                block = _blocks(run, name)
+                expected = getattr(other, kind)[step].get(name) if other else block(true[name])
+                low = block(true_low[name]) if true_low else None
+                checker.close(f"{label} step {step} {kind[:-1]} '{name}'", value, expected, low,
+                              block(true[name]))

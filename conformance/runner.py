@@ -1,0 +1,59 @@
+"""Run conformance cases inside a process group and merge the verdicts of all ranks."""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import time
+import traceback
+
+import torch.distributed as dist
+
+from .cases import CASES, Context
+
+
+def select(patterns: list[str] | None) -> list[str]:
+    """Case names matching any of the shell-style ``patterns`` (all cases when None)."""
+    if not patterns:
+        return list(CASES)
+    names = [n for n in CASES if any(fnmatch.fnmatch(n, p) for p in patterns)]
+    if not names:
+        raise ValueError(f"no case matches {patterns}; cases: {', '.join(CASES)}")
+    return names
+
+
+def run_cases(impl_name: str, mesh_shape: tuple[int, ...], tmpdir: str,
+              patterns: list[str] | None = None, with_oracle: bool = True) -> list[dict]:
+    """Run the selected cases on this rank; every rank returns the same merged results."""
+    impl = importlib.import_module(impl_name)
+    oracle = None
+    if with_oracle and impl_name != "torch.distributed.fsdp":
+        oracle = importlib.import_module("torch.distributed.fsdp")
+    ctx = Context(impl, impl_name.rsplit(".", 1)[-1], oracle, tuple(mesh_shape), tmpdir)
+    results = []
+    for name in select(patterns):
+        case = CASES[name]
+        if not case.needs(ctx):
+            continue
+        start = time.perf_counter()
+        try:
+            summary = case.fn(ctx).summary()
+        except Exception:  # reported as a failure of this case; the next case still runs
+            summary = {"ok": False, "failures": [traceback.format_exc()], "max_abs": float("nan"),
+                       "max_rel": float("nan"), "where": "", "compared": 0, "tolerance": "-"}
+        summary.update(case=name, group=case.group, seconds=time.perf_counter() - start)
+        results.append(_merge_ranks(summary))
+    return results
+
+
+def _merge_ranks(summary: dict) -> dict:
+    """One verdict per case: it passes only if it passed on every rank."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, summary)
+    merged = dict(summary)
+    merged["ok"] = all(s["ok"] for s in every)
+    merged["failures"] = [f"rank {r}: {f}" for r, s in enumerate(every) for f in s["failures"]]
+    worst = max(every, key=lambda s: -1.0 if s["max_abs"] != s["max_abs"] else s["max_abs"])
+    merged.update(max_abs=worst["max_abs"], max_rel=max(s["max_rel"] for s in every),
+                  where=worst["where"], compared=sum(s["compared"] for s in every))
+    return merged
