@@ -37,6 +37,7 @@ class Recipe:
     lr: float = 0.05
     zero_grad_set_to_none: Callable[[int], bool] = lambda step: step % 2 == 0
     low_precision: torch.dtype | None = None  # param_dtype of the policy, for the plain oracle
+    low_reduce: torch.dtype = torch.float32  # reduce_dtype of the policy, for the plain oracle
     start: int = 0  # first step's index into ``data`` (a resumed run continues from there)
 
 
@@ -78,10 +79,16 @@ def _slice(batch: tuple, rank: int, world: int) -> tuple:
     return tuple(out)
 
 
-def run_plain(recipe: Recipe, low: torch.dtype | None = None) -> Trace:
-    """The truth: the unsharded model on the global batch (``low``: emulate mixed precision)."""
+def run_plain(recipe: Recipe, low: torch.dtype | None = None, world: int = 1) -> Trace:
+    """The truth: the unsharded model on the global batch.
+
+    With ``low``, the same computation as a data-parallel mixed-precision run instead: each of
+    ``world`` slices of the batch runs through a ``low`` copy of the model, and the gradients
+    are averaged in the policy's reduce dtype, as the ranks would. It is the yardstick for
+    the error that low precision alone causes.
+    """
     model = seeded(recipe.build)
-    trace = _train(recipe, model, model, rank=0, world=1, low=low)
+    trace = _train(recipe, model, model, rank=0, world=1, low=low, low_world=world)
     trace.model = model
     return trace
 
@@ -102,7 +109,8 @@ def make_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _train(recipe: Recipe, model: nn.Module, master: nn.Module | None, rank: int, world: int,
-           low: torch.dtype | None, opt: torch.optim.Optimizer | None = None) -> Trace:
+           low: torch.dtype | None, opt: torch.optim.Optimizer | None = None,
+           low_world: int = 1) -> Trace:
     opt = opt or make_optimizer(recipe, model)
     trace = Trace(optimizer=opt)
     for step in range(recipe.steps):
@@ -114,7 +122,7 @@ def _train(recipe: Recipe, model: nn.Module, master: nn.Module | None, rank: int
             if recipe.on_micro is not None and master is None:
                 recipe.on_micro(model, micro, last)
             if low is not None:
-                loss = _low_precision_backward(recipe, model, batch, low)
+                loss = _low_precision_backward(recipe, model, batch, low, low_world)
             else:
                 loss = recipe.loss(model, batch)
                 loss.backward()
@@ -136,18 +144,30 @@ def _train(recipe: Recipe, model: nn.Module, master: nn.Module | None, rank: int
     return trace
 
 
-def _low_precision_backward(recipe: Recipe, master: nn.Module, batch: tuple, low: torch.dtype):
-    """Mixed precision on the plain model: a low-precision copy computes, gradients return
-    to the fp32 master. This is the plain model 'run in the same low precision'."""
+def _low_precision_backward(recipe: Recipe, master: nn.Module, batch: tuple,
+                            low: torch.dtype, world: int) -> torch.Tensor:
+    """Each of ``world`` slices computes in a ``low`` copy of the model; gradients are
+    averaged over slices in ``recipe.low_reduce`` and added to the fp32 master's."""
     work = copy.deepcopy(master).to(low)
-    batch = tuple(t.to(low) if t.is_floating_point() else t for t in batch)
-    loss = recipe.loss(work, batch)
-    loss.backward()
-    for p, q in zip(master.parameters(), work.parameters()):
-        if q.grad is not None:
-            g = q.grad.float()
+    # Cast the model's floating-point inputs where the root module begins, as
+    # cast_forward_inputs does (the loss's own targets stay in full precision).
+    work.register_forward_pre_hook(lambda module, args: tuple(
+        a.to(low) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+    losses, sums = [], None
+    for r in range(world):
+        part = _slice(batch, r, world)
+        work.zero_grad(set_to_none=True)
+        loss = recipe.loss(work, part)
+        loss.backward()
+        losses.append(loss.detach().float())
+        grads = [None if q.grad is None else q.grad.to(recipe.low_reduce) for q in work.parameters()]
+        sums = grads if sums is None else [
+            a if b is None else (b if a is None else a + b) for a, b in zip(sums, grads)]
+    for p, g in zip(master.parameters(), sums):
+        if g is not None:
+            g = (g / world).float()
             p.grad = g if p.grad is None else p.grad + g
-    return loss
+    return torch.stack(losses).mean()
 
 
 def _blocks(run: Trace, name: str):
@@ -161,12 +181,12 @@ def compare(checker: Checker, label: str, run: Trace, truth: Trace,
     """Compare a sharded run with the plain truth on this rank's blocks, or, with ``other``
     (another sharded run with the same placements), with that run, judged against the truth."""
     for step, loss in enumerate(run.losses):
-        expected = other.losses[step] if other else truth.losses[step]
         low = truth_low.losses[step] if truth_low else None
+        expected = other.losses[step] if other else truth.losses[step]
         checker.close(f"{label} step {step} loss", loss, expected, low, truth.losses[step])
         if run.norms:
-            expected = other.norms[step] if other else truth.norms[step]
             low = truth_low.norms[step] if truth_low else None
+            expected = other.norms[step] if other else truth.norms[step]
             checker.close(f"{label} step {step} grad norm", run.norms[step], expected, low,
                           truth.norms[step])
         for kind in ("grads", "params"):

@@ -20,9 +20,12 @@ def batches(shape_fn, seed: int = 1234):
     return data
 
 
-def mlp_data(world: int, dim: int = 15, per_rank: int = 4):
-    return batches(lambda g: (torch.randn(world * per_rank, dim, generator=g),
-                              torch.randn(world * per_rank, dim, generator=g)))
+GLOBAL_BATCH = 12  # divisible by every world size 1-4 (and 6): the data never depends on it
+
+
+def mlp_data(dim: int = 15):
+    return batches(lambda g: (torch.randn(GLOBAL_BATCH, dim, generator=g),
+                              torch.randn(GLOBAL_BATCH, dim, generator=g)))
 
 
 def mse(model: nn.Module, batch: tuple) -> torch.Tensor:
@@ -40,8 +43,9 @@ def shard_blocks(impl, model: nn.Module, mesh, root: bool = True, **kwargs) -> N
 
 
 def mlp_recipe(world: int, wrap=None, **kwargs) -> Recipe:
-    return Recipe(build=lambda: MLPStack(dim=15, hidden=37, n_blocks=3),
-                  wrap=wrap or shard_blocks, data=mlp_data(world), loss=mse, **kwargs)
+    settings = dict(build=lambda: MLPStack(dim=15, hidden=37, n_blocks=3),
+                    wrap=wrap or shard_blocks, data=mlp_data(), loss=mse)
+    return Recipe(**{**settings, **kwargs})
 
 
 def llama_config(tie: bool = False) -> LlamaConfig:
@@ -51,7 +55,7 @@ def llama_config(tie: bool = False) -> LlamaConfig:
 
 def llama_recipe(world: int, tie: bool = False, wrap=None, **kwargs) -> Recipe:
     def tokens(g):
-        t = torch.randint(0, 37, (world * 2, 10), generator=g)
+        t = torch.randint(0, 37, (GLOBAL_BATCH, 10), generator=g)
         return t[:, :-1], t[:, 1:]
     return Recipe(build=lambda: Llama(llama_config(tie)), wrap=wrap or shard_blocks,
                   data=batches(tokens), loss=lambda m, b: m(b[0], b[1]), lr=0.1, **kwargs)

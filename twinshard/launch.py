@@ -157,9 +157,17 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, con
             sys.stderr.flush()
         finally:
             os._exit(1)  # skip teardown: peers may be stuck, and the parent stops them anyway
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    conn.close()
+    try:
+        if dist.is_initialized():
+            dist.barrier()  # nobody tears down while a peer still talks to it
+            dist.destroy_process_group()
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Communication threads left behind by subgroups (device meshes) can abort the
+        # interpreter's own shutdown; the result is already delivered, so leave directly.
+        os._exit(0)
 
 
 def _stop(procs: list) -> None:
