@@ -225,10 +225,12 @@ def case_no_sync_some(ctx):
 
 @case("gradients")
 def case_reshard_after_backward_false(ctx):
-    """set_reshard_after_backward(False) between micro-batches, without gradient sync."""
+    """set_reshard_after_backward(False) and set_is_last_backward(False) between
+    micro-batches, without gradient sync."""
     def on_micro(model, micro, last):
         model.set_requires_gradient_sync(last)
         model.set_reshard_after_backward(last)
+        model.set_is_last_backward(last)
     return train_case(ctx, M.mlp_recipe(ctx.world, micro=3, on_micro=on_micro))
 
 
@@ -387,6 +389,47 @@ def case_forward_method(ctx):
     return train_case(ctx, replace(recipe, build=lambda: M.ScoreMLP()))
 
 
+@case("training")
+def case_ignored_params(ctx):
+    """ignored_params stay plain tensors that FSDP neither shards nor reduces; averaging their
+    gradients by hand restores data-parallel training."""
+    def wrap(impl, model, mesh):
+        M.shard_blocks(impl, model, mesh, ignored_params={model.head.bias})
+
+    def average_ignored(model):
+        dist.all_reduce(model.head.bias.grad)
+        model.head.bias.grad /= ctx.world
+    checker = train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap, before_step=average_ignored))
+    _, model = run_sharded(M.mlp_recipe(ctx.world, wrap=wrap, steps=1), ctx.impl, ctx.mesh)
+    checker.count += 1
+    if isinstance(model.head.bias, DTensor) or not isinstance(model.head.weight, DTensor):
+        checker.fail("head.bias was ignored and must stay a plain tensor (head.weight sharded)")
+    return checker
+
+
+@case("api")
+def case_reshard_states(ctx):
+    """After forward: blocks resharded, the root kept unsharded; after backward: all sharded.
+    With reshard_after_forward=False the blocks stay unsharded until after backward."""
+    checker = Checker("fp32")
+    for label, kwargs in (("default", {}), ("reshard_after_forward=False",
+                                           {"reshard_after_forward": False})):
+        model = M.MLPStack()
+        M.shard_blocks(ctx.impl, model, ctx.mesh, **kwargs)
+        loss = model(torch.randn(4, 15)).pow(2).mean()
+        block_sharded = isinstance(model.blocks[0].w1.weight, DTensor)
+        expected = not kwargs
+        checker.count += 3
+        if block_sharded != expected:
+            checker.fail(f"{label}: after forward a block is {'sharded' if block_sharded else 'unsharded'}")
+        if isinstance(model.head.weight, DTensor):
+            checker.fail(f"{label}: the root should keep its parameters unsharded after forward")
+        loss.backward()
+        if not all(isinstance(p, DTensor) for p in model.parameters()):
+            checker.fail(f"{label}: after backward every parameter should be a sharded DTensor")
+    return checker
+
+
 @case("api")
 def case_scheduling_hints(ctx):
     """Prefetch lists are accepted and change no result."""
@@ -396,7 +439,11 @@ def case_scheduling_hints(ctx):
         for a, b in zip(blocks, blocks[1:]):
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
-    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
+
+    def before_step(model):  # a CPU run has no device events; only the twinshard API takes None
+        if not model.__class__.__module__.startswith("torch"):
+            model.set_post_optim_event(None)
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap, before_step=before_step))
 
 
 # --- state dicts and checkpoints ----------------------------------------------------------------------

@@ -32,6 +32,7 @@ class Recipe:
     steps: int = 3
     micro: int = 1  # micro-batches per step (gradient accumulation)
     on_micro: Callable | None = None  # (model, micro index, is last) before each backward
+    before_step: Callable | None = None  # (model) after backward, before clipping and step
     clip: float | None = None  # max norm for clip_grad_norm_
     norm_type: float = 2.0
     lr: float = 0.05
@@ -131,6 +132,8 @@ def _train(recipe: Recipe, model: nn.Module, master: nn.Module | None, rank: int
             dist.all_reduce(loss_sum)
             loss_sum /= world
         trace.losses.append(loss_sum / recipe.micro)
+        if recipe.before_step is not None and master is None:
+            recipe.before_step(model)
         if recipe.clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip,
                                                   norm_type=recipe.norm_type)
