@@ -211,3 +211,22 @@ def test_refuses_to_run_from_a_process_with_a_process_group():
 def test_get_rank_info_outside_launch_raises():
     with pytest.raises(RuntimeError, match="launch"):
         get_rank_info()
+
+
+def test_function_from_a_main_without_file_runs(tmp_path):
+    """Like a notebook cell: the function lives in a __main__ that has no file to import."""
+    import subprocess
+    import sys
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from twinshard.launch import launch\n"
+        "def cell(x):\n"
+        "    t = torch.tensor([float(dist.get_rank() + x)])\n"
+        "    dist.all_reduce(t)\n"
+        "    return t.item()\n"
+        "print(launch(cell, 2, 10))\n"
+    )
+    out = subprocess.run([sys.executable, "-"], input=code, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[21.0, 21.0]"

@@ -117,8 +117,9 @@ def _pick_start_method(fn: Callable, args: tuple, kwargs: dict, start_method: st
     if start_method not in (None, "fork", "spawn", "forkserver"):
         raise ValueError(f"unknown start_method {start_method!r}; use None, 'fork', 'spawn' or 'forkserver'")
     name = getattr(fn, "__qualname__", "")
+    main_file = getattr(sys.modules["__main__"], "__file__", None)  # "<stdin>" is no file
     unimportable = "<lambda>" in name or "<locals>" in name or (
-        getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"))
+        getattr(fn, "__module__", None) == "__main__" and not (main_file and os.path.isfile(main_file)))
     if start_method == "fork" or (start_method is None and unimportable):
         return "fork"
     try:
