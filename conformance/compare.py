@@ -40,6 +40,7 @@ class Checker:
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # e.g. an oracle that could not run here
     low_eps: float = 2.0 ** -7  # rounding step of the low-precision dtype (bf16)
+    worst_by: dict = field(default_factory=dict)  # per comparison series ("reference", ...)
     count: int = 0
 
     @property
@@ -74,6 +75,9 @@ class Checker:
         max_rel = rel.max().item() if rel.numel() else 0.0
         if max_abs > self.worst.abs:
             self.worst = Worst(max_abs, max_rel, where)
+        series = where.split(" step ")[0] if " step " in where else "other"
+        if max_abs >= self.worst_by.get(series, Worst(-1.0)).abs:
+            self.worst_by[series] = Worst(max_abs, max_rel, where)
         self._judge(where, actual, expected, diff, max_abs, plain_low,
                     expected if truth is None else torch.as_tensor(truth).detach().cpu())
 
@@ -102,7 +106,8 @@ class Checker:
     def summary(self) -> dict:
         return {"ok": self.ok, "tolerance": self.tolerance, "compared": self.count,
                 "max_abs": self.worst.abs, "max_rel": self.worst.rel, "where": self.worst.where,
-                "failures": self.failures[:10], "notes": self.notes}
+                "failures": self.failures[:10], "notes": self.notes,
+                "worst_by": {k: vars(w) for k, w in self.worst_by.items()}}
 
 
 def local_rows(full: torch.Tensor, dtensor) -> torch.Tensor:

@@ -56,4 +56,10 @@ def _merge_ranks(summary: dict) -> dict:
     worst = max(every, key=lambda s: -1.0 if s["max_abs"] != s["max_abs"] else s["max_abs"])
     merged.update(max_abs=worst["max_abs"], max_rel=max(s["max_rel"] for s in every),
                   where=worst["where"], compared=sum(s["compared"] for s in every))
+    by: dict = {}
+    for s in every:
+        for series, w in s.get("worst_by", {}).items():
+            if series not in by or w["abs"] > by[series]["abs"]:
+                by[series] = w
+    merged["worst_by"] = by
     return merged
