@@ -1,0 +1,95 @@
+"""The collective trace: every collective a rank issues, as (op, dtype, numel).
+
+``CollectiveTrace`` is a ``TorchDispatchMode``. Every ``torch.distributed`` collective on
+tensors reaches the dispatcher as a ``c10d`` operator, whichever implementation issued it and
+however it wrapped the call, so the trace sees torch's ``fully_shard`` exactly as it sees
+ours. A case records one training step and then checks that
+
+- the traces of all ranks are the same sequence (a mismatch would hang a real run; here it
+  is reported, with the first position where two ranks differ);
+- all-gathers run in the parameter dtype and reduce-scatters / all-reduces in the reduce
+  dtype that the policy asked for;
+- the amount communicated matches the schedule: per step, each group is all-gathered once
+  per unshard (its padded size) and reduce-scattered once (its padded size), issued either as
+  one collective per group or as one per parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d operator name -> the collective it is
+OPS = {
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    op: str  # all_gather | reduce_scatter | all_reduce | broadcast
+    dtype: torch.dtype
+    numel: int  # of the larger side: the gathered output / the reduce-scatter input
+
+
+class CollectiveTrace(TorchDispatchMode):
+    """Records the collectives issued while it is active (``with CollectiveTrace() as t``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[Call] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+        namespace = getattr(func, "namespace", "")
+        if namespace == "c10d" and name in OPS:
+            tensors = _tensors(args)
+            if tensors:
+                big = max(tensors, key=lambda t: t.numel())
+                self.calls.append(Call(OPS[name], big.dtype, big.numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def compare_ranks(calls: list[Call]) -> str | None:
+    """None if every rank recorded the same sequence, else where the first two differ."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [(c.op, str(c.dtype), c.numel) for c in calls])
+    for rank, other in enumerate(every[1:], 1):
+        if other != every[0]:
+            i = next((k for k, (a, b) in enumerate(zip(every[0], other)) if a != b),
+                     min(len(every[0]), len(other)))
+            first = every[0][i] if i < len(every[0]) else "nothing"
+            theirs = other[i] if i < len(other) else "nothing"
+            return (f"rank 0 and rank {rank} differ at collective #{i}: {first} vs {theirs} "
+                    f"({len(every[0])} vs {len(other)} collectives)")
+    return None
+
+
+def totals(calls: list[Call], op: str) -> tuple[int, int, set]:
+    """(count, total numel, dtypes) of one kind of collective."""
+    mine = [c for c in calls if c.op == op]
+    return len(mine), sum(c.numel for c in mine), {c.dtype for c in mine}
+
+
+def padded_numel(param, shard_size: int) -> int:
+    """Elements of a parameter once dim 0 is padded to a multiple of the shard group size."""
+    rows = param.shape[0]
+    per_row = param.numel() // rows if rows else 0
+    return -(-rows // shard_size) * shard_size * per_row
