@@ -103,6 +103,16 @@ class Checker:
             self.fail(f"{where}: max abs diff {max_abs:.3e} > 2 x plain low-precision error "
                       f"{plain_err:.3e} + one rounding {floor:.3e}")
 
+    def absorb(self, other: "Checker") -> None:
+        """Fold another checker's comparisons (made under another tolerance) into this one."""
+        self.failures += other.failures
+        self.count += other.count
+        for series, w in other.worst_by.items():
+            if w.abs >= self.worst_by.get(series, Worst(-1.0)).abs:
+                self.worst_by[series] = w
+        if other.worst.abs > self.worst.abs:
+            self.worst = other.worst
+
     def summary(self) -> dict:
         return {"ok": self.ok, "tolerance": self.tolerance, "compared": self.count,
                 "max_abs": self.worst.abs, "max_rel": self.worst.rel, "where": self.worst.where,

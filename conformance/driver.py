@@ -20,6 +20,13 @@ from torch.distributed.tensor import DTensor
 
 from .compare import Checker, local_rows
 
+DEVICE = torch.device("cpu")  # where models and batches live; the runner sets it per process
+
+
+def set_device(device: torch.device) -> None:
+    global DEVICE
+    DEVICE = torch.device(device)
+
 
 @dataclass
 class Recipe:
@@ -76,7 +83,7 @@ def _slice(batch: tuple, rank: int, world: int) -> tuple:
     out = []
     for t in batch:
         n = t.shape[0] // world
-        out.append(t[rank * n:(rank + 1) * n])
+        out.append(t[rank * n:(rank + 1) * n].to(DEVICE))
     return tuple(out)
 
 
@@ -88,7 +95,7 @@ def run_plain(recipe: Recipe, low: torch.dtype | None = None, world: int = 1) ->
     are averaged in the policy's reduce dtype, as the ranks would. It is the yardstick for
     the error that low precision alone causes.
     """
-    model = seeded(recipe.build)
+    model = seeded(recipe.build).to(DEVICE)
     trace = _train(recipe, model, model, rank=0, world=1, low=low, low_world=world)
     trace.model = model
     return trace
@@ -115,7 +122,7 @@ def _train(recipe: Recipe, model: nn.Module, master: nn.Module | None, rank: int
     opt = opt or make_optimizer(recipe, model)
     trace = Trace(optimizer=opt)
     for step in range(recipe.steps):
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=DEVICE)
         for micro in range(recipe.micro):
             index = (recipe.start + step) * recipe.micro + micro
             batch = _slice(recipe.data(index), rank, world)

@@ -10,6 +10,7 @@ import traceback
 import torch.distributed as dist
 
 from .cases import CASES, Context
+from .driver import set_device
 
 
 def select(patterns: list[str] | None) -> list[str]:
@@ -26,10 +27,14 @@ def run_cases(impl_name: str, mesh_shape: tuple[int, ...], tmpdir: str,
               patterns: list[str] | None = None, with_oracle: bool = True) -> list[dict]:
     """Run the selected cases on this rank; every rank returns the same merged results."""
     impl = importlib.import_module(impl_name)
-    oracle = None
+    oracle = reference = None
     if with_oracle and impl_name != "torch.distributed.fsdp":
         oracle = importlib.import_module("torch.distributed.fsdp")
-    ctx = Context(impl, impl_name.rsplit(".", 1)[-1], oracle, tuple(mesh_shape), tmpdir)
+    if with_oracle and impl_name != "twinshard.reference":
+        reference = importlib.import_module("twinshard.reference")
+    label = "torch" if impl_name == "torch.distributed.fsdp" else impl_name.rsplit(".", 1)[-1]
+    ctx = Context(impl, label, oracle, tuple(mesh_shape), tmpdir, reference)
+    set_device(ctx.device)
     results = []
     for name in select(patterns):
         case = CASES[name]

@@ -1,0 +1,18 @@
+"""Planted bug: gradients are reduced in bf16 even when the policy asks for fp32."""
+
+import torch
+
+from twinshard.reference.param_group import ParamGroup
+
+from . import plant
+from ._common import *  # noqa: F401,F403
+
+
+class Bf16Reduce(ParamGroup):
+    def reduce_dtype(self, p):
+        if self.mp.param_dtype is not None:
+            return torch.bfloat16
+        return super().reduce_dtype(p)
+
+
+fully_shard = plant(bug_group_class=Bf16Reduce)

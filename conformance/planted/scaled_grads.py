@@ -1,0 +1,14 @@
+"""Planted bug: every reduced gradient comes out 1.001 times too large."""
+
+from twinshard.reference.sharded_param import ShardedParam
+
+from . import plant
+from ._common import *  # noqa: F401,F403
+
+
+class ScaledGrad(ShardedParam):
+    def _accumulate(self, block):
+        super()._accumulate(block * 1.001)
+
+
+fully_shard = plant(bug_param_class=ScaledGrad)
