@@ -82,10 +82,10 @@ def _story_sentence(rng: random.Random) -> str:
     plural = rng.random() < 0.4
     subject = _noun_phrase(rng, plural)
     if rng.random() < 0.6:
-        verb = _pick(rng, _TRANSITIVE)[not plural]
+        verb = _pick(rng, _TRANSITIVE)[plural]
         clause = f"{subject} {verb} {_noun_phrase(rng, rng.random() < 0.4)}"
     else:
-        clause = f"{subject} {_pick(rng, _INTRANSITIVE)[not plural]}"
+        clause = f"{subject} {_pick(rng, _INTRANSITIVE)[plural]}"
     if rng.random() < 0.5:
         clause += f" {_pick(rng, _PREPOSITIONS)} {_pick(rng, _PLACES)}"
     if rng.random() < 0.35:  # the pronoun must agree with the subject, several words back

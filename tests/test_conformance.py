@@ -1,0 +1,119 @@
+"""The conformance suite itself: its command, its report, its pytest plugin, and that it
+catches planted bugs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from twinshard.conformance.suite import apply_xfail, load_xfail, parse_meshes, report
+
+
+def conform(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "twinshard.cli", "conform", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_reference_passes_and_writes_reports(tmp_path):
+    md, js = tmp_path / "r.md", tmp_path / "r.json"
+    out = conform("twinshard.reference", "--world-sizes", "2", "--cases", "per_block,trace_default",
+                  "--report", str(md))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "| per_block | 2 | PASS |" in md.read_text()
+    out = conform("twinshard.reference", "--world-sizes", "1", "--cases", "llama",
+                  "--report", str(js))
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(js.read_text())
+    assert data["passed"] and data["rows"][0]["case"] == "llama"
+    assert data["rows"][0]["compared"] > 100
+
+
+# Each planted bug, and the cases that must report it.
+PLANTED = {
+    "scaled_grads": ["per_block", "llama"],
+    "dropped_grad": ["per_block", "trace_default"],
+    "shifted_shard": ["per_block", "llama"],
+    "bf16_reduce": ["trace_bf16_fp32"],
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_planted_bug_is_caught(bug, tmp_path):
+    js = tmp_path / "r.json"
+    cases = ",".join(PLANTED[bug] + ["trace_reshard_false"])
+    out = conform(f"twinshard.conformance.planted.{bug}", "--world-sizes", "2", "--cases", cases,
+                  "--report", str(js))
+    assert out.returncode == 1, out.stdout + out.stderr
+    rows = {r["case"]: r for r in json.loads(js.read_text())["rows"]}
+    for case in PLANTED[bug]:
+        assert rows[case]["status"] == "FAIL", (bug, case, rows[case])
+        assert rows[case]["failures"], (bug, case)
+
+
+def test_torch_fully_shard_passes_with_its_expected_failures(tmp_path):
+    js = tmp_path / "torch.json"
+    out = conform("torch.distributed.fsdp", "--world-sizes", "1,2,3", "--report", str(js))
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
+    rows = json.loads(js.read_text())["rows"]
+    assert {r["status"] for r in rows} <= {"PASS", "XFAIL"}
+    assert sum(r["status"] == "PASS" for r in rows) > 100
+
+
+def test_unknown_module_is_a_clear_error():
+    out = conform("no_such_fsdp_module", "--world-sizes", "1")
+    assert out.returncode != 0
+    assert "cannot import 'no_such_fsdp_module'" in out.stderr
+
+
+def test_module_without_the_interface_is_a_clear_error():
+    out = conform("json", "--world-sizes", "1")
+    assert out.returncode != 0 and "lacks fully_shard" in out.stderr
+
+
+def test_pytest_plugin_needs_an_implementation(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--pyargs", "twinshard.conformance.check"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode != 0
+    assert "--fsdp-impl" in out.stdout + out.stderr
+
+
+def test_pytest_plugin_runs_cases(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--pyargs", "twinshard.conformance.check",
+                          "--fsdp-impl", "twinshard.reference", "--fsdp-world-sizes", "2",
+                          "--fsdp-cases", "per_block,errors"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "2 passed" in out.stdout
+
+
+def test_xfail_file_marks_and_flags_stale_entries(tmp_path):
+    path = tmp_path / "x.txt"
+    path.write_text("# comment\nper_block@2: known issue\nllama: another\n")
+    expected = load_xfail(path)
+    rows = [{"case": "per_block", "mesh": "2", "status": "FAIL"},
+            {"case": "per_block", "mesh": "3", "status": "FAIL"},
+            {"case": "llama", "mesh": "1", "status": "PASS"}]
+    rows = apply_xfail(rows, expected)
+    assert [r["status"] for r in rows] == ["XFAIL", "FAIL", "XPASS"]
+    assert rows[0]["reason"] == "known issue"
+    path.write_text("per_block without reason\n")
+    with pytest.raises(ValueError, match="CASE"):
+        load_xfail(path)
+
+
+def test_meshes_parse_with_world_size_two_first():
+    assert parse_meshes("1,2x2,2,3") == [(2,), (1,), (2, 2), (3,)]
+    with pytest.raises(ValueError, match="bad mesh"):
+        parse_meshes("2x2x2")
+
+
+def test_report_counts_every_status():
+    rows = [{"case": "a", "mesh": "2", "status": s, "max_abs": 0.0, "max_rel": 0.0, "where": "",
+             "reason": "r", "failures": ["boom"], "seconds": 0.1}
+            for s in ("PASS", "FAIL", "XFAIL")]
+    text = report(rows, "impl")
+    assert "1 pass, 1 fail, 1 xfail" in text
+    assert "| a | 2 | FAIL |" in report(rows, "impl", "markdown")
