@@ -367,10 +367,15 @@ def case_cpu_offload(ctx):
     def wrap(impl, model, mesh):
         M.shard_blocks(impl, model, mesh, offload_policy=impl.CPUOffloadPolicy(pin_memory=False))
     checker = train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
-    _, model = run_sharded(M.mlp_recipe(ctx.world, wrap=wrap, steps=1), ctx.impl, ctx.mesh)
+    keep_grads = M.mlp_recipe(ctx.world, wrap=wrap, steps=1, zero_grad_set_to_none=lambda s: False)
+    trace, model = run_sharded(keep_grads, ctx.impl, ctx.mesh)
     for name, p in model.named_parameters():
+        checker.count += 1
         if p.device.type != "cpu" or (p.grad is not None and p.grad.device.type != "cpu"):
             checker.fail(f"'{name}' or its gradient is not on the CPU under CPUOffloadPolicy")
+        for key, value in trace.optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.device.type != "cpu":
+                checker.fail(f"optimizer state '{key}' of '{name}' is not on the CPU")
     return checker
 
 
@@ -620,7 +625,7 @@ def case_meta_init(ctx):
         with torch.device("meta"):
             model = recipe.build()
         recipe.wrap(impl, model, ctx.mesh)
-        model.to_empty(device="cpu")
+        model.to_empty(device=ctx.device)
         # set_model_state_dict writes into the dict it is given: hand it a copy each time
         dsd.set_model_state_dict(model, dict(initial) if ctx.rank == 0 else {}, options=opts)
         run, _ = run_sharded(recipe, impl, ctx.mesh, model=model)

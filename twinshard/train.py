@@ -543,10 +543,10 @@ def write_loss_curve(run_dir: Path, losses: list[float], val_loss: float | None,
         return (f"loss curve: {run_dir / 'loss.csv'} (matplotlib is not installed, so no "
                 "loss.png; pip install 'twinshard[train]' to get the plot)")
     steps = np.arange(1, len(losses) + 1)
-    smooth, avg = [], losses[0] if losses else 0.0
-    for v in losses:  # exponential moving average, to see the trend through the noise
-        avg = 0.9 * avg + 0.1 * v
-        smooth.append(avg)
+    # A centred moving average shows the trend through the noise without lagging behind it.
+    half = max(1, len(losses) // 100)
+    padded = np.pad(np.asarray(losses, dtype=float), half, mode="edge")
+    smooth = np.convolve(padded, np.ones(2 * half + 1) / (2 * half + 1), mode="valid")
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="train loss")
     ax.plot(steps, smooth, color="tab:blue", linewidth=2, label="train loss (smoothed)")
