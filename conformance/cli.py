@@ -24,7 +24,7 @@ REQUIRED = ("fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "FSDPModu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("module", help="importable module providing the fully_shard interface")
+    parser.add_argument("module", nargs="?", help="importable module providing the fully_shard interface")
     parser.add_argument("--world-sizes", default=DEFAULT_MESHES,
                         help=f"meshes to run: world sizes, or RxS for HSDP (default {DEFAULT_MESHES})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         for name, case in CASES.items():
             print(f"{name:32s} {case.group:16s} {case.doc.splitlines()[0] if case.doc else ''}")
         return 0
+    if not args.module:
+        raise SystemExit("twinshard conform: name the implementation module to check "
+                         "(e.g. twinshard.reference); --list shows the cases")
     check_module(args.module)
     try:
         meshes = parse_meshes(args.world_sizes)

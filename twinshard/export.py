@@ -29,8 +29,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from twinshard import checkpoint as ckpt
 
 CONFIG_KEY = "twinshard.model_config"
@@ -94,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
     except ckpt.CheckpointError as e:
         print(f"twinshard export: error: {e}", file=sys.stderr)
         return 2
-    n = sum(v.numel() for v in torch.load.__self__ and []) if False else None  # noqa: F841
     print(f"wrote {args.out}: the model of {where} ({ckpt.describe(manifest)}); load it with "
           "twinshard.export.load_exported(path), or Llama(config).load_state_dict(...)")
     return 0
