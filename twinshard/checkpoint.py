@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import state_dict as dsd
+from torch.distributed.checkpoint.api import CheckpointException
 
 FORMAT = "twinshard-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -240,9 +241,10 @@ def load(checkpoint: Path, model, optimizer, scheduler) -> dict:
     state = _app_state(model, optimizer, scheduler, {"step": -1, "samples": -1})
     try:
         dcp.load(state, checkpoint_id=str(checkpoint))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
         raise CheckpointError(f"checkpoint {checkpoint} could not be loaded: DCP says "
-                              f"{type(e).__name__}: {e}") from e
+                              f"{_cause(e)}; resume from an earlier checkpoint (pass its "
+                              "step_N directory) or start a new run") from e
     dsd.set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])
@@ -274,10 +276,18 @@ def load_full_model(checkpoint: Path) -> tuple[dict, dict[str, torch.Tensor], di
         warnings.simplefilter("ignore", UserWarning)
         try:
             dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(f"checkpoint {checkpoint} could not be read: DCP says "
-                                  f"{type(e).__name__}: {e}") from e
+                                  f"{_cause(e)}") from e
     return manifest["model"], state["model"], manifest
+
+
+def _cause(e: BaseException) -> str:
+    """One line saying what went wrong, also for DCP's exception that wraps every rank's."""
+    if isinstance(e, CheckpointException):
+        e = next(iter(e.failures.values()))[0]  # (exception, traceback) of the first rank
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first.split('. ')[0][:200]}"  # torch's advice after it misleads
 
 
 def describe(manifest: dict[str, Any]) -> str:

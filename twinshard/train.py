@@ -629,6 +629,7 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
     first_step = step
     while step < stop:
         t0 = time.perf_counter()
+        lr = sched.get_last_lr()[0]  # the rate this step uses
         local = train_step(model, opt, windows, samples, cfg, rank, world, device)
         sched.step()
         step, samples = step + 1, samples + cfg.batch_size
@@ -639,7 +640,7 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
         train_time += time.perf_counter() - t0
         steps_in_window += 1
         rate = tokens_per_step * (step - first_step) / train_time
-        status = (f"step {step}/{cfg.steps}  loss {loss:.4f}  lr {sched.get_last_lr()[0]:.2e}  "
+        status = (f"step {step}/{cfg.steps}  loss {loss:.4f}  lr {lr:.2e}  "
                   f"{rate / 1e3:.1f}k tok/s  mem {memory_mb(device):.0f} MB")
         log.bar(step, stop, status)
         if step % cfg.log_every == 0 or step == stop or step == first_step + 1:

@@ -1,0 +1,94 @@
+"""The hooks of the optimized implementation: the reference's, plus prefetching.
+
+[Note: implicit prefetch]
+While group g computes, the all-gather of the group that runs next is already on the wire.
+In forward, "next" is the group after g in the order the previous forward ran them (recorded
+in ``CommContext.forward_order``; the first step has no order yet and does not prefetch). In
+backward it is the group before g in that order. ``set_modules_to_forward_prefetch`` /
+``set_modules_to_backward_prefetch`` replace the implicit choice. Prefetching only decides
+*when* an all-gather is issued: a group always waits for its own all-gather before it
+computes, so a wrong guess costs memory and time, never correctness. Every rank derives the
+same order from the same model, so the collectives stay matched across ranks. One group
+ahead keeps at most two groups' unsharded parameters in flight (plus the root's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twinshard.reference.state import FSDPState as ReferenceState, get_state
+
+from twinshard.reference.param_group import TrainingState
+
+from .comm import CommContext
+from .flat_group import FlatParamGroup, finish_reduce
+
+
+class FSDPState(ReferenceState):
+    """Reference hooks (``twinshard.reference.state.FSDPState``) with prefetch and a shared
+    communication context."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forward_hint: list | None = None  # explicit set_modules_to_forward_prefetch
+        self.backward_hint: list | None = None
+        self.comm: CommContext | None = None
+
+    def lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        super().lazy_init()
+        device = next((s.group.device for s in self.all_states if s.group is not None),
+                      torch.device("cpu"))
+        self.comm = CommContext(device)
+        for state in self.all_states:
+            state.comm = self.comm
+            if state.group is not None:
+                state.group.comm = self.comm
+
+    # --- forward ----------------------------------------------------------------------------
+    def pre_forward(self, module, args, kwargs):
+        self.lazy_init()
+        if self.is_root and (self.group is None or self.group.state is not TrainingState.PRE_BACKWARD):
+            self.comm.current_order = []
+        args, kwargs = super().pre_forward(module, args, kwargs)
+        if self.group is not None and self.group.state is TrainingState.FORWARD:
+            if self.group not in self.comm.current_order:
+                self.comm.current_order.append(self.group)  # the order groups start forward
+            self._prefetch(self.forward_hint, +1)
+        return args, kwargs
+
+    def post_forward(self, module, args, output):
+        output = super().post_forward(module, args, output)
+        if self.is_root:
+            self.comm.forward_order = self.comm.current_order
+            for group in self.comm.forward_order:  # a prefetch nobody used must not linger
+                if group.in_flight is not None and group is not self.group:
+                    group.reshard()
+        return output
+
+    # --- backward ---------------------------------------------------------------------------
+    def pre_backward(self, grad: torch.Tensor) -> None:
+        super().pre_backward(grad)
+        if self.group is not None:
+            self._prefetch(self.backward_hint, -1)
+
+    def final_callback(self) -> None:
+        finish_reduce(self.comm)  # the last group's reduce-scatter
+        super().final_callback()
+        finish_reduce(self.comm)  # groups whose post-backward ran only just now
+
+    # --- prefetch ---------------------------------------------------------------------------
+    def _prefetch(self, hint: list | None, direction: int) -> None:
+        """Issue the all-gather of the group that runs next; see [Note: implicit prefetch]."""
+        if hint is not None:
+            targets = [s.group for m in hint if (s := get_state(m)) is not None and s.group]
+        else:
+            order = self.comm.forward_order
+            if self.group not in order:
+                return
+            i = order.index(self.group) + direction
+            targets = [order[i]] if 0 <= i < len(order) else []
+        for group in targets:
+            if isinstance(group, FlatParamGroup) and group is not self.group:
+                group.unshard_async()
