@@ -166,14 +166,21 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
+def optimized_or_torch() -> str:
+    import twinshard.optimized
+    return "optimized" if hasattr(twinshard.optimized, "fully_shard") else "torch"
+
+
 def test_resume_at_1_then_3_ranks_matches_an_uninterrupted_run(uninterrupted, tmp_path):
+    """2 ranks (reference) -> 1 rank (torch's fully_shard, 2 micro-batches) -> 3 ranks
+    (optimized, once it exists): the same parameters as 2 ranks of the reference throughout."""
     out = tmp_path / "run"
     assert run_train("--out", out, "--nproc", 2, "--steps", RESUME_STEPS, "--stop-at", 2,
                      "--checkpoint-every", 0) == 0
-    # Options left out come from the checkpoint; --grad-accum may change, and does here.
+    # Options left out come from the checkpoint; --impl and --grad-accum may change.
     assert cli(["train", "--resume", str(out), "--nproc", "1", "--stop-at", "4",
-                "--grad-accum", "2"]) == 0
-    assert cli(["train", "--resume", str(out), "--nproc", "3"]) == 0
+                "--grad-accum", "2", "--impl", "torch"]) == 0
+    assert cli(["train", "--resume", str(out), "--nproc", "3", "--impl", optimized_or_torch()]) == 0
     final = ckpt.resolve(out)
     assert final.name == f"step_{RESUME_STEPS:08d}"
     assert ckpt.validate(final)["world_size"] == 3
@@ -255,10 +262,9 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
         run_train("--preset", "enormous")
 
 
-def test_optimized_says_it_is_not_available_yet(tmp_path, capsys):
+def test_optimized_says_when_it_is_not_available(tmp_path, capsys, monkeypatch):
     import twinshard.optimized
-    if hasattr(twinshard.optimized, "fully_shard"):
-        pytest.skip("twinshard.optimized exists now; the other tests cover --impl choices")
+    monkeypatch.delattr(twinshard.optimized, "fully_shard", raising=False)  # as before it existed
     assert run_train("--out", tmp_path / "run", "--impl", "optimized") == 2
     assert "twinshard.optimized is not available yet" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
