@@ -55,6 +55,7 @@ class ShardedParam:
         # Pinned host memory lets the copy to an accelerator run without staging.
         self.pin = offload is not None and offload.pin_memory and device.type != "cpu"
         self.shape = param.shape  # (rows, *rest), the global shape
+        self.stride = torch.empty(param.shape, device="meta").stride()  # of the whole tensor
         self.chunk = padded_rows(param.shape[0], info.shard_size)  # rows in each rank's block
         self.unsharded_param: nn.Parameter | None = None  # created at the first unshard
         self.padded: torch.Tensor | None = None  # (S * chunk, *rest) all-gather output
@@ -78,9 +79,8 @@ class ShardedParam:
         return self._as_dtensor(block)
 
     def _as_dtensor(self, block: torch.Tensor) -> DTensor:
-        full_stride = torch.empty(self.shape, device="meta").stride()
         return DTensor.from_local(block, self.info.mesh, self.info.placements,
-                                  run_check=False, shape=self.shape, stride=full_stride)
+                                  run_check=False, shape=self.shape, stride=self.stride)
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Writing _parameters directly skips nn.Module.__setattr__'s checks on every swap.
