@@ -166,7 +166,7 @@ def load_corpus(data: str | None, seq_len: int) -> Corpus:
         raise DataError(f"cannot read data file {data!r}: {e.strerror or e}") from e
     # Hold out the last 5% for validation when that leaves at least 20 windows of training data.
     n_val = size // 20
-    if size - n_val < 20 * (seq_len + 1) or n_val < seq_len + 1:
+    if size - n_val < 20 * (seq_len + 1) or n_val < 2 * seq_len:
         return Corpus(data, fingerprint, tokens, None)
     return Corpus(data, fingerprint, tokens[:size - n_val], tokens[size - n_val:])
 

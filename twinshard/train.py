@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import math
 import os
 import random
@@ -82,8 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"of the compute (default {d['param_dtype']})")
     g.add_argument("--reduce-dtype", choices=DTYPES, help="dtype of the gradient reduction "
                    "(default: the param dtype)")
-    g.add_argument("--cpu-offload", action="store_true", default=None,
-                   help="keep sharded parameters, gradients and optimizer state on the CPU")
+    g.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction,
+                   help="keep sharded parameters, gradients and optimizer state on the CPU "
+                   "(default off)")
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", choices=list(PRESETS), help=f"model size (default {d['preset']})")
     g.add_argument("--dim", type=int, help="override the preset's width")
@@ -181,6 +181,8 @@ def _default_nproc() -> int:
 def resolve(args: argparse.Namespace) -> TrainConfig:
     """Turn the command line (and a checkpoint, on --resume) into a checked ``TrainConfig``."""
     given = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k, None) is not None}
+    if given.get("data", BUILTIN) != BUILTIN:  # a resumed run may start in another directory
+        given["data"] = os.path.abspath(given["data"])
     resume_from, manifest = _find_resume(args)
     base = dict(DEFAULTS)
     notes = []
@@ -508,7 +510,7 @@ class Reporter:
         self.file.flush()
 
     def bar(self, step: int, total: int, text: str) -> None:
-        if not self.tty or time.monotonic() - self.last_bar < 0.1 and step < total:
+        if not self.tty or (time.monotonic() - self.last_bar < 0.1 and step < total):
             return
         width = 24
         done = int(width * step / total)
@@ -602,17 +604,19 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
     windows = Windows(corpus.train, cfg.seq_len, cfg.seed)
     model = build_model(cfg, device, mesh)
     opt, sched = build_optimizer(cfg, model)
-    n_params = Llama(LlamaConfig(**cfg.model)).num_params() if rank == 0 else 0
-    step, samples, losses = 0, 0, []
-    if cfg.resume_from:
-        step, samples, losses = _resume(cfg, rank, world, model, opt, sched, log)
+    n_params = sum(p.numel() for p in model.parameters())  # DTensor: the global size
+    step, samples, losses, resumed = 0, 0, [], None
+    if cfg.resume_from:  # before anything is written, so a failed load leaves the run as it was
+        step, samples, losses, resumed = _resume(cfg, rank, world, model, opt, sched)
     else:
         seed_rank_rngs(cfg.seed, 0, rank)
-    stop = cfg.stop_at or cfg.steps
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     log.info(f"twinshard train: {cfg.impl} fully_shard on {world} rank(s) ({dist.get_backend()}, "
              f"{device.type}); preset {cfg.preset} ({n_params / 1e6:.2f}M parameters); data "
              f"{corpus.name} ({len(corpus.train) / 1e6:.2f}M bytes); run directory {run_dir}")
+    if resumed:
+        log.info(resumed)
+    stop = cfg.stop_at or cfg.steps
+    tokens_per_step = cfg.batch_size * cfg.seq_len
     log.info(f"steps {step} -> {stop} of {cfg.steps}; global batch {cfg.batch_size} x "
              f"{cfg.seq_len} tokens ({cfg.batch_size // world // cfg.grad_accum} per micro-batch x "
              f"{cfg.grad_accum} on each rank); lr {cfg.lr:g} (warmup {cfg.warmup}, cosine to "
@@ -625,7 +629,7 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
                      "data_fingerprint": cfg.data_fingerprint, "impl": cfg.impl,
                      "torch": torch.__version__}
     t_start = time.perf_counter()
-    t_window, steps_in_window, train_time, last_ckpt = time.perf_counter(), 0, 0.0, None
+    train_time, last_ckpt = 0.0, None
     first_step = step
     while step < stop:
         t0 = time.perf_counter()
@@ -638,7 +642,6 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
             raise TrainError(f"the loss is {loss} at step {step}; lower --lr or use --clip-norm")
         losses.append(loss)
         train_time += time.perf_counter() - t0
-        steps_in_window += 1
         rate = tokens_per_step * (step - first_step) / train_time
         status = (f"step {step}/{cfg.steps}  loss {loss:.4f}  lr {lr:.2e}  "
                   f"{rate / 1e3:.1f}k tok/s  mem {memory_mb(device):.0f} MB")
@@ -664,7 +667,9 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
     return {"step": step, "losses": losses, "val_loss": val_loss, "checkpoint": str(last_ckpt)}
 
 
-def _resume(cfg, rank, world, model, opt, sched, log: Reporter) -> tuple[int, int, list]:
+def _resume(cfg, rank, world, model, opt, sched) -> tuple[int, int, list, str]:
+    """Load the checkpoint into model, optimizer and scheduler and restore or re-derive the
+    RNGs; return (step, samples consumed, loss history, a line for the log)."""
     where = Path(cfg.resume_from)
     manifest = ckpt.validate(where)
     trainer = ckpt.load(where, model, opt, sched)
@@ -678,8 +683,9 @@ def _resume(cfg, rank, world, model, opt, sched, log: Reporter) -> tuple[int, in
         seed_rank_rngs(cfg.seed, trainer["step"], rank)
         rng = (f"per-rank RNG states cannot be resharded from {manifest['world_size']} to {world} "
                f"ranks: re-derived from (seed {cfg.seed}, step {trainer['step']}, rank)")
-    log.info(f"resumed {where} ({ckpt.describe(manifest)}) on {world} rank(s); {rng}")
-    return trainer["step"], trainer["samples"], list(manifest.get("losses", []))[:trainer["step"]]
+    history = list(manifest.get("losses", []))[:trainer["step"]]
+    return (trainer["step"], trainer["samples"], history,
+            f"resumed {where} ({ckpt.describe(manifest)}) on {world} rank(s); {rng}")
 
 
 def _summary(cfg, log, run_dir, losses, val_loss, sample, elapsed, first_step, step,
