@@ -11,7 +11,7 @@ import contextlib
 import copy
 import functools
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch

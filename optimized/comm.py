@@ -71,6 +71,13 @@ class CommContext:
             # HSDP: runs the all-reduce across replicas after the reduce-scatter
             self.all_reduce_stream = module.Stream(self.device)
 
+    def wait(self, result) -> None:
+        """Make the caller (CPU) or the current stream (accelerator) wait for ``result``."""
+        if result.work is not None:
+            result.work.wait()
+        if result.event is not None:
+            self.current_stream().wait_event(result.event)
+
     def current_stream(self):
         return torch.get_device_module(self.device.type).current_stream(self.device)
 

@@ -96,10 +96,7 @@ class FlatParamGroup(ParamGroup):
         if result is None:
             return
         comm = self.comm
-        if result.work is not None:
-            result.work.wait()
-        if result.event is not None:
-            comm.current_stream().wait_event(result.event)
+        comm.wait(result)
         with torch.profiler.record_function("twinshard::copy_out"):
             outs, sizes = [], []
             for p in self.params:
@@ -198,10 +195,7 @@ def finish_reduce(comm: CommContext) -> None:
     if result is None:
         return
     group = result.group
-    if result.work is not None:
-        result.work.wait()
-    if result.event is not None:
-        comm.current_stream().wait_event(result.event)
+    comm.wait(result)
     out = result.out  # (per-rank numel,) summed over the shard group
     if group.info.replicate_group is not None and not comm.streams:
         if group.partial_reduce is not None:

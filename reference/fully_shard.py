@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import weakref
 
-import torch
 import torch.nn as nn
 
 from twinshard.api import (
@@ -39,9 +38,17 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
     them again in backward; ``False`` keeps them until after backward; an int N keeps a 1/N
     piece; ``None`` (default) means ``True``, except for the root, which keeps them.
     """
+    return shard_module(module, ParamGroup, FSDPState, FSDPModule, mesh, reshard_after_forward,
+                        mp_policy, offload_policy, ignored_params, shard_placement_fn)
+
+
+def shard_module(module, group_type, state_type, module_type, mesh, reshard_after_forward,
+                 mp_policy, offload_policy, ignored_params, shard_placement_fn) -> nn.Module:
+    """The steps of ``fully_shard``; the optimized implementation runs the same steps with
+    its own group, state (hooks) and FSDPModule types."""
     _check_module(module)
     if shard_placement_fn is not None:
-        raise FSDPUsageError("the reference shards every parameter on dim 0; "
+        raise FSDPUsageError("twinshard shards every parameter on dim 0; "
                              "shard_placement_fn is not supported")
     info = mesh_info(mesh if mesh is not None else default_mesh())
     auto = reshard_after_forward is None
@@ -57,14 +64,14 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
         for name, b in buffer_owner._buffers.items():
             if b is not None and b.device.type != "meta":
                 buffer_owner._buffers[name] = b.to(device)
-    group = ParamGroup(params, info, post_forward, mp, device) if params else None
-    state = FSDPState(module, group, mp, auto)
+    group = group_type(params, info, post_forward, mp, device) if params else None
+    state = state_type(module, group, mp, auto)
     module.__dict__["_twinshard_state"] = state
     if group is not None:
         for m in group.named_modules_with_params():
             m.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
             m._register_load_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
-    module.__class__ = _fsdp_class(type(module))
+    module.__class__ = _fsdp_class(module_type, type(module))
     return module
 
 
@@ -185,9 +192,9 @@ class FSDPModule(FSDPModuleContract):
 
 
 @functools.cache
-def _fsdp_class(cls: type) -> type:
-    """``FSDP<Name>``: the module's own class with the FSDPModule methods mixed in."""
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+def _fsdp_class(methods: type, cls: type) -> type:
+    """``FSDP<Name>``: the module's own class with the FSDPModule ``methods`` mixed in."""
+    return type(f"FSDP{cls.__name__}", (methods, cls), {})
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
