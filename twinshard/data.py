@@ -5,7 +5,8 @@ can be read. The built-in corpus is a small made-up language, generated on the f
 fixed seed: English-like sentences whose verb agrees with the subject, pronouns that agree
 with an earlier noun, counting runs and sums of small numbers. It is big enough (1 MB) that a
 small model cannot memorize it in a few minutes, and regular enough that the loss visibly
-falls from ``ln 256 = 5.55`` nats per byte to around 1.
+falls from ``ln 256 = 5.55`` nats per byte to about 0.45 in the default run of
+``twinshard train`` (500 steps of the "tiny" preset).
 
 Batches. The token stream is cut into windows of ``seq_len + 1`` tokens (inputs and targets
 shifted by one). Sample ``i`` of the run is a fixed function of ``(seed, seq_len, i)``: epoch

@@ -65,6 +65,9 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> tuple[Path, dict
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         save_file(tensors, str(partial), metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(partial, 0o666 & ~umask)  # safetensors creates it private (0600)
         os.replace(partial, out)
     finally:
         if partial.exists():

@@ -690,17 +690,17 @@ def _resume(cfg, rank, world, model, opt, sched) -> tuple[int, int, list, str]:
 
 def _summary(cfg, log, run_dir, losses, val_loss, sample, elapsed, first_step, step,
              train_time, world, last_ckpt, stop) -> None:
-    head = sum(losses[:5]) / len(losses[:5])
-    tail = sum(losses[-5:]) / len(losses[-5:])
+    k = max(1, min(5, len(losses) // 2))
+    head, tail = sum(losses[:k]) / k, sum(losses[-k:]) / k
     rate = cfg.batch_size * cfg.seq_len * (step - first_step) / max(train_time, 1e-9)
     title = (f"twinshard train: {cfg.preset}, {world} rank(s), {cfg.impl}, "
              f"batch {cfg.batch_size}x{cfg.seq_len}")
     curve = write_loss_curve(run_dir, losses, val_loss, title)
     lines = [f"done: steps {first_step} -> {step} in {_duration(elapsed)} on {world} rank(s); "
              f"{rate / 1e3:.1f}k tokens/s",
-             f"loss {head:.3f} -> {tail:.3f} (mean of the first and last 5 steps)"
+             f"loss {head:.3f} -> {tail:.3f} (mean of the first and last {k} steps)"
              + (f"; validation loss {val_loss:.3f}" if val_loss is not None else "")
-             + f"; uniform guess: {math.log(256):.3f}",
+             + f"; a uniform guess over bytes scores {math.log(256):.3f}",
              curve,
              f"checkpoint: {last_ckpt}"]
     if step < cfg.steps:
