@@ -1,52 +1,49 @@
-"""Where the optimized implementation's collectives run, and how they are ordered.
+"""What the optimized path's parameter groups share: streams, work in flight, buffers held.
 
 One ``CommContext`` per root module, shared by all its parameter groups. It owns the side
-streams (on an accelerator) and the state that must outlive one group's hook: the all-gather
-result still being copied out, the reduce-scatter still in flight, the forward order of the
-groups (for implicit prefetch) and the post-optimizer event.
+streams and the state that must outlive one group's hook: the reduce-scatter whose gradients
+are not yet added, the buffers that may not be reused yet, the forward order of the groups
+(for implicit prefetch) and the post-optimizer event.
 
-On the CPU there are no streams: collectives are issued with ``async_op=True`` and their work
-handles are waited on exactly where the data is needed, which gives the same overlap
-(gloo runs the collective on its own threads while the main thread computes).
+[Note: two ways to wait]
+A collective is issued on a side stream and described by a ``Pending``: on an accelerator (and
+with stand-in streams) the stream orders the collective, so it is issued blocking and an event
+recorded after it says when it is done; on the CPU, gloo runs it on its own threads, so it is
+issued with ``async_op=True`` and its work handle says when it is done. ``wait`` honours
+whichever the ``Pending`` carries. The schedule is the same in both cases.
 
 [Note: memory that crosses streams]
-A buffer allocated on one stream and used by another must not be freed until the using
+A buffer allocated on one stream and used by another must not be reused until the using
 stream is done with it, or the caching allocator may hand it out again too early. We never
-call ``record_stream``; instead each buffer is kept alive in this context until the stream
-that allocated it has waited on an event recorded after its last use. That makes the point
-where memory is freed deterministic: at the next all-gather (or reduce-scatter) of the same
-kind, not whenever the allocator notices.
+call ``record_stream``; instead ``hold`` keeps the buffers alive together with an event
+recorded after their last use, and ``release`` (at the next collective of the same kind)
+makes the streams that allocated them wait on that event before letting go. That makes the
+point where memory is freed deterministic: at the next all-gather (or reduce-scatter), not
+whenever the allocator notices.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from .streams import streams_for
 
-@dataclass
-class AllGatherResult:
-    """An all-gather in flight: wait on ``work`` (CPU) or ``event`` (accelerator)."""
 
-    work: Any  # torch.distributed.Work or None
-    event: Any  # device event recorded after the all-gather, or None
-    send: torch.Tensor  # (per-rank numel,) this rank's flat input
-    recv: torch.Tensor  # (group size * per-rank numel,) everybody's blocks, rank-major
-    group_size: int
+class Pending(NamedTuple):
+    """A collective in flight; see [Note: two ways to wait]."""
+
+    work: Any  # torch.distributed.Work, or None when a stream orders the collective
+    event: Any  # recorded after the collective on its stream, or None
 
 
 @dataclass
-class ReduceScatterResult:
-    """A reduce-scatter in flight for one group, with what its copy-out needs."""
-
-    work: Any
-    event: Any
-    flat: torch.Tensor  # (S * per-rank numel,) the packed gradients; kept until done
-    out: torch.Tensor  # (per-rank numel,) this rank's reduced block of every gradient
-    group: Any  # the FlatParamGroup whose gradients these are
-    params: list  # the ShardedParams in ``out``, in order
+class Held:
+    buffers: tuple  # tensors that may not be reused yet
+    event: Any  # recorded on the current stream after their last use
 
 
 @dataclass
@@ -54,50 +51,72 @@ class CommContext:
     device: torch.device
     forward_order: list = field(default_factory=list)  # groups, as the last forward ran them
     current_order: list = field(default_factory=list)  # being recorded by this forward
-    pending_reduce: ReduceScatterResult | None = None  # released at the next reduce-scatter
-    last_all_gather: tuple | None = None  # (buffers, event): freed once the streams waited
-    post_optim_event: Any = None
+    pending_reduce: Any = None  # the last ReduceScatterResult, finished by the next one
+    held: dict = field(default_factory=dict)  # "all_gather" / "reduce_scatter" -> [Held]
+    post_optim_event: Any = None  # set_post_optim_event: the next all-gather waits on it
 
     def __post_init__(self):
-        self.streams = self.device.type not in ("cpu", "meta")
-        if self.streams:
-            module = torch.get_device_module(self.device.type)
-            # builds the flat all-gather input while the previous group still computes
-            self.copy_in_stream = module.Stream(self.device)
-            # runs all-gathers beside compute
-            self.all_gather_stream = module.Stream(self.device)
-            # runs reduce-scatters beside the backward of earlier layers
-            self.reduce_scatter_stream = module.Stream(self.device)
-            # HSDP: runs the all-reduce across replicas after the reduce-scatter
-            self.all_reduce_stream = module.Stream(self.device)
+        self.streams = streams_for(self.device)
+        # issue collectives blocking where a stream orders them; see [Note: two ways to wait]
+        self.async_op = not self.streams.collectives_follow_streams
+        # builds the flat all-gather input while the previous group still computes
+        self.copy_in_stream = self.streams.new_stream("copy_in")
+        # runs all-gathers beside compute
+        self.all_gather_stream = self.streams.new_stream("all_gather")
+        # runs reduce-scatters beside the backward of earlier layers
+        self.reduce_scatter_stream = self.streams.new_stream("reduce_scatter")
+        # HSDP: runs the all-reduce across replicas after the reduce-scatter
+        self.all_reduce_stream = self.streams.new_stream("all_reduce")
 
-    def wait(self, result) -> None:
-        """Make the caller (CPU) or the current stream (accelerator) wait for ``result``."""
-        if result.work is not None:
-            result.work.wait()
-        if result.event is not None:
-            self.current_stream().wait_event(result.event)
+    # --- running and waiting ------------------------------------------------------------------
+    def on(self, stream):
+        """Context manager: the work inside it goes on ``stream``."""
+        return self.streams.use(stream)
 
     def current_stream(self):
-        return torch.get_device_module(self.device.type).current_stream(self.device)
+        return self.streams.current()
 
-    def stream(self, s):
-        return torch.get_device_module(self.device.type).stream(s)
+    def issue(self, collective, *args, stream, **kwargs) -> Pending:
+        """Run ``collective(*args, **kwargs)`` on ``stream`` and say how to wait for it."""
+        with self.on(stream):
+            work = collective(*args, async_op=self.async_op, **kwargs)
+            return Pending(work, stream.record_event())
+
+    def wait(self, pending: Pending, stream=None) -> None:
+        """Make ``stream`` (default: the current one) wait for ``pending``."""
+        if pending.work is not None:
+            pending.work.wait()
+        if pending.event is not None:
+            (stream or self.current_stream()).wait_event(pending.event)
+
+    # --- memory that crosses streams -------------------------------------------------------------
+    def hold(self, kind: str, *buffers: torch.Tensor) -> None:
+        """Keep ``buffers`` until the next ``release(kind)``; their last use was just issued
+        on the current stream. See [Note: memory that crosses streams]."""
+        self.held.setdefault(kind, []).append(Held(buffers, self.current_stream().record_event()))
+
+    def release(self, kind: str, *streams) -> None:
+        """Let the buffers held for ``kind`` go, once ``streams`` (those that allocated them)
+        have waited for their last use."""
+        for held in self.held.pop(kind, []):
+            if held.event is not None:
+                for stream in streams:
+                    stream.wait_event(held.event)
+            self.streams.release(held.buffers, f"release of the {kind} buffers")
 
     def before_all_gather(self) -> None:
-        """Order the side streams after the compute that produced the shards (or after the
-        optimizer step's event), and release the previous all-gather's buffers."""
-        if not self.streams:
-            return
-        wait_for = self.post_optim_event
-        for s in (self.copy_in_stream, self.all_gather_stream):
-            if wait_for is not None:
-                s.wait_event(wait_for)
-            else:
-                s.wait_stream(self.current_stream())
-        self.post_optim_event = None
-        if self.last_all_gather is not None:  # see [Note: memory that crosses streams]
-            _, event = self.last_all_gather
-            self.copy_in_stream.wait_event(event)
-            self.all_gather_stream.wait_event(event)
-            self.last_all_gather = None
+        """Order the copy-in stream after the compute that produced the shards (or only after
+        the optimizer step's event, when one was given), and release the previous
+        all-gather's buffers."""
+        if self.post_optim_event is not None:
+            self.copy_in_stream.wait_event(self.post_optim_event)
+            self.post_optim_event = None
+        else:
+            self.copy_in_stream.wait_stream(self.current_stream())
+        self.release("all_gather", self.copy_in_stream, self.all_gather_stream)
+
+    def before_reduce_scatter(self) -> None:
+        """Order the reduce-scatter stream after the backward that produced the gradients, and
+        release the previous reduce-scatter's buffers."""
+        self.reduce_scatter_stream.wait_stream(self.current_stream())
+        self.release("reduce_scatter", self.reduce_scatter_stream)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from twinshard.api import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, _check_fsdp_modules
+from twinshard.api import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, check_fsdp_modules
 from twinshard.reference.fully_shard import FSDPModule as ReferenceModule, shard_module
 from twinshard.reference.state import get_state
 
@@ -52,10 +52,10 @@ class FSDPModule(ReferenceModule):
         return _Handle(state.group)
 
     def set_modules_to_forward_prefetch(self, modules) -> None:
-        get_state(self).forward_hint = _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
+        get_state(self).forward_hint = check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules) -> None:
-        get_state(self).backward_hint = _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
+        get_state(self).backward_hint = check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
 
     def set_post_optim_event(self, event) -> None:
         state = get_state(self)

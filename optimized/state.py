@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from twinshard.reference.state import FSDPState as ReferenceState, get_state
-
 from twinshard.reference.param_group import TrainingState
+from twinshard.reference.state import FSDPState as ReferenceState, get_state
 
 from .comm import CommContext
 from .flat_group import FlatParamGroup, finish_reduce
@@ -44,7 +43,7 @@ class FSDPState(ReferenceState):
         for state in self.all_states:
             state.comm = self.comm
             if state.group is not None:
-                state.group.comm = self.comm
+                state.group.use_comm(self.comm)
 
     # --- forward ----------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):

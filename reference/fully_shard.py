@@ -44,8 +44,13 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
 
 def shard_module(module, group_type, state_type, module_type, mesh, reshard_after_forward,
                  mp_policy, offload_policy, ignored_params, shard_placement_fn) -> nn.Module:
-    """The steps of ``fully_shard``; the optimized implementation runs the same steps with
-    its own group, state (hooks) and FSDPModule types."""
+    """The steps of ``fully_shard``, given the three types that make an implementation.
+
+    ``group_type`` (a ``ParamGroup`` subclass) schedules the collectives of one group's
+    parameters, ``state_type`` (an ``FSDPState`` subclass) holds the hooks, and ``module_type``
+    (an ``FSDPModule`` subclass) adds the methods. ``twinshard.optimized`` calls this with its
+    own three types; together with ``ShardedParam``'s public methods it is the contract
+    between the two implementations."""
     _check_module(module)
     if shard_placement_fn is not None:
         raise FSDPUsageError("twinshard shards every parameter on dim 0; "
@@ -68,7 +73,7 @@ def shard_module(module, group_type, state_type, module_type, mesh, reshard_afte
     state = state_type(module, group, mp, auto)
     module.__dict__["_twinshard_state"] = state
     if group is not None:
-        for m in group.named_modules_with_params():
+        for m in group.modules_with_params():
             m.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
             m._register_load_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
     module.__class__ = _fsdp_class(module_type, type(module))
@@ -168,7 +173,7 @@ class FSDPModule(FSDPModuleContract):
         for state in _states_below(self, recurse):
             state.auto_reshard_after_forward = False
             if state.group is not None:
-                state.group.post_forward_mesh = state.group.info if reshard_after_forward else None
+                state.group.post_forward_info = state.group.info if reshard_after_forward else None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for group in _groups_below(self, recurse):

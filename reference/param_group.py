@@ -21,7 +21,7 @@ import torch.nn as nn
 from twinshard.api import MixedPrecisionPolicy
 
 from .mesh import MeshInfo
-from .sharded_param import ParamState, ShardedParam
+from .sharded_param import ShardedParam
 
 
 class TrainingState(Enum):
@@ -38,7 +38,7 @@ class ParamGroup:
                  mp: MixedPrecisionPolicy, device: torch.device):
         self.params = params
         self.info = info
-        self.post_forward_mesh = post_forward  # None: keep unsharded after forward
+        self.post_forward_info = post_forward  # None: keep unsharded after forward
         self.mp = mp
         self.device = device
         self.state = TrainingState.IDLE
@@ -56,26 +56,25 @@ class ParamGroup:
         """Gradient reduction dtype: ``reduce_dtype``, else the compute dtype."""
         return self.mp.reduce_dtype or self.param_dtype(p)
 
-    # --- unshard / reshard ----------------------------------------------------------------------
-    @property
-    def is_unsharded(self) -> bool:
-        return all(p.state is ParamState.UNSHARDED for p in self.params)
+    def gradient_divisor(self) -> float:
+        """What reduced gradients are divided by: ``set_gradient_divide_factor``'s factor, else
+        the number of data-parallel ranks (the sum over ranks becomes their mean)."""
+        return self.divide_factor or self.info.shard_size * self.info.replicate_size
 
+    # --- unshard / reshard ----------------------------------------------------------------------
     @torch.no_grad()
     def unshard(self) -> None:
         """All-gather every parameter of the group (a no-op for those already unsharded)."""
         with torch.profiler.record_function("twinshard::unshard"):
             for p in self.params:
-                if p.state is ParamState.SHARDED:
-                    p.refresh()
-                p.unshard(self.param_dtype(p), self.post_forward_mesh)
+                p.unshard(self.param_dtype(p), self.post_forward_info)
 
     @torch.no_grad()
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded parameters; after forward, an int setting keeps a 1/N piece."""
         with torch.profiler.record_function("twinshard::reshard"):
             for p in self.params:
-                p.reshard(self.post_forward_mesh if after_forward else None)
+                p.reshard(self.post_forward_info if after_forward else None)
 
     # --- forward: unshard before, reshard after ---------------------------------------------------
     def pre_forward(self) -> None:
@@ -83,7 +82,7 @@ class ParamGroup:
         self.unshard()
 
     def post_forward(self) -> None:
-        if self.post_forward_mesh is not None:
+        if self.post_forward_info is not None:
             self.reshard(after_forward=True)
         self.state = TrainingState.IDLE
 
@@ -109,21 +108,19 @@ class ParamGroup:
 
     def reduce_grads_now(self) -> None:
         """Reduce-scatter (and for HSDP all-reduce) each waiting gradient, one by one."""
-        divide_by = self.divide_factor or self.info.shard_size * self.info.replicate_size
+        divide_by = self.gradient_divisor()
         for p in self.params:
             p.reduce_grad(divide_by, self.all_reduce_grads)
 
     def finish_backward(self) -> None:
         """End of the whole backward: groups whose inputs needed no gradient never got their
         post-backward call from autograd, so it runs here; then every group is idle again."""
-        if self.state is not TrainingState.POST_BACKWARD and any(
-            p.unsharded_param is not None and p.unsharded_param.grad is not None
-            for p in self.params
-        ):
+        if self.state is not TrainingState.POST_BACKWARD and any(p.has_new_grad for p in self.params):
             self.post_backward()
         elif self.reshard_after_backward:
             self.reshard()  # parameters that got no gradient are still freed
         self.state = TrainingState.IDLE
 
-    def named_modules_with_params(self) -> set[nn.Module]:
+    def modules_with_params(self) -> set[nn.Module]:
+        """Every module that holds one of the group's parameters."""
         return {m for p in self.params for m, _ in p.owners}

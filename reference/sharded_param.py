@@ -15,6 +15,16 @@ in backward, but we free the parameter's memory right after forward. So the unsh
 parameter is one tensor object for the whole training run: resharding shrinks its storage to
 zero bytes, unsharding grows it back and all-gathers into it. What autograd saved is the same
 object, so by the time backward needs it the data is there again.
+
+The contract. A parameter group moves a parameter between its states only through the public
+methods below, in this order; the reference's ``ParamGroup`` calls them one parameter at a
+time, and ``twinshard.optimized`` calls the very same methods around its batched collectives:
+
+    unshard   all_gather_mesh -> all_gather_input -> (all-gather) -> all_gather_output
+              -> finish_unshard                                   (``unshard`` does all five)
+    reshard   reshard
+    reduce    take_grad -> reduce_scatter_input -> (reduce-scatter) -> combine_partial_sum
+              -> (all-reduce) -> accumulate_grad                  (``reduce_grad`` does them all)
 """
 
 from __future__ import annotations
@@ -57,11 +67,12 @@ class ShardedParam:
         self.shape = param.shape  # (rows, *rest), the global shape
         self.stride = torch.empty(param.shape, device="meta").stride()  # of the whole tensor
         self.chunk = padded_rows(param.shape[0], info.shard_size)  # rows in each rank's block
+        self.block_shape = torch.Size((self.chunk, *param.shape[1:]))  # one rank's padded block
         self.unsharded_param: nn.Parameter | None = None  # created at the first unshard
-        self.padded: torch.Tensor | None = None  # (S * chunk, *rest) all-gather output
+        self.all_gather_buffer: torch.Tensor | None = None  # (S * chunk, *rest); holds it
         self.post_forward_block: torch.Tensor | None = None  # SHARDED_POST_FORWARD piece
         self.grad_to_reduce: torch.Tensor | None = None  # (rows, *rest) unreduced gradient sum
-        self.partial_reduce: torch.Tensor | None = None  # HSDP: reduce-scattered, not all-reduced
+        self.partial_sum: torch.Tensor | None = None  # HSDP: reduce-scattered, not all-reduced
         self.sharded_param = nn.Parameter(self._shard(param), requires_grad=param.requires_grad)
         self.state = ParamState.SHARDED
         self._register(self.sharded_param)
@@ -114,30 +125,49 @@ class ShardedParam:
         """All-gather the whole parameter into the unsharded tensor and put it on the module."""
         if self.state is ParamState.UNSHARDED:
             return
+        group = self.all_gather_mesh(post_forward).shard_group
+        block = self.all_gather_input(dtype)  # (chunk, *rest), or (S*chunk/N, *rest)
+        all_gather_rows(self.all_gather_output(dtype), block, group)  # (S * chunk, *rest)
+        self.finish_unshard()
+
+    def all_gather_mesh(self, post_forward: MeshInfo | None) -> MeshInfo:
+        """Whose blocks make up the whole parameter: the N ranks of the post-forward mesh
+        when only a 1/N piece was kept after forward, else the shard group."""
+        return post_forward if self.state is ParamState.SHARDED_POST_FORWARD else self.info
+
+    def all_gather_input(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's part of the all-gather, on the compute device, in ``dtype``: the kept
+        post-forward piece, or the sharded block padded to ``chunk`` rows."""
         if self.state is ParamState.SHARDED_POST_FORWARD:
-            block, group = self.post_forward_block, post_forward.shard_group  # (S*chunk/N, *rest)
+            return self.post_forward_block  # (S * chunk / N, *rest)
+        self.refresh()
+        local = self.sharded_param.to_local()  # (<= chunk, *rest)
+        return pad_rows(local.to(self.device, dtype), self.chunk)  # (chunk, *rest)
+
+    def all_gather_output(self, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor the all-gather fills, (S * chunk, *rest), with its memory (re)allocated.
+
+        Its first ``rows`` rows are the unsharded parameter; the rest are padding."""
+        rows = self.info.shard_size * self.chunk
+        if self.all_gather_buffer is None:
+            self.all_gather_buffer = torch.empty((rows, *self.shape[1:]), dtype=dtype,
+                                                 device=self.device)
+            # ``.data`` gives the parameter its own version counter, so that writing the
+            # all-gather into the buffer does not look like an in-place change to autograd.
+            view = self.all_gather_buffer.data.narrow(0, 0, self.shape[0])  # (rows, *rest)
+            self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
         else:
-            local = self.sharded_param.to_local()  # (<= chunk, *rest)
-            block = pad_rows(local.to(self.device, dtype), self.chunk)  # (chunk, *rest)
-            group = self.info.shard_group
-        self._allocate_unsharded(dtype)
-        all_gather_rows(self.padded, block, group)  # padded: (S * chunk, *rest)
+            buffer = self.all_gather_buffer
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        return self.all_gather_buffer
+
+    def finish_unshard(self) -> None:
+        """Once ``all_gather_output`` holds the gathered rows: put the unsharded parameter on
+        the module and drop the post-forward piece."""
         self.post_forward_block = None
         self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
         self._register(self.unsharded_param)
         self.state = ParamState.UNSHARDED
-
-    def _allocate_unsharded(self, dtype: torch.dtype) -> None:
-        rows = self.info.shard_size * self.chunk
-        if self.padded is None:
-            self.padded = torch.empty((rows, *self.shape[1:]), dtype=dtype, device=self.device)
-            # ``.data`` gives the parameter its own version counter, so that writing the
-            # all-gather into ``padded`` does not look like an in-place change to autograd.
-            view = self.padded.data.narrow(0, 0, self.shape[0])  # (rows, *rest)
-            self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
-        else:
-            storage = self.padded.untyped_storage()
-            storage.resize_(self.padded.numel() * self.padded.element_size())
 
     def reshard(self, post_forward: MeshInfo | None = None) -> None:
         """Free the unsharded memory and put the DTensor back on the module.
@@ -146,19 +176,25 @@ class ShardedParam:
         """
         if self.state is not ParamState.UNSHARDED:
             return
+        buffer = self.all_gather_buffer  # (S * chunk, *rest)
         if post_forward is not None and post_forward is not self.info:
-            piece = self.padded.shape[0] // post_forward.shard_size
+            piece = buffer.shape[0] // post_forward.shard_size
             start = post_forward.shard_rank * piece
-            self.post_forward_block = self.padded[start:start + piece].clone()  # (S*chunk/N, *rest)
-        self.padded.untyped_storage().resize_(0)  # the memory FSDP saves
+            self.post_forward_block = buffer[start:start + piece].clone()  # (S*chunk/N, *rest)
+        buffer.untyped_storage().resize_(0)  # the memory FSDP saves
         self._register(self.sharded_param)
         keep_piece = self.post_forward_block is not None
         self.state = ParamState.SHARDED_POST_FORWARD if keep_piece else ParamState.SHARDED
 
     # --- gradients --------------------------------------------------------------------------
+    @property
+    def has_new_grad(self) -> bool:
+        """Whether autograd wrote an unsharded ``.grad`` that ``take_grad`` has not taken."""
+        return self.unsharded_param is not None and self.unsharded_param.grad is not None
+
     def take_grad(self, reduce_dtype: torch.dtype) -> None:
         """Move autograd's unsharded ``.grad`` into the sum waiting to be reduced."""
-        if self.unsharded_param is None or self.unsharded_param.grad is None:
+        if not self.has_new_grad:
             return
         grad = self.unsharded_param.grad.to(reduce_dtype)  # (rows, *rest)
         self.unsharded_param.grad = None
@@ -170,26 +206,43 @@ class ShardedParam:
     def reduce_grad(self, divide_by: float, all_reduce: bool) -> None:
         """Reduce-scatter the waiting gradient (and all-reduce it across HSDP replicas), then
         add this rank's block to the sharded ``DTensor`` gradient."""
-        if self.grad_to_reduce is None:
+        grad = self.reduce_scatter_input()  # (S * chunk, *rest)
+        if grad is None:
             return
-        grad = pad_rows(self.grad_to_reduce, self.info.shard_size * self.chunk)  # (S*chunk, *rest)
-        self.grad_to_reduce = None
         block = reduce_scatter_rows(grad, self.info.shard_group)  # (chunk, *rest) summed
         if self.info.replicate_group is not None:
-            if self.partial_reduce is not None:
-                block += self.partial_reduce
-            self.partial_reduce = None
-            if not all_reduce:
-                self.partial_reduce = block  # summed over the shard group only, for now
-                return
+            block = self.combine_partial_sum(block, all_reduce)
+            if block is None:
+                return  # summed over the shard group only, for now
             all_reduce_sum(block, self.info.replicate_group)
-        block = block / divide_by  # the sum over ranks becomes their mean (by default)
-        local_rows = self.sharded_param.to_local().shape[0]
-        self._accumulate(block[:local_rows])  # (<= chunk, *rest): padding rows dropped
+        self.accumulate_grad(block / divide_by)  # the sum over ranks becomes their mean
 
-    def _accumulate(self, block: torch.Tensor) -> None:
-        block = block.to(self.sharded_param.dtype).to(self.shard_device)
+    def reduce_scatter_input(self) -> torch.Tensor | None:
+        """Hand over the waiting gradient, padded to (S * chunk, *rest); None if there is none."""
+        if self.grad_to_reduce is None:
+            return None
+        grad = pad_rows(self.grad_to_reduce, self.info.shard_size * self.chunk)  # (S*chunk, *rest)
+        self.grad_to_reduce = None
+        return grad
+
+    def combine_partial_sum(self, block: torch.Tensor, all_reduce: bool) -> torch.Tensor | None:
+        """HSDP: add to ``block`` (chunk, *rest), in place, what earlier backwards reduce-scattered
+        without all-reducing. Returns the block to all-reduce now, or None when ``all_reduce``
+        is False: then the sum is kept for the next backward instead."""
+        if self.partial_sum is not None:
+            block += self.partial_sum  # (chunk, *rest)
+            self.partial_sum = None
+        if not all_reduce:
+            self.partial_sum = block
+            return None
+        return block
+
+    def accumulate_grad(self, block: torch.Tensor) -> None:
+        """Add a reduced block (chunk, *rest) to the sharded ``DTensor`` gradient, dropping the
+        padding rows and moving it to the shard's dtype and device."""
+        local_rows = self.sharded_param.to_local().shape[0]
+        block = block[:local_rows].to(self.sharded_param.dtype).to(self.shard_device)
         if self.sharded_param.grad is None:
-            self.sharded_param.grad = self._as_dtensor(block.contiguous())
+            self.sharded_param.grad = self._as_dtensor(block.contiguous())  # (<= chunk, *rest)
         else:
             self.sharded_param.grad.to_local().add_(block)

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from twinshard.api import FSDPUsageError, MixedPrecisionPolicy, map_tensors, named_tensors_in
+from twinshard.api import FSDPUsageError, MixedPrecisionPolicy, map_tensors, tensors_in
 
 from .mixed_precision import cast_inputs, cast_output
 from .param_group import ParamGroup, TrainingState
@@ -76,7 +76,7 @@ class FSDPState:
                     p.fqn = f"{name}.{p.owners[0][1]}".lstrip(".")
         if self.auto_reshard_after_forward and self.group is not None:
             # The root's parameters are the first ones backward needs: keep them.
-            self.group.post_forward_mesh = None
+            self.group.post_forward_info = None
 
     # --- forward: pre and post ------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -116,7 +116,7 @@ class FSDPState:
     # --- planting the backward markers --------------------------------------------------------------
     def _plant_pre_backward(self, output: Any) -> Any:
         if torch.is_grad_enabled():
-            for t in named_tensors_in(output):
+            for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(self.pre_backward)
         return output
@@ -124,7 +124,7 @@ class FSDPState:
     def _plant_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not torch.is_grad_enabled():
             return args, kwargs
-        inputs = [t for t in named_tensors_in((args, kwargs)) if t.requires_grad]
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         if not inputs:
             return args, kwargs  # the root's final callback will do post_backward
         marked = iter(PostBackwardMarker.apply(self, *inputs))

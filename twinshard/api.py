@@ -189,7 +189,7 @@ class FSDPModule:
         the reference is single-stream, so issuing an all-gather early would not overlap
         anything. The optimized implementation overrides this.
         """
-        self._fsdp_forward_hint = _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
+        self._fsdp_forward_hint = check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: Iterable["FSDPModule"]) -> None:
         """Modules whose all-gather is issued right after this module's, in backward.
@@ -197,7 +197,7 @@ class FSDPModule:
         Accepted and checked, and otherwise ignored by an implementation without overlap
         (see ``set_modules_to_forward_prefetch``).
         """
-        self._fsdp_backward_hint = _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
+        self._fsdp_backward_hint = check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
 
     def set_post_optim_event(self, event: Any) -> None:
         """Let the next forward's first all-gather wait on ``event`` (recorded after the
@@ -206,7 +206,9 @@ class FSDPModule:
         self._fsdp_post_optim_event = event
 
 
-def _check_fsdp_modules(modules: Iterable[Any], where: str) -> list:
+def check_fsdp_modules(modules: Iterable[Any], where: str) -> list:
+    """The modules of a prefetch list, checked: each must be one that fully_shard was applied
+    to. ``where`` names the method in the error."""
     modules = list(modules)
     for m in modules:
         if not isinstance(m, FSDPModule):
@@ -217,7 +219,7 @@ def _check_fsdp_modules(modules: Iterable[Any], where: str) -> list:
     return modules
 
 
-def named_tensors_in(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
     """Every tensor inside a nested structure of tuples, lists, dicts and dataclasses."""
     found: list[torch.Tensor] = []
     map_tensors(lambda t: found.append(t) or t, obj)

@@ -1,0 +1,185 @@
+"""A stream sanitizer: checks, on the CPU, that a multi-stream schedule orders its memory.
+
+Used by ``twinshard.optimized``'s stand-in streams (``optimized/standin.py``), and by any
+implementation that schedules its work on the same stand-in streams.
+
+Each stand-in stream keeps a vector clock: its own count of work, and for every other stream
+the latest point it has waited for (``wait_event`` merges the event's clock, ``wait_stream``
+the other stream's). This dispatch mode sees every tensor operation and notes, per storage, the
+last write and the reads since, each as (stream, time). An access from stream A to data last
+written by stream B at time t is a race unless A's clock has B >= t, and a write must likewise
+come after every earlier read. ``release`` is where the schedule says a buffer may be reused:
+every access must by then be ordered before the stream that allocated it (the one whose memory
+pool would hand it out again), and any later use is reported as a use after release. Each
+violation raises ``StreamOrderError`` at the operation that commits it, naming the operation
+and the streams.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class StreamOrderError(RuntimeError):
+    """The schedule accessed or released memory without the ordering a device needs."""
+
+
+@dataclass
+class Access:
+    stream: object
+    time: int
+    op: str
+
+
+@dataclass
+class StorageRecord:
+    storage: weakref.ref  # the storage this record is about (its address may be reused later)
+    allocated_on: object
+    last_write: Access | None
+    reads: dict = field(default_factory=dict)  # stream name -> latest read since the write
+    released: str | None = None  # where the schedule released it
+
+
+# Which arguments a collective writes (c10d schemas carry no alias annotations).
+_C10D_WRITES = {"allreduce_": {0}, "broadcast_": {0}}
+_C10D_DEFAULT_WRITES = {0}  # output first: all-gather, reduce-scatter and their variants
+
+
+class StreamSanitizer(TorchDispatchMode):
+    """Checks every tensor access against the stand-in streams' order."""
+
+    def __init__(self, streams):
+        super().__init__()
+        self.streams = streams
+        self.records: dict[int, StorageRecord] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reads, writes, view = _accesses(func, args, kwargs)
+        if not view:
+            for t in writes:
+                self._access(t, True, func)
+            for t in reads:
+                self._access(t, False, func)
+        out = func(*args, **kwargs)
+        if not view:
+            known = {_key(t) for t in reads + writes}
+            for t in _tensors(out):
+                if _key(t) not in known:  # a fresh tensor, allocated on the current stream
+                    self._fresh(t, func)
+        return out
+
+    def _record(self, t: torch.Tensor) -> StorageRecord | None:
+        key = _key(t)
+        if key is None:
+            return None
+        rec = self.records.get(key)
+        storage = _storage(t)
+        if rec is None or rec.storage() is not storage:  # new, or an old address reused
+            rec = StorageRecord(weakref.ref(storage), self.streams.default, None)
+            self.records[key] = rec
+        return rec
+
+    def _fresh(self, t: torch.Tensor, func) -> None:
+        key = _key(t)
+        if key is not None:
+            stream = self.streams.current()
+            self.records[key] = StorageRecord(weakref.ref(_storage(t)), stream,
+                                              Access(stream, stream.tick(), _name(func)))
+
+    def _access(self, t: torch.Tensor, write: bool, func) -> None:
+        rec = self._record(t)
+        if rec is None:
+            return
+        stream, op = self.streams.current(), _name(func)
+        verb = "writes" if write else "reads"
+        if rec.released is not None:
+            raise StreamOrderError(f"{op} on stream '{stream.name}' {verb} a buffer that was "
+                                   f"already released ({rec.released}): use after release")
+        earlier = [rec.last_write] if rec.last_write else []
+        if write:
+            earlier += rec.reads.values()
+        for a in earlier:
+            if not _ordered(a, stream):
+                raise StreamOrderError(
+                    f"{op} on stream '{stream.name}' {verb} memory that {a.op} on stream "
+                    f"'{a.stream.name}' used, without waiting for it: wait on an event recorded "
+                    "after that use first")
+        access = Access(stream, stream.tick(), op)
+        if write:
+            rec.last_write, rec.reads = access, {}
+        else:
+            rec.reads[stream.name] = access
+
+    def release(self, t: torch.Tensor, where: str) -> None:
+        rec = self._record(t)
+        if rec is None:
+            return
+        uses = ([rec.last_write] if rec.last_write else []) + list(rec.reads.values())
+        for a in uses:
+            if not _ordered(a, rec.allocated_on):
+                raise StreamOrderError(
+                    f"{where}: a buffer of stream '{rec.allocated_on.name}' is released while "
+                    f"{a.op} on stream '{a.stream.name}' may still use it; make "
+                    f"'{rec.allocated_on.name}' wait on an event recorded after that use first")
+        rec.released = where
+
+
+def _ordered(access: Access, stream: object) -> bool:
+    """Whether ``access`` happens before whatever ``stream`` does next."""
+    return access.stream is stream or stream.clock.get(access.stream.name, 0) >= access.time
+
+
+def _accesses(func, args, kwargs) -> tuple[list, list, bool]:
+    """(tensors read, tensors written, whether the op is a view that touches no data)."""
+    schema = func._schema
+    if func.namespace == "c10d":
+        written = _C10D_WRITES.get(func.__name__.split(".")[0], _C10D_DEFAULT_WRITES)
+        flags = [i in written for i in range(len(args))]
+        values = list(args)
+    else:
+        returns = schema.returns
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return [], [], True
+        values, flags = [], []
+        for i, arg in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            values.append(value)
+            flags.append(arg.alias_info is not None and arg.alias_info.is_write)
+    reads, writes = [], []
+    for value, write in zip(values, flags):
+        (writes if write else reads).extend(_tensors(value))
+    return reads, writes, False
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, DTensor):
+        return [value.to_local()]
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _storage(t: torch.Tensor):
+    return t.untyped_storage()
+
+
+def _key(t: torch.Tensor) -> int | None:
+    if t.device.type != "cpu":
+        return None
+    try:
+        ptr = _storage(t).data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
+        return None
+    return ptr or None
+
+
+def _name(func) -> str:
+    return f"{func.namespace}.{func.__name__}"

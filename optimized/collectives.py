@@ -1,0 +1,141 @@
+"""The optimized path's collectives: one all-gather and one reduce-scatter per parameter group.
+
+Four free functions, each handed the group's parameters and the shared ``CommContext``; the
+two that issue work return a small record of what is in flight:
+
+    all_gather     copy-in + all-gather       -> AllGatherResult
+    copy_out       wait, split into the unsharded parameters
+    reduce_scatter pack + reduce-scatter (+ HSDP partial sum and all-reduce) -> ReduceScatterResult
+    accumulate     wait, divide, add to the sharded gradients
+
+They move parameters between states only through ``ShardedParam``'s public methods, the
+same ones the reference's per-parameter loop calls; only the batching and the streams differ.
+
+[Note: one flat buffer per group]
+The reference all-gathers each parameter separately: for a block of nine weights that is nine
+collectives, each paying the full latency of a round trip. Here the group's blocks are copied
+into one flat buffer (rank-major: every rank contributes its blocks of all parameters, in the
+same order) and gathered at once; viewing the result as (ranks, per-rank numel) and splitting
+along dim 1 hands each parameter its (ranks, chunk * rest) slice, which is exactly its padded
+unsharded tensor viewed as (ranks, chunk * rest). Gradients go the other way. Every element
+takes the same values through the same sums as in the reference; only how many messages carry
+them changes, so in fp32 at world size <= 2 the results are bitwise equal.
+
+[Note: HSDP after the reduce-scatter]
+The partial sum of earlier backwards (``set_requires_all_reduce(False)``) is added on the
+reduce-scatter stream, right after the reduce-scatter: the stream that allocated those
+buffers is the one that reads and drops them, so no other stream can be using them. Only then
+does the all-reduce stream take over. On the CPU that addition needs the reduce-scatter's
+data, so the CPU waits for it there; without HSDP nothing waits before ``accumulate``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommContext, Pending
+
+# torch 2.13 renamed the single-tensor collectives; torch 2.11 has only the old names.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class AllGatherResult(NamedTuple):
+    pending: Pending
+    send: torch.Tensor  # (per-rank numel,) this rank's blocks, flat
+    recv: torch.Tensor  # (ranks * per-rank numel,) every rank's blocks, rank-major
+    ranks: int
+    params: list  # the ShardedParams in ``send``, in order
+    dtypes: list  # their all-gather (compute) dtypes
+
+
+class ReduceScatterResult(NamedTuple):
+    pending: Pending  # the reduce-scatter, or the HSDP all-reduce after it
+    grads: list  # the unreduced gradients (S * chunk, *rest); kept until the pack has run
+    packed: torch.Tensor  # (S * per-rank numel,) the gradients, rank-major
+    out: torch.Tensor  # (per-rank numel,) this rank's reduced block of every gradient
+    params: list  # the ShardedParams in ``out``, in order
+    divide_by: float
+    kept_partial: bool  # HSDP without all-reduce: the sums wait in the params; add nothing
+
+
+@torch.no_grad()
+def all_gather(params: list, dtypes: list, group: dist.ProcessGroup,
+               comm: CommContext) -> AllGatherResult:
+    """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over
+    ``group``. Replaces the reference's ``ShardedParam.unshard`` loop of one blocking
+    all-gather per parameter; see [Note: one flat buffer per group]."""
+    comm.before_all_gather()
+    with comm.on(comm.copy_in_stream):
+        send = torch.cat([p.all_gather_input(d).reshape(-1) for p, d in zip(params, dtypes)])
+    comm.all_gather_stream.wait_stream(comm.copy_in_stream)
+    with comm.on(comm.all_gather_stream):
+        ranks = dist.get_world_size(group)
+        recv = send.new_empty(ranks * send.numel())
+        pending = comm.issue(all_gather_into, recv, send, group=group,
+                             stream=comm.all_gather_stream)
+    return AllGatherResult(pending, send, recv, ranks, params, dtypes)
+
+
+@torch.no_grad()
+def copy_out(result: AllGatherResult, comm: CommContext) -> None:
+    """Wait for the all-gather and copy every parameter out of it with one fused split-copy
+    (replaces the reference's all-gather straight into each parameter's own buffer)."""
+    comm.wait(result.pending)
+    ranks = result.ranks
+    outs = [p.all_gather_output(d).view(ranks, -1) for p, d in zip(result.params, result.dtypes)]
+    recv = result.recv.view(ranks, -1)  # (ranks, per-rank numel)
+    torch.split_with_sizes_copy(recv, [o.shape[1] for o in outs], dim=1, out=outs)
+    for p in result.params:
+        p.finish_unshard()
+    comm.hold("all_gather", result.send, result.recv)
+
+
+@torch.no_grad()
+def reduce_scatter(params: list, info, all_reduce: bool, divide_by: float,
+                   comm: CommContext) -> ReduceScatterResult | None:
+    """Pack the waiting gradients of ``params`` into one buffer and reduce-scatter it; for
+    HSDP add the partial sums and all-reduce across replicas. Replaces the reference's
+    ``ShardedParam.reduce_grad`` loop of blocking per-parameter reductions."""
+    taken = [(p, g) for p in params if (g := p.reduce_scatter_input()) is not None]
+    if not taken:
+        return None
+    params, grads = [p for p, _ in taken], [g for _, g in taken]
+    S = info.shard_size
+    comm.before_reduce_scatter()
+    with comm.on(comm.reduce_scatter_stream):
+        packed = torch.cat([g.view(S, -1) for g in grads], dim=1).view(-1)  # (S * per-rank,)
+        out = packed.new_empty(packed.numel() // S)  # (per-rank numel,)
+        pending = comm.issue(reduce_scatter_into, out, packed, group=info.shard_group,
+                             stream=comm.reduce_scatter_stream)
+        kept = False
+        if info.replicate_group is not None:  # see [Note: HSDP after the reduce-scatter]
+            comm.wait(pending, comm.reduce_scatter_stream)
+            blocks = out.split([p.block_shape.numel() for p in params])
+            for p, block in zip(params, blocks):
+                p.combine_partial_sum(block.view(p.block_shape), all_reduce)
+            kept = not all_reduce
+    if info.replicate_group is not None and all_reduce:
+        comm.all_reduce_stream.wait_stream(comm.reduce_scatter_stream)
+        pending = comm.issue(dist.all_reduce, out, group=info.replicate_group,
+                             stream=comm.all_reduce_stream)
+    return ReduceScatterResult(pending, grads, packed, out, params, divide_by, kept)
+
+
+@torch.no_grad()
+def accumulate(result: ReduceScatterResult, comm: CommContext) -> None:
+    """Wait for a reduction and add each parameter's block to its sharded gradient
+    (replaces the end of ``ShardedParam.reduce_grad``: one division for the whole group)."""
+    comm.wait(result.pending)
+    comm.streams.release(result.grads, "release of the unreduced gradients")
+    if result.kept_partial:
+        comm.hold("reduce_scatter", result.packed)  # ``out`` lives on in the partial sums
+        return
+    reduced = result.out / result.divide_by  # (per-rank numel,) the mean over ranks
+    comm.hold("reduce_scatter", result.packed, result.out)
+    blocks = reduced.split([p.block_shape.numel() for p in result.params])
+    for p, block in zip(result.params, blocks):
+        p.accumulate_grad(block.view(p.block_shape))
