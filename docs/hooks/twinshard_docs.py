@@ -1,0 +1,188 @@
+"""MkDocs hook: the parts of the site that are generated, so that none of them can go stale.
+
+- API source layout: pyproject.toml installs the top-level folders ``reference/`` etc. as
+  ``twinshard.reference`` etc.; mkdocstrings reads source files by import name, so
+  ``build/api-src/`` gets a tree of links that follows the same mapping.
+- Tutorials: every ``tutorials/*.ipynb`` becomes a page under "Tutorials" (navigation built
+  from the glob), rendered by mkdocs-jupyter from an executed copy (``notebooks.py``).
+  ``TWINSHARD_DOCS_NOTEBOOKS=stored`` renders the notebooks as stored (no outputs), for quick
+  previews of the prose; the default, ``execute``, runs each one (cached) and a notebook that
+  raises fails the build.
+- Placeholders in pages, each an HTML comment alone on a line, replaced at build time:
+  ``<!-- twinshard:tutorials -->``          the list of tutorials with their titles
+  ``<!-- twinshard:conformance-cases -->``  the conformance cases from their docstrings
+  ``<!-- twinshard:torch-mapping -->``      torch's FSDP names against twinshard's (``mapping.py``)
+  ``<!-- twinshard:cli ARGS -->``           the ``--help`` of ``twinshard ARGS``
+  ``<!-- twinshard:modules PACKAGE -->``    a mkdocstrings block for each module of PACKAGE,
+                                           in the order its docstring names them
+  An unknown placeholder fails the build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import pathlib
+import re
+import subprocess
+import sys
+
+from mkdocs.exceptions import PluginError
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File
+
+HOOKS = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HOOKS))  # hooks are loaded by path; their siblings are not importable otherwise
+
+import mapping  # noqa: E402
+import notebooks  # noqa: E402
+
+ROOT = notebooks.ROOT
+# The notebooks' folder; tests point it elsewhere to build the site around notebooks of their own.
+TUTORIALS = pathlib.Path(os.environ.get("TWINSHARD_TUTORIALS", ROOT / "tutorials"))
+PLACEHOLDER = re.compile(r"^<!-- twinshard:([a-z-]+)(?: (.*?))? -->$", re.MULTILINE)
+
+
+# --- the API's source tree ------------------------------------------------------------------
+def package_dirs() -> dict[str, str]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    return pyproject["tool"]["setuptools"]["package-dir"]
+
+
+def api_source_tree(tree: pathlib.Path = ROOT / "build" / "api-src") -> pathlib.Path:
+    """Link each import name's folder under ``tree`` (``tree/twinshard/reference`` ->
+    ``reference/``), so that a static reader finds every module by its import name."""
+    shutil.rmtree(tree, ignore_errors=True)
+    mapping = package_dirs()
+    for name in sorted(mapping, key=lambda n: n.count(".")):
+        source, target = ROOT / mapping[name], tree.joinpath(*name.split("."))
+        if target.exists():
+            continue  # inside a folder that is already linked (conformance/planted)
+        if "." not in name:  # a top-level package: a real folder, so subpackages fit inside
+            target.mkdir(parents=True)
+            for entry in source.iterdir():
+                if entry.name != "__pycache__":
+                    (target / entry.name).symlink_to(entry)
+        else:
+            target.symlink_to(source, target_is_directory=True)
+    return tree
+
+
+# --- tutorials ----------------------------------------------------------------------------------
+def tutorial_notebooks() -> list[pathlib.Path]:
+    return sorted(TUTORIALS.glob("*.ipynb"))
+
+
+def notebook_summary(path: pathlib.Path) -> tuple[str, str]:
+    """(title, first paragraph) from the notebook's first markdown cell."""
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    text = next(("".join(c["source"]) for c in cells if c["cell_type"] == "markdown"), "")
+    title, lines = path.stem, []
+    for line in text.splitlines():
+        if line.startswith("# ") and title == path.stem:
+            title = line[2:].strip()
+        elif line.strip() and not line.startswith("#"):
+            lines.append(line.strip())
+        elif lines:
+            break
+    return title, " ".join(lines)
+
+
+@event_priority(100)  # before mkdocstrings reads its paths
+def on_config(config):
+    """Lay out the API's sources; put each notebook under "Tutorials" in the navigation."""
+    api_source_tree()
+    for i, item in enumerate(config["nav"]):
+        if isinstance(item, dict) and "Tutorials" in item:
+            index = item["Tutorials"]
+            pages = [{notebook_summary(nb)[0]: f"tutorials/{nb.name}"} for nb in tutorial_notebooks()]
+            config["nav"][i] = {"Tutorials": [index, *pages]}
+            return config
+    raise PluginError("mkdocs.yml: the navigation has no 'Tutorials' entry for the notebooks")
+
+
+@event_priority(100)  # before mkdocs-jupyter looks at the files
+def on_files(files, config):
+    mode = os.environ.get("TWINSHARD_DOCS_NOTEBOOKS", "execute")
+    if mode not in ("execute", "stored"):
+        raise PluginError(f"TWINSHARD_DOCS_NOTEBOOKS must be 'execute' or 'stored', not {mode!r}")
+    sources = notebooks.source_digest() if mode == "execute" else None
+    for nb in tutorial_notebooks():
+        try:
+            path = notebooks.executed_copy(nb, sources) if mode == "execute" else nb
+        except notebooks.NotebookFailed as error:
+            raise PluginError(str(error)) from None
+        files.append(File.generated(config, f"tutorials/{nb.name}", abs_src_path=str(path)))
+    return files
+
+
+def tutorials_list() -> str:
+    found = tutorial_notebooks()
+    if not found:
+        return "*No notebook is in `tutorials/` yet.*"
+    rows = []
+    for nb in found:
+        title, summary = notebook_summary(nb)
+        rows.append(f"1. [{title}]({nb.name}){': ' + summary if summary else ''}")
+    return "\n".join(rows)
+
+
+# --- conformance cases ------------------------------------------------------------------------
+def conformance_cases() -> str:
+    from twinshard.conformance.cases import CASES
+
+    rows = ["| case | group | what it checks |", "| --- | --- | --- |"]
+    for name, case in CASES.items():
+        if not case.doc:
+            raise PluginError(f"conformance case '{name}' has no docstring to list on the site")
+        doc = " ".join(case.doc.split("\n\n")[0].split()).replace("|", "\\|")
+        rows.append(f"| `{name}` | {case.group} | {doc} |")
+    return "\n".join(rows)
+
+
+# --- every module of a package ----------------------------------------------------------------
+def module_blocks(package: str) -> str:
+    """``::: package.module`` for each module file, in the order the package docstring first
+    mentions ``module.py`` (its reading order), then the rest alphabetically."""
+    folder = ROOT / package_dirs()[package]
+    init = (folder / "__init__.py").read_text(encoding="utf-8")
+    names = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    if not names:
+        raise PluginError(f"{package} has no modules to document in {folder}")
+    position = {n: init.find(f"{n}.py") if f"{n}.py" in init else len(init) for n in names}
+    ordered = sorted(names, key=lambda n: (position[n], n))
+    return "\n".join(f"::: {package}.{n}\n    options:\n      heading_level: 3\n" for n in ordered)
+
+
+# --- CLI help ----------------------------------------------------------------------------------
+def cli_help(args: str) -> str:
+    command = [sys.executable, "-m", "twinshard.cli", *args.split(), "--help"]
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "COLUMNS": "100"})
+    if out.returncode != 0:
+        raise PluginError(f"`twinshard {args} --help` failed:\n{out.stderr}")
+    return f"```text\n$ twinshard {args} --help\n{out.stdout.rstrip()}\n```"
+
+
+# --- the placeholders --------------------------------------------------------------------------
+def on_page_markdown(markdown, page, config, files):
+    def fill(match: re.Match) -> str:
+        name, args = match.group(1), match.group(2) or ""
+        if name == "tutorials":
+            return tutorials_list()
+        if name == "conformance-cases":
+            return conformance_cases()
+        if name == "torch-mapping":
+            return mapping.markdown()
+        if name == "cli":
+            return cli_help(args)
+        if name == "modules":
+            return module_blocks(args)
+        raise PluginError(f"{page.file.src_uri}: unknown placeholder 'twinshard:{name}'")
+
+    return PLACEHOLDER.sub(fill, markdown)
