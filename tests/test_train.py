@@ -7,6 +7,7 @@ ten process groups. Parameters are compared with ``assert_close`` defaults (fp32
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import shutil
@@ -18,12 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard import checkpoint as ckpt
-from twinshard import train
 from twinshard.cli import main as cli
-from twinshard.export import load_exported
 from twinshard.launch import launch
 from twinshard.models import Llama, LlamaConfig
+from twinshard.train import build, config, flags, report
+from twinshard.train import checkpoint as ckpt
+from twinshard.train.export import load_exported
 
 # A model and batch small enough for a few seconds per run; 12 sequences split over 1, 2 or 3
 # ranks and into 2 micro-batches.
@@ -60,7 +61,7 @@ def rng_files(checkpoint: Path) -> list[dict]:
 def expected_rng(seed: int, step: int, rank: int) -> dict:
     saved = torch.get_rng_state()
     try:
-        train.seed_rank_rngs(seed, step, rank)
+        build.seed_rank_rngs(seed, step, rank)
         return ckpt.rng_state()
     finally:
         torch.set_rng_state(saved)
@@ -91,7 +92,7 @@ def test_short_run_loss_falls(short_run):
 
 def test_short_run_writes_log_plot_and_keeps_two_checkpoints(short_run):
     log = (short_run / "train.log").read_text()
-    assert "reference fully_shard on 2 rank(s)" in log
+    assert "optimized fully_shard on 2 rank(s)" in log  # the default implementation
     assert "step 40/40" in log and "done: steps 0 -> 40" in log and "sample: " in log
     assert "validation loss" in log
     names = [p.name for p in ckpt.complete_checkpoints(short_run / "checkpoints")]
@@ -110,7 +111,7 @@ def test_short_run_writes_log_plot_and_keeps_two_checkpoints(short_run):
 
 def test_loss_curve_without_matplotlib_is_a_csv(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    message = train.write_loss_curve(tmp_path, [5.0, 4.0, 3.5], 3.6, "t")
+    message = report.write_loss_curve(tmp_path, [5.0, 4.0, 3.5], 3.6, "t")
     assert "matplotlib is not installed" in message and "loss.csv" in message
     assert (tmp_path / "loss.csv").read_text().splitlines() == [
         "step,loss", "1,5.000000", "2,4.000000", "3,3.500000"]
@@ -122,10 +123,10 @@ def sharded_logits(checkpoint: str, tokens: torch.Tensor) -> torch.Tensor:
     """Load ``checkpoint`` into the sharded training model on these ranks; its logits."""
     from torch.distributed.device_mesh import init_device_mesh
     manifest = ckpt.validate(Path(checkpoint))
-    cfg = train.TrainConfig(**manifest["config"], model=manifest["model"])
+    cfg = config.TrainConfig(**manifest["config"], model=manifest["model"])
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = train.build_model(cfg, torch.device("cpu"), mesh)
-    opt, sched = train.build_optimizer(cfg, model)
+    model = build.build_model(cfg, torch.device("cpu"), mesh)
+    opt, sched = build.build_optimizer(cfg, model)
     ckpt.load(Path(checkpoint), model, opt, sched)
     with torch.no_grad():
         return model(tokens)
@@ -162,25 +163,21 @@ def test_export_refuses_to_overwrite_and_reports_missing_checkpoints(short_run, 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    assert run_train("--out", out, "--nproc", 2, "--steps", RESUME_STEPS, "--checkpoint-every", 0) == 0
+    assert run_train("--out", out, "--nproc", 2, "--steps", RESUME_STEPS, "--checkpoint-every", 0,
+                     "--impl", "reference") == 0
     return out
 
 
-def optimized_or_torch() -> str:
-    import twinshard.optimized
-    return "optimized" if hasattr(twinshard.optimized, "fully_shard") else "torch"
-
-
 def test_resume_at_1_then_3_ranks_matches_an_uninterrupted_run(uninterrupted, tmp_path):
-    """2 ranks (reference) -> 1 rank (torch's fully_shard, 2 micro-batches) -> 3 ranks
-    (optimized, once it exists): the same parameters as 2 ranks of the reference throughout."""
+    """2 ranks (optimized, the default) -> 1 rank (torch's fully_shard, 2 micro-batches) -> 3
+    ranks (reference): the same parameters as 2 ranks of the reference throughout."""
     out = tmp_path / "run"
     assert run_train("--out", out, "--nproc", 2, "--steps", RESUME_STEPS, "--stop-at", 2,
                      "--checkpoint-every", 0) == 0
     # Options left out come from the checkpoint; --impl and --grad-accum may change.
     assert cli(["train", "--resume", str(out), "--nproc", "1", "--stop-at", "4",
                 "--grad-accum", "2", "--impl", "torch"]) == 0
-    assert cli(["train", "--resume", str(out), "--nproc", "3", "--impl", optimized_or_torch()]) == 0
+    assert cli(["train", "--resume", str(out), "--nproc", "3", "--impl", "reference"]) == 0
     final = ckpt.resolve(out)
     assert final.name == f"step_{RESUME_STEPS:08d}"
     assert ckpt.validate(final)["world_size"] == 3
@@ -262,12 +259,19 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
         run_train("--preset", "enormous")
 
 
-def test_optimized_says_when_it_is_not_available(tmp_path, capsys, monkeypatch):
-    import twinshard.optimized
-    monkeypatch.delattr(twinshard.optimized, "fully_shard", raising=False)  # as before it existed
-    assert run_train("--out", tmp_path / "run", "--impl", "optimized") == 2
-    assert "twinshard.optimized is not available yet" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+def test_optimized_is_the_default_and_reference_one_flag_away(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli(["train", "--help"])
+    assert done.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "--impl {reference,optimized,torch}" in help_text
+    assert "(default optimized)" in help_text
+    args = argparse.Namespace(**dict.fromkeys(flags.DEFAULTS), nproc=2, stop_at=None, resume=None,
+                              out=str(tmp_path / "run"))
+    assert config.resolve(args).impl == "optimized"
+    args.impl = "reference"
+    assert config.resolve(args).impl == "reference"
+    assert not (tmp_path / "run").exists()  # resolving writes nothing
 
 
 def test_an_existing_run_or_an_incompatible_checkpoint_is_never_overwritten(short_run, tmp_path, capsys):

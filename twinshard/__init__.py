@@ -6,6 +6,9 @@
 - ``twinshard.api``: the shared types (policies, the ``FSDPModule`` contract, errors).
 - ``twinshard.launch``: run a function on N local ranks.
 - ``twinshard.models``: small example models with adjustable (uneven) sizes.
+- ``twinshard.train``: the training application (``twinshard train``, ``twinshard export``).
+- ``twinshard.cli``: the ``twinshard`` command.
 """
 
+# The one place the version is written; pyproject.toml reads it from here.
 __version__ = "0.1.0"

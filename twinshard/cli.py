@@ -1,8 +1,8 @@
 """The ``twinshard`` command: one entry point, a subcommand per job.
 
-    twinshard train ...     train the example Llama-style model with FSDP (twinshard.train)
-    twinshard export ...    write a checkpoint as one full state dict file (twinshard.train)
-    twinshard conform ...   run the conformance suite on an implementation (twinshard.conformance)
+    twinshard train ...     train the example Llama-style model with FSDP   (twinshard.train.cli)
+    twinshard export ...    write a checkpoint as one full state dict file  (twinshard.train.export)
+    twinshard conform ...   check an implementation against the truth       (twinshard.conformance.cli)
 
 Each subcommand lives in its own module, imported only when it runs, so ``twinshard --help``
 stays fast and one job's dependencies never load for another.
@@ -16,8 +16,8 @@ import sys
 
 # subcommand -> (module, one-line help); the module provides add_arguments(parser) and run(args)
 SUBCOMMANDS = {
-    "train": ("twinshard.train", "train the example Llama-style model with FSDP"),
-    "export": ("twinshard.export", "write a checkpoint as a single full state dict file"),
+    "train": ("twinshard.train.cli", "train the example Llama-style model with FSDP"),
+    "export": ("twinshard.train.export", "write a checkpoint as a single full state dict file"),
     "conform": ("twinshard.conformance.cli", "check an FSDP implementation against the truth"),
 }
 

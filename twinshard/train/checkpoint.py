@@ -21,7 +21,7 @@ number of ranks (and into any of the reference, optimized and torch ``fully_shar
 the data position (samples consumed, independent of the number of ranks) and the scheduler
 are plain values. Each rank's RNG state belongs to that rank and has no meaning on another
 one, so it is stored per rank and restored only when the world size is unchanged; otherwise
-the caller re-derives it from the seed, the step and the rank (``train.seed_rank_rngs``) and
+the caller re-derives it from the seed, the step and the rank (``build.seed_rank_rngs``) and
 says so in the log.
 
 Validation without a process group. ``validate`` checks the manifest, that every file it
@@ -208,7 +208,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, trainer: dict,
     partial = root / (PARTIAL_PREFIX + step_dir_name(step))
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        if final.exists():  # train.validate_output refuses runs that would get here
+        if final.exists():  # config.resolve refuses runs that would get here
             raise CheckpointError(f"refusing to overwrite the existing checkpoint {final}")
         for stale in root.glob(PARTIAL_PREFIX + "*"):  # killed saves: never complete now
             shutil.rmtree(stale)

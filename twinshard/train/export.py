@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from twinshard import checkpoint as ckpt
+from . import checkpoint as ckpt
 
 CONFIG_KEY = "twinshard.model_config"
 
@@ -96,5 +96,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"twinshard export: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: the model of {where} ({ckpt.describe(manifest)}); load it with "
-          "twinshard.export.load_exported(path), or Llama(config).load_state_dict(...)")
+          "twinshard.train.export.load_exported(path), or Llama(config).load_state_dict(...)")
     return 0
