@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "train": ("twinshard.train.cli", "train the example Llama-style model with FSDP"),
     "export": ("twinshard.train.export", "write a checkpoint as a single full state dict file"),
     "conform": ("twinshard.conformance.cli", "check an FSDP implementation against the truth"),
+    "schedule": ("twinshard.schedule.cli", "draw one training step, hook by hook"),
 }
 
 

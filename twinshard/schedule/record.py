@@ -1,0 +1,375 @@
+"""Record one training step of any FSDP implementation from the outside.
+
+``Recorder(model)`` attaches to a model that some ``fully_shard`` (twinshard's reference, its
+optimized path, torch's own, or a variant of yours) has already sharded. Inside
+``with recorder:`` it watches one forward and backward and produces a ``Schedule``: a list of
+``Event`` (one per hook that the implementation ran) and of ``Collective`` (one per c10d
+collective issued). It never calls into the implementation; it sees what a user could see:
+
+- forward: a forward pre-hook and a forward hook on each sharded module, registered after
+  the implementation's own, so they run right after its pre_forward and post_forward;
+- pre_backward: a tensor hook on the module's outputs, registered after the implementation's
+  hook on the same tensors, so it runs right after the implementation's pre_backward;
+- post_backward: an identity autograd function wrapped around the module's inputs *before*
+  the implementation wraps them (a prepended pre-hook), so in backward it runs after theirs;
+- the end of backward: an autograd-engine callback queued behind the implementation's;
+- collectives: a ``TorchDispatchMode`` (like ``twinshard.conformance.trace``) that sees each
+  c10d operator, its tensors and its process group, and notices the first operator that reads
+  a collective's result (for an asynchronous collective, the moment it had to be finished).
+
+After each hook it notes the state of every parameter of every group (a sharded ``DTensor``,
+an unsharded plain tensor, or freed) and the bytes alive in unsharded parameters (including
+all-gather buffers still in flight) and in gradient buffers (unsharded ``.grad`` and
+reduce-scatter inputs still alive). Which group a collective carries is worked out by
+``attribute.py`` from sizes and values, since the collective itself only knows its tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from .attribute import Attributor, GroupInfo, infer_post_forward_pieces, shard_size_of
+
+# c10d operator -> (collective, argument holding the results, argument holding the inputs)
+OPS = {
+    "_allgather_base_": ("all_gather", "output_tensor", "input_tensor"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "outputs", "inputs"),
+    "_reduce_scatter_base_": ("reduce_scatter", "output_tensor", "input_tensor"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "outputs", "inputs"),
+    "allreduce_": ("all_reduce", "tensors", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors", "tensors"),
+    "broadcast_": ("broadcast", "tensors", "tensors"),
+}
+HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "final_callback")
+
+
+@dataclass
+class Collective:
+    """One collective as this rank issued it."""
+    index: int
+    op: str  # all_gather | reduce_scatter | all_reduce | broadcast
+    dtype: str  # e.g. "float32"
+    nbytes: int  # of the larger side: the gathered output, the reduce-scatter input
+    ranks: int  # size of the process group it ran on
+    blocking: bool  # the caller waited for it before going on (async_op=False)
+    tick: int  # position in the step when issued
+    used_tick: int | None = None  # when its result was first read (blocking: = tick)
+    event: int | None = None  # the hook event during which it was issued
+    group: str | None = None  # the sharded module whose parameters or gradients it carries
+    params: tuple[str, ...] = ()  # which of them: one name, or all of the group's
+
+
+@dataclass
+class Event:
+    """A hook of the implementation has just run; what things looked like right after."""
+    index: int
+    tick: int
+    group: str  # module path of the sharded module ("" is the root)
+    hook: str  # one of HOOKS
+    phase: str  # forward | backward
+    states: dict[str, dict[str, str]]  # group -> parameter -> "S" sharded, "U", "P", "-" freed
+    unsharded_bytes: int
+    grad_bytes: int
+    collectives: list[int] = field(default_factory=list)  # issued during this hook
+
+
+@dataclass
+class Schedule:
+    """One step: events and collectives in order. Plain data, so it pickles across ranks."""
+    impl: str
+    rank: int
+    world_size: int
+    groups: list[str]  # module paths of the sharded modules, in module order
+    params: dict[str, list[str]]  # group -> its parameter names (relative to the module)
+    events: list[Event]
+    collectives: list[Collective]
+
+    def group_state(self, event: Event, group: str) -> str:
+        """One letter for a whole group: U, S, P, '-', or '*' when its parameters differ."""
+        letters = set(event.states[group].values())
+        return letters.pop() if len(letters) == 1 else "*"
+
+    def unsharded_groups(self, event: Event) -> list[str]:
+        return [g for g in self.groups if self.group_state(event, g) == "U"]
+
+    def calls(self, op: str | None = None, group: str | None = None) -> list[Collective]:
+        return [c for c in self.collectives
+                if (op is None or c.op == op) and (group is None or c.group == group)]
+
+    def events_of(self, hook: str, group: str | None = None) -> list[Event]:
+        return [e for e in self.events if e.hook == hook and (group is None or e.group == group)]
+
+
+def name_of(path: str) -> str:
+    """How a group is shown: its module path, or "root" for the top module."""
+    return path or "root"
+
+
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Sharded by twinshard (either implementation, or a variant) or by torch's fully_shard."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from twinshard.api import FSDPModule
+    return isinstance(module, (FSDPModule, TorchFSDPModule))
+
+
+def find_groups(model: nn.Module) -> list[GroupInfo]:
+    """Every sharded module with the parameters it manages (not those of sharded children)."""
+    groups, seen = [], set()
+    fsdp = [(path, m) for path, m in model.named_modules() if is_fsdp_module(m)]
+    for path, module in reversed(fsdp):  # children first: a tie belongs to the lower group
+        owned, todo = [], [("", module)]
+        while todo:
+            prefix, m = todo.pop()
+            for attr, p in m.named_parameters(recurse=False):
+                if isinstance(p, DTensor) and id(p) not in seen:
+                    seen.add(id(p))
+                    owned.append((prefix + attr, m, attr, p))
+            for child_name, child in reversed(list(m.named_children())):
+                if not is_fsdp_module(child):
+                    todo.append((f"{prefix}{child_name}.", child))
+        groups.append(GroupInfo(path, module, owned))
+    return list(reversed(groups))
+
+
+class _AfterPostBackward(torch.autograd.Function):
+    """Identity; its backward runs once the implementation's post-backward has run."""
+
+    @staticmethod
+    def forward(ctx, note, *inputs):
+        ctx.note = note
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.note()
+        return (None, *grads)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of a plain tensor's memory, None for subclasses or freed memory."""
+    if is_traceable_wrapper_subclass(t) or t.device.type == "meta":
+        return None
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes()) if s.nbytes() else None
+
+
+class _Watch(TorchDispatchMode):
+    """Sees every operator: records collectives and the first read of their results."""
+
+    def __init__(self, recorder: "Recorder"):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name, namespace = func.__name__.split(".")[0], getattr(func, "namespace", "")
+        if self.recorder.busy or namespace == "profiler":
+            pass  # the recorder's own arithmetic, or a profiler label: not part of the step
+        elif namespace == "c10d" and name in OPS:
+            self.recorder._issued(func, name, args, kwargs)
+        elif not func.is_view:
+            self.recorder._computed(args, kwargs)
+        return func(*args, **kwargs)
+
+
+class Recorder:
+    """Watches the sharded modules of ``model``; ``with recorder:`` records one step."""
+
+    def __init__(self, model: nn.Module, impl: str = ""):
+        self.model, self.impl = model, impl
+        self.groups = find_groups(model)
+        if not self.groups:
+            raise ValueError("no module of this model was sharded with fully_shard")
+        self.active, self.busy, self.handles = False, False, []
+        for g in self.groups:
+            self._attach(g)
+
+    # --- hooks ---------------------------------------------------------------------------------
+    def _attach(self, g: GroupInfo) -> None:
+        m, path = g.module, g.path
+        self.handles += [
+            m.register_forward_pre_hook(self._wrap_inputs(path), prepend=True, with_kwargs=True),
+            m.register_forward_pre_hook(self._after_pre_forward(path)),
+            m.register_forward_hook(self._after_forward(path)),
+        ]
+
+    def _wrap_inputs(self, path: str):
+        def hook(module, args, kwargs):
+            if not (self.active and torch.is_grad_enabled()):
+                return None
+            top = list(args) + list(kwargs.values())  # nested tensors are not followed
+            inputs = [t for t in top if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not inputs:
+                return None  # its gradients are reduced at the end of backward instead
+            note = lambda: self._event(path, "post_backward")  # noqa: E731
+            swapped = dict(zip(map(id, inputs), _AfterPostBackward.apply(note, *inputs)))
+            swap = lambda v: swapped.get(id(v), v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+            return (tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()})
+        return hook
+
+    def _after_pre_forward(self, path: str):
+        def hook(module, args):
+            if self.active:
+                self._event(path, "pre_forward")
+        return hook
+
+    def _after_forward(self, path: str):
+        def hook(module, args, output):
+            if not self.active:
+                return None
+            self._event(path, "post_forward")
+            fired = []
+
+            def pre_backward(grad):
+                if not fired:
+                    fired.append(True)
+                    self._queue_final_callback()
+                    self._event(path, "pre_backward")
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(pre_backward)
+            return None
+        return hook
+
+    def _queue_final_callback(self) -> None:
+        # Queued twice over: by the time ours is queued the second time, the
+        # implementation's own callback (queued by its first pre_backward) is ahead of it.
+        if not self.callback_queued:
+            self.callback_queued, self.phase = True, "backward"
+            engine = Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._final_callback))
+
+    def _final_callback(self) -> None:
+        self.callback_queued = False
+        self._event("", "final_callback")
+
+    # --- recording -----------------------------------------------------------------------------
+    def __enter__(self) -> "Recorder":
+        self.events, self.collectives, self.in_flight = [], [], {}
+        self.gathered, self.reduced = [], []  # weak references to communication buffers
+        self.ticks, self.phase, self.callback_queued = itertools.count(), "forward", False
+        self.attributor = Attributor(self.groups)
+        self.watch = _Watch(self)
+        self.watch.__enter__()
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        self.watch.__exit__(*exc)
+
+    def remove(self) -> None:
+        """Take every hook off the model."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    @property
+    def schedule(self) -> Schedule:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        s = Schedule(self.impl, rank, world, [g.path for g in self.groups],
+                     {g.path: [p[0] for p in g.params] for g in self.groups},
+                     list(self.events), list(self.collectives))
+        infer_post_forward_pieces(s, {g.path: g for g in self.groups})
+        return s
+
+    def _event(self, path: str, hook: str) -> None:
+        self.busy = True
+        try:
+            self._snapshot(path, hook)
+        finally:
+            self.busy = False
+
+    def _snapshot(self, path: str, hook: str) -> None:
+        tick = next(self.ticks)
+        states = {g.path: {name: self._state(getattr(owner, attr), g.sizes[name].shard_size)
+                           for name, owner, attr in g.params} for g in self.groups}
+        unsharded, grads = self._memory()
+        index = len(self.events)
+        mine = [c for c in self.collectives if c.event is None]
+        for c in mine:
+            c.event = index
+            self.attributor.resolve(c, path, self.phase)
+        self.events.append(Event(index, tick, path, hook, self.phase, states, unsharded, grads,
+                                 [c.index for c in mine]))
+
+    @staticmethod
+    def _state(t: torch.Tensor, shard_size: int) -> str:
+        if isinstance(t, DTensor):  # torch keeps a post-forward piece as a DTensor on fewer ranks
+            return "P" if shard_size_of(t) < shard_size else "S"
+        return "U" if _storage(t) else "-"
+
+    def _memory(self) -> tuple[int, int]:
+        params, grads = {}, {}
+        for g in self.groups:
+            for _, owner, attr in g.params:
+                t = getattr(owner, attr)
+                if not isinstance(t, DTensor):
+                    params.update([_storage(t) or (0, 0)])
+                    if t.grad is not None:
+                        grads.update([_storage(t.grad) or (0, 0)])
+        self.gathered = [r for r in self.gathered if r() is not None]
+        self.reduced = [r for r in self.reduced if r() is not None]
+        params.update(_storage(r()) or (0, 0) for r in self.gathered)
+        grads.update(_storage(r()) or (0, 0) for r in self.reduced)
+        return sum(params.values()), sum(grads.values())
+
+    def _issued(self, func, name: str, args, kwargs) -> None:
+        op, out_name, in_name = OPS[name]
+        bound = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
+        bound.update(zip((a.name for a in func._schema.arguments), args))
+        bound.update(kwargs)
+        outs, ins = _tensors(bound[out_name]), _tensors(bound[in_name])
+        big = outs if sum(t.numel() for t in outs) >= sum(t.numel() for t in ins) else ins
+        try:
+            ranks = dist.ProcessGroup.unbox(bound["process_group"]).size()
+        except Exception:  # noqa: BLE001 - an unknown process-group object: size unknown
+            ranks = -1
+        blocking = not bound.get("async_op", True)
+        tick = next(self.ticks)
+        c = Collective(len(self.collectives), op, str(big[0].dtype).removeprefix("torch."),
+                       sum(t.numel() * t.element_size() for t in big), ranks, blocking, tick,
+                       tick if blocking else None)
+        self.busy = True
+        try:
+            self.attributor.note_values(c, ins, sum(t.numel() for t in big))
+        finally:
+            self.busy = False
+        self.collectives.append(c)
+        for t in outs:
+            if not blocking and (s := _storage(t)):
+                self.in_flight[s[0]] = c
+        if op == "all_gather":
+            self.gathered += [weakref.ref(t) for t in outs]
+        elif op == "reduce_scatter":
+            self.reduced += [weakref.ref(t) for t in ins]
+
+    def _computed(self, args, kwargs) -> None:
+        """Any other operator: time moves on by one; does it read a collective's result?"""
+        tick = next(self.ticks)
+        for t in _tensors((args, kwargs)) if self.in_flight else ():
+            s = _storage(t)
+            if s and (c := self.in_flight.pop(s[0], None)) is not None:
+                c.used_tick = tick
