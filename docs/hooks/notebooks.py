@@ -60,7 +60,7 @@ def executed_copy(notebook: str | os.PathLike, sources: str | None = None) -> pa
     """Path of ``notebook`` executed top to bottom (from the cache, or run now)."""
     notebook = pathlib.Path(notebook).resolve()
     key = cache_key(notebook, sources or source_digest())
-    target = cache_dir() / key / notebook.name
+    target = cache_dir() / key / notebook.parent.name / notebook.name  # keeps its folder's name
     if target.is_file():
         return target
     executed = execute(notebook)

@@ -20,12 +20,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-import shutil
 import pathlib
 import re
-import subprocess
+import shutil
 import sys
 
 from mkdocs.exceptions import PluginError
@@ -101,7 +102,7 @@ def on_config(config):
         if isinstance(item, dict) and "Tutorials" in item:
             index = item["Tutorials"]
             pages = [{notebook_summary(nb)[0]: f"tutorials/{nb.name}"} for nb in tutorial_notebooks()]
-            config["nav"][i] = {"Tutorials": [index, *pages]}
+            config["nav"][i] = {"Tutorials": [{"Overview": index}, *pages]}
             return config
     raise PluginError("mkdocs.yml: the navigation has no 'Tutorials' entry for the notebooks")
 
@@ -117,7 +118,12 @@ def on_files(files, config):
             path = notebooks.executed_copy(nb, sources) if mode == "execute" else nb
         except notebooks.NotebookFailed as error:
             raise PluginError(str(error)) from None
-        files.append(File.generated(config, f"tutorials/{nb.name}", abs_src_path=str(path)))
+        if path.parent.name != "tutorials":
+            raise PluginError(f"{path}: notebooks must sit in a folder named 'tutorials'")
+        # A File rooted at the copy's grandparent, not File.generated: mkdocs-jupyter's wrapper
+        # only finds the source path of files that have a source folder.
+        files.append(File(f"tutorials/{nb.name}", src_dir=str(path.parent.parent),
+                          dest_dir=config["site_dir"], use_directory_urls=config["use_directory_urls"]))
     return files
 
 
@@ -161,12 +167,21 @@ def module_blocks(package: str) -> str:
 
 # --- CLI help ----------------------------------------------------------------------------------
 def cli_help(args: str) -> str:
-    command = [sys.executable, "-m", "twinshard.cli", *args.split(), "--help"]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "COLUMNS": "100"})
-    if out.returncode != 0:
-        raise PluginError(f"`twinshard {args} --help` failed:\n{out.stderr}")
-    return f"```text\n$ twinshard {args} --help\n{out.stdout.rstrip()}\n```"
+    """What ``twinshard ARGS --help`` prints, from the real entry point, run in this process
+    (a subprocess per command would import torch again each time)."""
+    from twinshard.cli import main
+
+    out = io.StringIO()
+    os.environ.setdefault("COLUMNS", "100")  # argparse wraps to this width
+    with contextlib.redirect_stdout(out):
+        try:
+            main([*args.split(), "--help"])
+        except SystemExit as stop:
+            if stop.code not in (0, None):
+                raise PluginError(f"`twinshard {args} --help` exited with {stop.code}") from None
+    if not out.getvalue().strip():
+        raise PluginError(f"`twinshard {args} --help` printed nothing")
+    return f"```text\n$ twinshard {args} --help\n{out.getvalue().rstrip()}\n```"
 
 
 # --- the placeholders --------------------------------------------------------------------------

@@ -1,0 +1,326 @@
+"""The documentation site: built strictly, served on 127.0.0.1 and rendered in headless Chromium.
+
+One build (``mkdocs build --strict``, notebooks executed through the cache of
+docs/hooks/notebooks.py) is shared by the tests of this module. The browser tests open pages
+through a probe page that loads the page under test in a same-origin frame and reports what the
+browser actually shows: headings, text, and for every image whether it decoded. Without
+Chromium the browser tests fail when ``CI`` is set and are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.parse
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HOOKS = ROOT / "docs" / "hooks"
+# The notebooks the site is built around (the hook reads the same variable; unset in CI).
+TUTORIALS = pathlib.Path(os.environ.get("TWINSHARD_TUTORIALS", ROOT / "tutorials"))
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+def load_hook(name: str):
+    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", HOOKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(HOOKS))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(HOOKS))
+    return module
+
+
+# --- the build, the server and the browser -----------------------------------------------------
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    env.pop("TWINSHARD_DOCS_NOTEBOOKS", None)  # always the executed notebooks here
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
+                            "-f", str(ROOT / "mkdocs.yml"), "-d", str(out)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert build.returncode == 0, f"mkdocs build --strict failed:\n{build.stdout}\n{build.stderr[-6000:]}"
+    warnings = re.findall(r"^WARNING +- .*$", build.stderr, re.M)  # mkdocs' own log lines
+    assert not warnings, "\n".join(warnings)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    handler = functools.partial(Quiet, directory=str(site))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    thread.join(10)
+
+
+class Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser(site, server, tmp_path_factory):
+    """``show(path)``: what Chromium shows for a page of the site, as a dict (see PROBE)."""
+    if CHROMIUM is None:
+        message = "Chromium is not installed (Debian: apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(message + "; CI must run the browser tests")
+        pytest.skip(message)
+    (site / "_probe.html").write_text(PROBE, encoding="utf-8")
+    profile = tmp_path_factory.mktemp("chromium-profile")
+
+    def show(path: str) -> dict:
+        url = f"{server}/_probe.html?page={urllib.parse.quote(path)}"
+        dom = run_chromium(profile, "--dump-dom", "--virtual-time-budget=20000", url)
+        found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
+        assert found, f"the probe page did not report on {path}:\n{dom[-2000:]}"
+        import html
+        result = json.loads(html.unescape(found.group(1)))
+        assert not result.get("error"), f"{path}: {result['error']}"
+        return result
+
+    return show
+
+
+def run_chromium(profile: pathlib.Path, *args: str) -> str:
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--no-first-run", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
+               "--window-size=1280,1400", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"chromium failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+# Loads ?page=PATH in a frame of the same origin and, once it has loaded, writes a JSON report
+# into <pre id="result">: the page's status, title, text, heading ids, and every image with its
+# decoded size (0 when the browser could not show it).
+PROBE = """<!doctype html><html><body><pre id="result"></pre>
+<iframe id="page" style="width:1200px;height:900px"></iframe>
+<script>
+const target = new URLSearchParams(location.search).get("page");
+const frame = document.getElementById("page");
+const report = (value) => { document.getElementById("result").textContent = JSON.stringify(value); };
+frame.onload = () => {
+  try {
+    const doc = frame.contentDocument;
+    const images = [...doc.querySelectorAll("article img")].map((img) => ({
+      src: img.getAttribute("src").slice(0, 200), width: img.naturalWidth,
+      height: img.naturalHeight, complete: img.complete}));
+    report({
+      title: doc.title,
+      text: doc.querySelector("article") ? doc.querySelector("article").innerText : "",
+      ids: [...doc.querySelectorAll("[id]")].map((e) => e.id),
+      headings: [...doc.querySelectorAll("h1, h2, h3, h4")].map((e) => e.textContent.trim()),
+      images: images,
+      outputs: doc.querySelectorAll(".jp-OutputArea-output").length,
+      has_nav: !!doc.querySelector("nav.md-nav"),
+    });
+  } catch (e) { report({error: String(e)}); }
+};
+frame.src = target;
+</script></body></html>
+"""
+
+
+# --- the build -----------------------------------------------------------------------------------
+def nav_pages() -> list[str]:
+    """Site paths of the pages that mkdocs.yml and the tutorials glob promise."""
+    pages = ["", "concepts/", "conformance/", "torch-mapping/", "train/", "benchmarks/",
+             "tutorials/", "api/", "api/interface/", "api/reference/", "api/optimized/",
+             "api/launch/", "api/conformance/"]
+    return pages + [f"tutorials/{nb.stem}/" for nb in sorted(TUTORIALS.glob("*.ipynb"))]
+
+
+def test_every_page_is_built(site):
+    missing = [p for p in nav_pages() if not (site / p / "index.html").is_file()]
+    assert not missing, f"pages missing from the site: {missing}"
+
+
+def test_concepts_include_the_reference_source(site):
+    """The concepts page shows code from reference/ as it is now (snippets, not copies)."""
+    text = page_text(site / "concepts" / "index.html")
+    for name in ("collectives.py", "sharded_param.py", "param_group.py", "state.py"):
+        source = (ROOT / "reference" / name).read_text(encoding="utf-8")
+        defs = re.findall(r"^\s*(def \w+\(.*)$", source, re.M)
+        assert defs, name
+        for line in defs:
+            assert line.strip() in text, f"concepts page lacks reference/{name}: {line.strip()!r}"
+
+
+def test_home_page_includes_the_readme_commands(site):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("[start:commands]", 1)[1].split("[end:commands]", 1)[0]
+    commands = re.findall(r"^python3 -m pip install .*$", section, re.M)
+    text = page_text(site / "index.html")
+    assert len(commands) >= 2
+    for command in commands:
+        assert command in text, f"the home page lacks the README command {command!r}"
+
+
+def test_internal_links_resolve(site):
+    """Every relative link and image of every page, notebooks included, points into the site."""
+    broken = []
+    for page in site.rglob("*.html"):
+        html_text = page.read_text(encoding="utf-8", errors="replace")
+        for target in re.findall(r'(?:href|src)="([^"#?]+)', html_text):
+            if re.match(r"^(?:[a-z]+:|//)", target):
+                continue  # another site, a data: URI, mailto:
+            base = site if target.startswith("/") else page.parent  # 404.html links from the root
+            path = (base / urllib.parse.unquote(target).lstrip("/")).resolve()
+            if path.is_dir():
+                path = path / "index.html"
+            if not path.exists():
+                broken.append(f"{page.relative_to(site)} -> {target}")
+    assert not broken, "broken links:\n" + "\n".join(broken[:40])
+
+
+def test_conformance_page_lists_every_case(site):
+    from twinshard.conformance.cases import CASES
+
+    text = page_text(site / "conformance" / "index.html")
+    missing = [name for name in CASES if name not in text]
+    assert not missing, f"cases missing from the conformance page: {missing}"
+
+
+def test_torch_mapping_covers_torch_and_agrees_with_introspection(site):
+    """One row per torch name and FSDPModule method; 'missing' exactly where twinshard lacks it."""
+    import torch.distributed.fsdp as fsdp
+    import torch.nn as nn
+
+    import twinshard.optimized
+    import twinshard.reference
+
+    html_text = (site / "torch-mapping" / "index.html").read_text(encoding="utf-8")
+    rows = {}
+    for row in re.findall(r"<tr>(.*?)</tr>", html_text, re.S):
+        cells = [page_text_of(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+        if cells:
+            rows[cells[0]] = cells[1:]
+    methods = [f"FSDPModule.{m}" for m in dir(fsdp.FSDPModule)
+               if not m.startswith("_") and not hasattr(nn.Module, m)]
+    assert set(rows) == set(fsdp.__all__) | set(methods)
+    for name, cells in rows.items():
+        for impl, cell in zip((twinshard.reference, twinshard.optimized), cells):
+            has = functools.reduce(lambda o, part: getattr(o, part, None), name.split("."), impl)
+            assert cell.startswith("missing") == (has is None), (name, impl.__name__, cell)
+
+
+def test_torch_mapping_notes_are_attached_to_real_names():
+    mapping = load_hook("mapping")
+    names = {name for name, _ in mapping.rows()}
+    for (name, impl), note in mapping.NOTES.items():
+        assert name in names, f"note for {name!r}, which torch.distributed.fsdp does not have"
+        for impl_name in [impl] if impl else mapping.IMPLS:
+            assert impl_name in mapping.IMPLS, impl_name
+            module = importlib.import_module(impl_name)
+            has = functools.reduce(lambda o, part: getattr(o, part, None), name.split("."), module)
+            assert has is not None, f"note for {name!r}, which {impl_name} does not have"
+
+
+# --- notebooks -----------------------------------------------------------------------------------
+def test_a_failing_notebook_fails_and_is_not_cached(tmp_path, monkeypatch):
+    notebooks = load_hook("notebooks")
+    monkeypatch.setenv("TWINSHARD_NOTEBOOK_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tutorials"
+    folder.mkdir()
+    good, bad = folder / "good.ipynb", folder / "bad.ipynb"
+    write_notebook(good, ["x = 6 * 7", "print(x)"])
+    write_notebook(bad, ["assert 1 == 2, 'planted failure'"])
+    with pytest.raises(notebooks.NotebookFailed, match="planted failure"):
+        notebooks.executed_copy(bad, "code")
+    assert not list((tmp_path / "cache").rglob("bad.ipynb"))
+    copy = notebooks.executed_copy(good, "code")
+    outputs = json.loads(copy.read_text())["cells"][1]["outputs"]
+    assert "".join(outputs[0]["text"]) == "42\n"
+    stamp = copy.stat().st_mtime_ns
+    assert notebooks.executed_copy(good, "code") == copy and copy.stat().st_mtime_ns == stamp
+    assert notebooks.executed_copy(good, "other code") != copy  # the code changed: run again
+
+
+def write_notebook(path: pathlib.Path, cells: list[str]) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, path)
+
+
+# --- in the browser ------------------------------------------------------------------------------
+def test_api_page_lists_fully_shard(browser):
+    for impl in ("reference", "optimized"):
+        shown = browser(f"/api/{impl}/")
+        assert shown["has_nav"], "the page rendered without the site's navigation"
+        anchor = f"twinshard.{impl}.fully_shard.fully_shard"
+        assert anchor in shown["ids"], f"no entry for fully_shard on the {impl} API page"
+        assert any(h.startswith("fully_shard") for h in shown["headings"]), shown["headings"]
+        assert "reshard_after_forward" in shown["text"]  # its docstring is shown too
+
+
+def test_home_page_renders(browser):
+    shown = browser("/")
+    assert shown["title"].startswith("twinshard")
+    assert "python3 -m pytest -q" in shown["text"]
+
+
+def schedule_notebook() -> tuple[pathlib.Path, list[str]]:
+    """The first tutorial that draws the schedule view, and the PNG images it outputs."""
+    notebooks = load_hook("notebooks")
+    found = sorted(TUTORIALS.glob("*.ipynb"))
+    if not found:
+        pytest.skip("no notebook in tutorials/ yet")
+    for nb in found:
+        cells = json.loads(notebooks.executed_copy(nb).read_text(encoding="utf-8"))["cells"]
+        images, schedule_images = [], 0
+        for cell in cells:
+            if cell["cell_type"] != "code":
+                continue
+            pngs = [o["data"]["image/png"] for o in cell.get("outputs", [])
+                    if "image/png" in o.get("data", {})]
+            images += ["".join(p).replace("\n", "") for p in pngs]
+            if "schedule" in "".join(cell["source"]):
+                schedule_images += len(pngs)
+        if schedule_images:
+            return nb, images
+    pytest.fail("no tutorial shows a schedule picture: no code cell mentioning 'schedule' "
+                "has an image output")
+
+
+def test_tutorial_page_shows_its_outputs(site, browser):
+    nb, images = schedule_notebook()
+    shown = browser(f"/tutorials/{nb.stem}/")
+    assert shown["has_nav"], "the notebook page rendered without the site's navigation"
+    assert shown["outputs"] > 0, f"{nb.name}: the page shows no cell output"
+    drawn = [i for i in shown["images"] if i["complete"] and i["width"] > 0 and i["height"] > 0]
+    assert len(drawn) == len(shown["images"]), f"images the browser could not show: {shown['images']}"
+    for png in images:  # each picture the notebook made, the schedule among them, is on the page
+        assert base64.b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
+        assert any(i["src"].startswith("data:image/png;base64,") and png.startswith(
+            i["src"].split(",", 1)[1][:100]) for i in drawn), f"{nb.name}: a picture is not shown"
+
+
+# --- helpers -------------------------------------------------------------------------------------
+def page_text(path: pathlib.Path) -> str:
+    return page_text_of(path.read_text(encoding="utf-8"))
+
+
+def page_text_of(fragment: str) -> str:
+    import html
+
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment)).strip()
