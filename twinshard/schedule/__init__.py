@@ -10,13 +10,15 @@
 Or, for the example model on N local ranks, ``record_step("optimized", world_size=2)`` and
 the command ``twinshard schedule --impl optimized --out step.png --text step.txt``.
 
-``record.py`` watches (hooks, autograd markers, a dispatch mode for collectives),
-``attribute.py`` works out which group each collective carries, ``text.py`` prints the
-table, ``timeline.py`` draws the picture (matplotlib, imported only there), ``cli.py`` runs
-the example model and is the command.
+``steps.py`` holds what a recorded step is made of (plain data), ``record.py`` watches
+(hooks, autograd markers, a dispatch mode for collectives), ``attribute.py`` works out which
+group each collective carries, ``text.py`` prints the table, ``timeline.py`` draws the
+picture (matplotlib, imported only there), ``cli.py`` runs the example model and is the
+command.
 """
 
-from .record import HOOKS, Collective, Event, Recorder, Schedule, name_of
+from .record import Recorder
+from .steps import HOOKS, Collective, Event, Schedule, name_of
 from .text import format_table
 
 

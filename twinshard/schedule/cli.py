@@ -19,7 +19,8 @@ import importlib
 
 import torch
 
-from .record import Recorder, Schedule
+from .record import Recorder
+from .steps import Schedule
 from .text import format_table
 
 IMPLS = {"reference": "twinshard.reference", "optimized": "twinshard.optimized",

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .attribute import Attributor, GroupInfo, infer_post_forward_pieces, shard_size_of
+from .steps import Collective, Event, Schedule
 
 # c10d operator -> (collective, argument holding the results, argument holding the inputs)
 OPS = {
@@ -49,71 +49,6 @@ OPS = {
     "allreduce_coalesced_": ("all_reduce", "tensors", "tensors"),
     "broadcast_": ("broadcast", "tensors", "tensors"),
 }
-HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "final_callback")
-
-
-@dataclass
-class Collective:
-    """One collective as this rank issued it."""
-    index: int
-    op: str  # all_gather | reduce_scatter | all_reduce | broadcast
-    dtype: str  # e.g. "float32"
-    nbytes: int  # of the larger side: the gathered output, the reduce-scatter input
-    ranks: int  # size of the process group it ran on
-    blocking: bool  # the caller waited for it before going on (async_op=False)
-    tick: int  # position in the step when issued
-    used_tick: int | None = None  # when its result was first read (blocking: = tick)
-    event: int | None = None  # the hook event during which it was issued
-    group: str | None = None  # the sharded module whose parameters or gradients it carries
-    params: tuple[str, ...] = ()  # which of them: one name, or all of the group's
-
-
-@dataclass
-class Event:
-    """A hook of the implementation has just run; what things looked like right after."""
-    index: int
-    tick: int
-    group: str  # module path of the sharded module ("" is the root)
-    hook: str  # one of HOOKS
-    phase: str  # forward | backward
-    states: dict[str, dict[str, str]]  # group -> parameter -> "S" sharded, "U", "P", "-" freed
-    unsharded_bytes: int
-    grad_bytes: int
-    collectives: list[int] = field(default_factory=list)  # issued during this hook
-
-
-@dataclass
-class Schedule:
-    """One step: events and collectives in order. Plain data, so it pickles across ranks."""
-    impl: str
-    rank: int
-    world_size: int
-    groups: list[str]  # module paths of the sharded modules, in module order
-    params: dict[str, list[str]]  # group -> its parameter names (relative to the module)
-    events: list[Event]
-    collectives: list[Collective]
-
-    def group_state(self, event: Event, group: str) -> str:
-        """One letter for a whole group: U, S, P, '-', or '*' when its parameters differ."""
-        letters = set(event.states[group].values())
-        return letters.pop() if len(letters) == 1 else "*"
-
-    def unsharded_groups(self, event: Event) -> list[str]:
-        return [g for g in self.groups if self.group_state(event, g) == "U"]
-
-    def calls(self, op: str | None = None, group: str | None = None) -> list[Collective]:
-        return [c for c in self.collectives
-                if (op is None or c.op == op) and (group is None or c.group == group)]
-
-    def events_of(self, hook: str, group: str | None = None) -> list[Event]:
-        return [e for e in self.events if e.hook == hook and (group is None or e.group == group)]
-
-
-def name_of(path: str) -> str:
-    """How a group is shown: its module path, or "root" for the top module."""
-    return path or "root"
-
-
 def is_fsdp_module(module: nn.Module) -> bool:
     """Sharded by twinshard (either implementation, or a variant) or by torch's fully_shard."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule

@@ -9,7 +9,7 @@ the caller waited for it on the spot (blocking) or went on and needed the result
 
 from __future__ import annotations
 
-from .record import Collective, Schedule, name_of
+from .steps import Collective, Schedule, name_of
 
 LEGEND = ("states after each hook: U unsharded, S sharded (DTensor shard), "
           "P post-forward piece, - freed, * mixed")

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from .record import Schedule, name_of
+from .steps import Schedule, name_of
 
 STYLE = {  # op -> (marker, colour)
     "all_gather": ("v", "tab:blue"),
