@@ -15,6 +15,8 @@
   ``<!-- twinshard:cli ARGS -->``           the ``--help`` of ``twinshard ARGS``
   ``<!-- twinshard:modules PACKAGE -->``    a mkdocstrings block for each module of PACKAGE,
                                            in the order its docstring names them
+  ``<!-- twinshard:schedule-pictures -->``  docs/img/schedule_{reference,optimized}.png (drawn by
+                                           ``twinshard schedule``) once they exist
   An unknown placeholder fails the build.
 """
 
@@ -165,6 +167,20 @@ def module_blocks(package: str) -> str:
     return "\n".join(f"::: {package}.{n}\n    options:\n      heading_level: 3\n" for n in ordered)
 
 
+# --- the schedule pictures --------------------------------------------------------------------
+SCHEDULE_PICTURES = {"reference": "schedule_reference.png", "optimized": "schedule_optimized.png"}
+
+
+def schedule_pictures() -> str:
+    found = {impl: name for impl, name in SCHEDULE_PICTURES.items()
+             if (ROOT / "docs" / "img" / name).is_file()}
+    if not found:
+        return "The [tutorials](tutorials/index.md) draw both schedules with `twinshard schedule`."
+    return "\n\n".join(f"![One training step of twinshard.{impl}](img/{name})\n"
+                        f"*One training step of `twinshard.{impl}`, drawn by `twinshard schedule`.*"
+                        for impl, name in found.items())
+
+
 # --- CLI help ----------------------------------------------------------------------------------
 def cli_help(args: str) -> str:
     """What ``twinshard ARGS --help`` prints, from the real entry point, run in this process
@@ -198,6 +214,8 @@ def on_page_markdown(markdown, page, config, files):
             return cli_help(args)
         if name == "modules":
             return module_blocks(args)
+        if name == "schedule-pictures":
+            return schedule_pictures()
         raise PluginError(f"{page.file.src_uri}: unknown placeholder 'twinshard:{name}'")
 
     return PLACEHOLDER.sub(fill, markdown)
