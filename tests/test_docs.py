@@ -29,6 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HOOKS = ROOT / "docs" / "hooks"
 # The notebooks the site is built around (the hook reads the same variable; unset in CI).
 TUTORIALS = pathlib.Path(os.environ.get("TWINSHARD_TUTORIALS", ROOT / "tutorials"))
+# The first build executes every tutorial (about a minute each on 2 cores) inside the fixture.
+pytestmark = pytest.mark.timeout(2400)
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
 
