@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the report here: .md for markdown, .json for JSON")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a mesh may take before its ranks are stopped")
+    parser.add_argument("--stand-in-streams", action="store_true",
+                        help="run the accelerator schedule on the CPU with stand-in streams and "
+                             "check every tensor access against their order (for twinshard."
+                             "optimized and variants built on its streams)")
+    parser.add_argument("--no-oracles", action="store_true",
+                        help="compare with the plain model only, not with twinshard.reference "
+                             "and torch's fully_shard (faster)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
 
 
@@ -74,10 +81,12 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(shape, rows):
         bad = [r["case"] for r in rows if r["status"] == "FAIL"]
-        print(f"  mesh {'x'.join(map(str, shape))}: {len(rows)} cases, "
-              f"{len(bad)} failed{': ' + ', '.join(bad) if bad else ''}", flush=True)
+        skipped = sum(r["status"] == "SKIP" for r in rows)
+        print(f"  mesh {'x'.join(map(str, shape))}: {len(rows) - skipped} cases run, {skipped} "
+              f"skipped, {len(bad)} failed{': ' + ', '.join(bad) if bad else ''}", flush=True)
 
-    rows = run_suite(args.module, meshes, patterns, args.device, args.timeout, progress=progress)
+    rows = run_suite(args.module, meshes, patterns, args.device, args.timeout, progress=progress,
+                     stand_in_streams=args.stand_in_streams, oracles=not args.no_oracles)
     if not rows:
         raise SystemExit("twinshard conform: no case applies to the selected meshes and patterns")
     rows = apply_xfail(rows, expected)

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .compare import Checker, local_rows
+from .stream_check import paused
 
 DEVICE = torch.device("cpu")  # where models and batches live; the runner sets it per process
 
@@ -95,8 +96,9 @@ def run_plain(recipe: Recipe, low: torch.dtype | None = None, world: int = 1) ->
     are averaged in the policy's reduce dtype, as the ranks would. It is the yardstick for
     the error that low precision alone causes.
     """
-    model = seeded(recipe.build).to(DEVICE)
-    trace = _train(recipe, model, model, rank=0, world=1, low=low, low_world=world)
+    with paused():  # the truth uses no streams: nothing to check, and checks cost time
+        model = seeded(recipe.build).to(DEVICE)
+        trace = _train(recipe, model, model, rank=0, world=1, low=low, low_world=world)
     trace.model = model
     return trace
 
@@ -110,6 +112,12 @@ def run_sharded(recipe: Recipe, impl, mesh, model: nn.Module | None = None,
         recipe.wrap(impl, model, mesh)
     trace = _train(recipe, model, None, dist.get_rank(), dist.get_world_size(), None, opt)
     return trace, model
+
+
+def run_oracle(recipe: Recipe, impl, mesh) -> tuple[Trace, nn.Module]:
+    """``run_sharded`` for an oracle (the reference, torch): without stream checks."""
+    with paused():
+        return run_sharded(recipe, impl, mesh)
 
 
 def make_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:

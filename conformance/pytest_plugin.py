@@ -7,7 +7,8 @@ Installed with twinshard (entry point ``pytest11``); it only adds options until 
 
 Options: ``--fsdp-impl`` (or ``TWINSHARD_IMPL``), ``--fsdp-world-sizes`` (default
 1,2,3,2x2), ``--fsdp-cases`` (patterns), ``--fsdp-device`` (cpu or cuda), ``--fsdp-xfail``
-(expected-failures file; torch's shipped file is used by default for torch). Each mesh is one
+(expected-failures file; torch's shipped file is used by default for torch),
+``--fsdp-stand-in-streams`` (the accelerator schedule on the CPU, checked). Each mesh is one
 process group in which all its cases run, at the first test that needs it.
 """
 
@@ -17,8 +18,9 @@ import os
 
 import pytest
 
-from .suite import (DEFAULT_MESHES, applicable, apply_xfail, default_xfail, load_xfail,
-                    mesh_name, parse_meshes, run_suite)
+from .runner import select
+from .suite import (DEFAULT_MESHES, apply_xfail, default_xfail, load_xfail, mesh_name,
+                    parse_meshes, run_suite)
 
 
 def pytest_addoption(parser):
@@ -29,6 +31,8 @@ def pytest_addoption(parser):
     group.addoption("--fsdp-cases", default=None, help="comma-separated case name patterns")
     group.addoption("--fsdp-device", default="cpu", choices=("cpu", "cuda"))
     group.addoption("--fsdp-xfail", default=None, help="expected-failures file")
+    group.addoption("--fsdp-stand-in-streams", action="store_true",
+                    help="run with stand-in streams and stream-order checks")
 
 
 def implementation(config) -> str:
@@ -50,7 +54,7 @@ def conformance_params(config) -> list[tuple[str, str]]:
     """(mesh, case) pairs to test, for ``pytest_generate_tests`` in the check module."""
     implementation(config)
     meshes, patterns = _settings(config)
-    return [(mesh_name(m), n) for m in meshes for n in applicable(m, patterns)]
+    return [(mesh_name(m), n) for m in meshes for n in select(patterns)]
 
 
 class _Results:
@@ -74,7 +78,8 @@ class _Results:
                 if name in self.done:
                     continue
                 rows = run_suite(self.impl, [shape], self.patterns,
-                                 self.config.getoption("--fsdp-device"), tmpdir=str(self.tmp))
+                                 self.config.getoption("--fsdp-device"), tmpdir=str(self.tmp),
+                                 stand_in_streams=self.config.getoption("--fsdp-stand-in-streams"))
                 for r in apply_xfail(rows, self.expected):
                     self.rows[(r["mesh"], r["case"])] = r
                 self.done.add(name)

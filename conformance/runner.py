@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import importlib
+import os
 import time
 import traceback
 
@@ -25,7 +27,10 @@ def select(patterns: list[str] | None) -> list[str]:
 
 def run_cases(impl_name: str, mesh_shape: tuple[int, ...], tmpdir: str,
               patterns: list[str] | None = None, with_oracle: bool = True) -> list[dict]:
-    """Run the selected cases on this rank; every rank returns the same merged results."""
+    """Run the selected cases on this rank; every rank returns the same merged results.
+
+    A case that does not apply to this mesh gets a SKIP row with its reason. With stand-in
+    streams (``TWINSHARD_STANDIN_STREAMS=1``) every case runs under the stream checks."""
     impl = importlib.import_module(impl_name)
     oracle = reference = None
     if with_oracle and impl_name != "torch.distributed.fsdp":
@@ -38,17 +43,39 @@ def run_cases(impl_name: str, mesh_shape: tuple[int, ...], tmpdir: str,
     results = []
     for name in select(patterns):
         case = CASES[name]
-        if not case.needs(ctx):
+        if (reason := case.skip_reason(ctx)) is not None:
+            results.append(skip_row(name, mesh_shape, reason))
             continue
         start = time.perf_counter()
         try:
-            summary = case.fn(ctx).summary()
+            with stream_checks():
+                summary = case.fn(ctx).summary()
         except Exception:  # reported as a failure of this case; the next case still runs
             summary = {"ok": False, "failures": [traceback.format_exc()], "max_abs": float("nan"),
                        "max_rel": float("nan"), "where": "", "compared": 0, "tolerance": "-"}
         summary.update(case=name, group=case.group, seconds=time.perf_counter() - start)
-        results.append(_merge_ranks(summary))
+        merged = _merge_ranks(summary)
+        merged.update(mesh="x".join(map(str, mesh_shape)), status="PASS" if merged["ok"] else "FAIL")
+        results.append(merged)
     return results
+
+
+def skip_row(name: str, mesh_shape: tuple[int, ...], reason: str, status: str = "SKIP",
+             failures: list[str] | None = None) -> dict:
+    """A row for a case that did not run: skipped (with ``reason``) or failed as a whole."""
+    return {"case": name, "mesh": "x".join(map(str, mesh_shape)), "group": CASES[name].group,
+            "ok": False, "status": status, "reason": reason, "failures": list(failures or []),
+            "compared": 0, "max_abs": float("nan"), "max_rel": float("nan"), "where": "",
+            "seconds": 0.0, "notes": [], "worst_by": {}}
+
+
+def stream_checks():
+    """The stand-in streams' checks when they are asked for, else nothing."""
+    from twinshard.optimized.streams import STANDIN_ENV
+    if os.environ.get(STANDIN_ENV, "0") in ("", "0"):
+        return contextlib.nullcontext()
+    from twinshard.optimized.standin import standin_streams
+    return standin_streams().checking()
 
 
 def _merge_ranks(summary: dict) -> dict:

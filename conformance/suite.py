@@ -22,7 +22,9 @@ import tempfile
 from dataclasses import dataclass
 
 from .cases import CASES, Context
-from .runner import run_cases, select
+from .runner import run_cases, select, skip_row
+
+from twinshard.optimized.streams import STANDIN_ENV
 
 DEFAULT_MESHES = "1,2,3,2x2"
 XFAIL_DIR = pathlib.Path(__file__).with_name("xfail")
@@ -48,48 +50,43 @@ def mesh_name(shape: tuple[int, ...]) -> str:
 
 
 def applicable(shape: tuple[int, ...], patterns: list[str] | None) -> list[str]:
-    """Cases that apply to a mesh (by the case's own condition) among those selected."""
+    """Cases that apply to a mesh (by the case's own condition) among those selected; the
+    others are reported as SKIP with their reason."""
     ctx = Context(None, "", None, shape, "")
-    return [n for n in select(patterns) if CASES[n].needs(ctx)]
+    return [n for n in select(patterns) if CASES[n].skip_reason(ctx) is None]
 
 
 def run_suite(impl: str, meshes: list[tuple[int, ...]], patterns: list[str] | None = None,
               device: str = "cpu", timeout: float = 600.0, tmpdir: str | None = None,
-              progress=None) -> list[dict]:
-    """Every selected case on every mesh; one row per (mesh, case)."""
+              progress=None, stand_in_streams: bool = False, oracles: bool = True) -> list[dict]:
+    """Every selected case on every mesh; one row per (mesh, case), SKIP where a case does not
+    apply. ``stand_in_streams``: run the accelerator schedule on the CPU, with stream checks
+    (``twinshard.optimized.standin``). ``oracles=False`` compares with the plain model only
+    (not with the reference and torch): faster, for a second pass in another mode."""
     from twinshard.launch import LaunchError, launch
     import torch
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="twinshard-conform-") as scratch:
         tmp = tmpdir or scratch
+        env = {STANDIN_ENV: "1"} if stand_in_streams else {}
         for shape in meshes:
             world = math.prod(shape)
-            names = applicable(shape, patterns)
-            if not names:
-                continue
+            names = select(patterns)
             backend = "nccl" if device == "cuda" else "gloo"
             if device == "cuda" and world > torch.cuda.device_count():
                 reason = f"needs {world} GPUs, {torch.cuda.device_count()} present"
-                rows += [_row(shape, n, status="SKIP", reason=reason) for n in names]
+                rows += [skip_row(n, shape, reason) for n in names]
                 continue
             try:
-                results = launch(run_cases, world, impl, shape, tmp, names, backend=backend,
-                                 timeout=timeout)[0]
-                rows += [dict(r, mesh=mesh_name(shape), status="PASS" if r["ok"] else "FAIL")
-                         for r in results]
+                rows += launch(run_cases, world, impl, shape, tmp, names, oracles, backend=backend,
+                               timeout=timeout, env=env)[0]
             except LaunchError as error:  # a crash or a hang: every case of this mesh fails
-                rows += [_row(shape, n, status="FAIL", failures=[str(error)[-4000:]]) for n in names]
+                rows += [skip_row(n, shape, "", status="FAIL", failures=[str(error)[-4000:]])
+                         for n in names]
             if progress:
                 progress(shape, [r for r in rows if r["mesh"] == mesh_name(shape)])
     return rows
-
-
-def _row(shape, name, status, reason="", failures=()):
-    return {"case": name, "mesh": mesh_name(shape), "group": CASES[name].group, "ok": False,
-            "status": status, "reason": reason, "failures": list(failures), "compared": 0,
-            "max_abs": float("nan"), "max_rel": float("nan"), "where": "", "seconds": 0.0,
-            "notes": [], "worst_by": {}}
 
 
 @dataclass

@@ -8,10 +8,12 @@ on an accelerator, where the stream orders them), so the data is always there; w
 instead is whether the *schedule* would have made it be there on a real device.
 
 Each stand-in stream keeps a vector clock (its own count of work, and how far it has waited
-for every other stream); ``twinshard.conformance.stream_check.StreamSanitizer`` checks every
-tensor access and every ``release`` against those clocks and raises ``StreamOrderError`` at the
-first access a device could get wrong. Every ``wait_stream``, ``record_event``, ``wait_event``
-and ``release`` also goes into ``log``, so tests can assert the schedule's order by name.
+for every other stream). Inside ``with standin_streams().checking():``,
+``twinshard.conformance.stream_check.StreamSanitizer`` checks every tensor access and every
+``release`` against those clocks and raises ``StreamOrderError`` at the first access a device
+could get wrong (``twinshard conform --stand-in-streams`` checks every case this way). Every
+``wait_stream``, ``record_event``, ``wait_event`` and ``release`` also goes into ``log``, so
+tests can assert the schedule's order by name.
 """
 
 from __future__ import annotations
@@ -103,6 +105,10 @@ class StandInStreams:
         finally:
             self._local.stream = previous
 
+    def checking(self) -> StreamSanitizer:
+        """Context manager: check every tensor access made inside it."""
+        return self.sanitizer
+
     def release(self, tensors, where: str) -> None:
         """The schedule frees ``tensors``: check it may (see the module docstring)."""
         self.log.append(("release", self.current().name, where))
@@ -114,9 +120,8 @@ _STANDIN: StandInStreams | None = None
 
 
 def standin_streams() -> StandInStreams:
-    """The process's stand-in streams; the first call turns the access checks on for good."""
+    """The process's stand-in streams, shared by every root module (one current stream)."""
     global _STANDIN
     if _STANDIN is None:
         _STANDIN = StandInStreams()
-        _STANDIN.sanitizer.__enter__()
     return _STANDIN

@@ -54,7 +54,7 @@ class FSDPState(ReferenceState):
         if self.group is not None and self.group.state is TrainingState.FORWARD:
             if self.group not in self.comm.current_order:
                 self.comm.current_order.append(self.group)  # the order groups start forward
-            self._prefetch(self.forward_hint, +1)
+            self.prefetch(self.forward_hint, +1)
         return args, kwargs
 
     def post_forward(self, module, args, output):
@@ -70,7 +70,7 @@ class FSDPState(ReferenceState):
     def pre_backward(self, grad: torch.Tensor) -> None:
         super().pre_backward(grad)
         if self.group is not None:
-            self._prefetch(self.backward_hint, -1)
+            self.prefetch(self.backward_hint, -1)
 
     def final_callback(self) -> None:
         finish_reduce(self.comm)  # the last group's reduce-scatter
@@ -78,16 +78,20 @@ class FSDPState(ReferenceState):
         finish_reduce(self.comm)  # groups whose post-backward ran only just now
 
     # --- prefetch ---------------------------------------------------------------------------
-    def _prefetch(self, hint: list | None, direction: int) -> None:
-        """Issue the all-gather of the group that runs next; see [Note: implicit prefetch]."""
-        if hint is not None:
-            targets = [s.group for m in hint if (s := get_state(m)) is not None and s.group]
-        else:
-            order = self.comm.forward_order
-            if self.group not in order:
-                return
-            i = order.index(self.group) + direction
-            targets = [order[i]] if 0 <= i < len(order) else []
-        for group in targets:
+    def prefetch(self, hint: list | None, direction: int) -> None:
+        """Issue the all-gathers of the groups that run next; see [Note: implicit prefetch]."""
+        for group in self.prefetch_targets(hint, direction):
             if isinstance(group, FlatParamGroup) and group is not self.group:
                 group.unshard_async()
+
+    def prefetch_targets(self, hint: list | None, direction: int) -> list:
+        """The groups to all-gather now, while this one computes: the modules of ``hint`` (an
+        explicit prefetch list), else the next group in the forward order (``direction`` +1)
+        or in backward order (-1). A variant with another prefetch policy overrides this."""
+        if hint is not None:
+            return [s.group for m in hint if (s := get_state(m)) is not None and s.group]
+        order = self.comm.forward_order
+        if self.group not in order:
+            return []
+        i = order.index(self.group) + direction
+        return [order[i]] if 0 <= i < len(order) else []

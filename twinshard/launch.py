@@ -157,6 +157,7 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, con
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
+            _save_coverage()
             os._exit(1)  # skip teardown: peers may be stuck, and the parent stops them anyway
     try:
         if dist.is_initialized():
@@ -168,7 +169,18 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, con
         sys.stderr.flush()
         # Communication threads left behind by subgroups (device meshes) can abort the
         # interpreter's own shutdown; the result is already delivered, so leave directly.
+        _save_coverage()
         os._exit(0)
+
+
+def _save_coverage() -> None:
+    """``os._exit`` skips atexit handlers: save this rank's line coverage first, when the
+    rank runs under coverage.py (``COVERAGE_PROCESS_START``), so it is not lost."""
+    coverage = sys.modules.get("coverage")
+    current = coverage.Coverage.current() if coverage is not None else None
+    if current is not None:
+        current.stop()
+        current.save()
 
 
 def _stop(procs: list) -> None:

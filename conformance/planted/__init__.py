@@ -1,16 +1,27 @@
 """Implementations with a planted bug, for checking that the suite catches each one.
 
-Each submodule is the reference with one thing broken, exposed through the same interface:
+Each submodule is an implementation with one thing broken, exposed through the same interface.
+Planted in the reference:
 
-    scaled_grads   every reduced gradient is scaled by 1.001
-    dropped_grad   one parameter's gradient is never reduced (it stays None)
-    shifted_shard  every rank's initial shard starts one row too late
-    bf16_reduce    gradients are reduced in bf16 when the policy asks for fp32
+    scaled_grads      every reduced gradient is scaled by 1.001
+    dropped_grad      one parameter's gradient is never reduced (it stays None)
+    shifted_shard     every rank's initial shard starts one row too late
+    bf16_reduce       gradients are reduced in bf16 when the policy asks for fp32
+
+Planted in the optimized path (the first two show only on stand-in streams, where the suite
+checks the stream order: run them with ``--stand-in-streams``):
+
+    optimized_no_wait          the copy-out reads the all-gather without waiting for it
+    optimized_early_release    the all-gather buffer is released before its copy-out
+    optimized_dropped_partial  HSDP: the partial sums of earlier micro-batches are dropped
+    optimized_wrong_prefetch   a group computes with the all-gather prefetched for another
+    optimized_scaled_grads     scaled_grads's parameter class in the optimized path: a bug in
+                               a contract method of ``ShardedParam`` reaches both trees
 
 ``twinshard conform twinshard.conformance.planted.scaled_grads`` must fail; the test suite
 asserts that it does, case by case. The bugs are planted per object (by swapping the class
-of the reference's own parameter and group objects), so the reference itself stays intact
-in the same process.
+of the implementation's own parameter, group or state objects), so the implementations
+themselves stay intact in the same process.
 """
 
 from __future__ import annotations
@@ -19,12 +30,16 @@ from twinshard.reference import fully_shard as reference_fully_shard
 from twinshard.reference.state import get_state
 
 
-def plant(bug_param_class=None, bug_group_class=None, which=lambda params: params, after=None):
-    """A ``fully_shard`` that calls the reference and then swaps in the buggy classes
-    (or, with ``after``, damages the freshly sharded parameters)."""
+def plant(bug_param_class=None, bug_group_class=None, which=lambda params: params, after=None,
+          bug_state_class=None, base=reference_fully_shard):
+    """A ``fully_shard`` that calls ``base`` (the reference's by default) and then swaps in the
+    buggy classes (or, with ``after``, damages the freshly sharded parameters)."""
     def fully_shard(module, **kwargs):
-        module = reference_fully_shard(module, **kwargs)
-        group = get_state(module).group
+        module = base(module, **kwargs)
+        state = get_state(module)
+        if bug_state_class is not None:
+            state.__class__ = bug_state_class
+        group = state.group
         if group is not None:
             if bug_group_class is not None:
                 group.__class__ = bug_group_class

@@ -7,8 +7,9 @@ from ._common import *  # noqa: F401,F403
 
 
 class DroppedGrad(ShardedParam):
-    def reduce_grad(self, divide_by, all_reduce):
-        self.grad_to_reduce = None  # thrown away instead of reduced
+    def reduce_scatter_input(self):
+        super().reduce_scatter_input()  # taken, then thrown away instead of reduced
+        return None
 
 
 fully_shard = plant(bug_param_class=DroppedGrad, which=lambda params: params[-1:])

@@ -7,8 +7,8 @@ from ._common import *  # noqa: F401,F403
 
 
 class ScaledGrad(ShardedParam):
-    def _accumulate(self, block):
-        super()._accumulate(block * 1.001)
+    def accumulate_grad(self, block):
+        super().accumulate_grad(block * 1.001)
 
 
 fully_shard = plant(bug_param_class=ScaledGrad)

@@ -1,0 +1,128 @@
+"""What every case shares: the ``Context`` it runs in, the registry, and ``train_case``.
+
+A case takes a ``Context`` (the implementation under test, the mesh, this rank) and returns a
+``Checker`` with every comparison it made. ``@case(group, needs=..., why=...)`` registers it;
+where ``needs`` is false for a mesh, the case is reported as SKIP with ``why`` as the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import os
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from ..compare import Checker
+from ..driver import Recipe, compare, run_oracle, run_plain, run_sharded
+
+
+@dataclass
+class Context:
+    impl: object  # the implementation module under test
+    impl_name: str
+    oracle: object | None  # torch.distributed.fsdp, unless that is what is under test
+    mesh_shape: tuple[int, ...]
+    tmpdir: str
+    reference: object | None = None  # twinshard.reference, unless that is what is under test
+    _mesh: object = None
+
+    @property
+    def world(self) -> int:
+        return int(torch.tensor(self.mesh_shape).prod())
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def hsdp(self) -> bool:
+        return len(self.mesh_shape) == 2
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh_shape[-1]
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def mesh(self):
+        if self._mesh is None:
+            kind = self.device_type
+            names = ("replicate", "shard")[-len(self.mesh_shape):]  # torch wants HSDP names
+            self._mesh = init_device_mesh(kind, self.mesh_shape, mesh_dim_names=names)
+        return self._mesh
+
+
+@dataclass
+class Case:
+    name: str
+    fn: Callable[[Context], Checker]
+    group: str
+    needs: Callable[[Context], bool] = lambda ctx: True  # where the case applies
+    why: str = ""  # what ``needs`` asks for, reported when a mesh lacks it
+    doc: str = ""
+
+    def skip_reason(self, ctx: Context) -> str | None:
+        """None where the case applies to ``ctx``'s mesh, else why it does not."""
+        return None if self.needs(ctx) else (self.why or "does not apply to this mesh")
+
+
+CASES: dict[str, Case] = {}
+
+
+def case(group: str, needs=None, why: str = ""):
+    """Register a case function ``case_<name>`` under ``name``."""
+    def register(fn):
+        name = fn.__name__.removeprefix("case_")
+        CASES[name] = Case(name, fn, group, needs or (lambda ctx: True), why,
+                           (fn.__doc__ or "").strip())
+        return fn
+    return register
+
+
+def train_case(ctx: Context, recipe: Recipe, tolerance: str = "fp32",
+               no_oracle: str | None = None) -> Checker:
+    """Truth, implementation and oracle on the same recipe, compared every step.
+
+    ``no_oracle`` says why torch's ``fully_shard`` cannot run this case here (then it is
+    compared with the truth only, and the reason goes into the report).
+    """
+    checker = Checker(tolerance)
+    if recipe.low_precision is not None:
+        checker.low_eps = torch.finfo(recipe.low_precision).eps
+    if no_oracle and ctx.oracle is not None:
+        checker.notes.append(f"torch oracle skipped: {no_oracle}")
+        ctx = replace(ctx, oracle=None)
+    truth = run_plain(recipe)
+    truth_low = (run_plain(recipe, low=recipe.low_precision, world=ctx.world)
+                 if recipe.low_precision else None)
+    mine, _ = run_sharded(recipe, ctx.impl, ctx.mesh)
+    compare(checker, ctx.impl_name, mine, truth, truth_low)
+    if ctx.reference is not None:
+        # The same reduction order gives the same bits: fp32 at world size <= 2.
+        exact = recipe.low_precision is None and ctx.world <= 2
+        against = Checker("bitwise" if exact else tolerance, low_eps=checker.low_eps)
+        theirs, _ = run_oracle(recipe, ctx.reference, ctx.mesh)
+        compare(against, f"{ctx.impl_name} vs reference", mine, truth, truth_low, other=theirs)
+        checker.absorb(against)
+    if ctx.oracle is not None:
+        theirs, _ = run_oracle(recipe, ctx.oracle, ctx.mesh)
+        compare(checker, "torch", theirs, truth, truth_low)
+        compare(checker, f"{ctx.impl_name} vs torch", mine, truth, truth_low, other=theirs)
+    return checker

@@ -1,0 +1,23 @@
+"""Planted bug (optimized): the copy-out reads the all-gather result without waiting for it.
+
+On an accelerator the copy-out would read the buffer before the all-gather stream has filled
+it; stand-in streams report the read as a race."""
+
+from twinshard.optimized.flat_group import FlatParamGroup
+
+from . import plant
+from ._optimized import *  # noqa: F401,F403
+from ._optimized import optimized_fully_shard
+
+
+class NoWait(FlatParamGroup):
+    def wait_for_unshard(self):
+        result = self.in_flight
+        if result is not None:  # forget how to wait: as if the all-gather were done already
+            self.in_flight = result._replace(pending=result.pending._replace(work=None, event=None))
+            if result.pending.work is not None:
+                result.pending.work.wait()  # gloo needs its work finished; the stream order does not
+        super().wait_for_unshard()
+
+
+fully_shard = plant(bug_group_class=NoWait, base=optimized_fully_shard)
