@@ -49,8 +49,10 @@ class Held:
 @dataclass
 class CommContext:
     device: torch.device
-    forward_order: list = field(default_factory=list)  # groups, as the last forward ran them
+    forward_order: list = field(default_factory=list)  # groups, as the last forward started them
+    backward_order: list = field(default_factory=list)  # reverse of the order they finished
     current_order: list = field(default_factory=list)  # being recorded by this forward
+    current_post_order: list = field(default_factory=list)  # likewise, as they finish
     pending_reduce: Any = None  # the last ReduceScatterResult, finished by the next one
     held: dict = field(default_factory=dict)  # "all_gather" / "reduce_scatter" -> [Held]
     post_optim_event: Any = None  # set_post_optim_event: the next all-gather waits on it

@@ -2,9 +2,11 @@
 
 [Note: implicit prefetch]
 While group g computes, the all-gather of the group that runs next is already on the wire.
-In forward, "next" is the group after g in the order the previous forward ran them (recorded
-in ``CommContext.forward_order``; the first step has no order yet and does not prefetch). In
-backward it is the group before g in that order. ``set_modules_to_forward_prefetch`` /
+In forward, "next" is the group after g in the order the previous forward started them
+(``CommContext.forward_order``; the first step has no order yet and does not prefetch). In
+backward it is the group after g in the reverse of the order the previous forward *finished*
+them (``backward_order``): the root starts forward first but finishes last, so in backward it
+comes first and prefetches the last block. ``set_modules_to_forward_prefetch`` /
 ``set_modules_to_backward_prefetch`` replace the implicit choice. Prefetching only decides
 *when* an all-gather is issued: a group always waits for its own all-gather before it
 computes, so a wrong guess costs memory and time, never correctness. Every rank derives the
@@ -49,18 +51,23 @@ class FSDPState(ReferenceState):
     def pre_forward(self, module, args, kwargs):
         self.lazy_init()
         if self.is_root and (self.group is None or self.group.state is not TrainingState.PRE_BACKWARD):
-            self.comm.current_order = []
+            self.comm.current_order, self.comm.current_post_order = [], []
         args, kwargs = super().pre_forward(module, args, kwargs)
         if self.group is not None and self.group.state is TrainingState.FORWARD:
             if self.group not in self.comm.current_order:
                 self.comm.current_order.append(self.group)  # the order groups start forward
-            self.prefetch(self.forward_hint, +1)
+            self.prefetch(self.forward_hint, self.comm.forward_order)
         return args, kwargs
 
     def post_forward(self, module, args, output):
+        if self.group is not None and self.group.state is TrainingState.FORWARD:
+            finished = self.comm.current_post_order
+            if self.group not in finished:
+                finished.append(self.group)  # the order groups finish forward
         output = super().post_forward(module, args, output)
         if self.is_root:
             self.comm.forward_order = self.comm.current_order
+            self.comm.backward_order = self.comm.current_post_order[::-1]
             for group in self.comm.forward_order:  # a prefetch nobody used must not linger
                 if group.in_flight is not None and group is not self.group:
                     group.reshard()
@@ -70,7 +77,7 @@ class FSDPState(ReferenceState):
     def pre_backward(self, grad: torch.Tensor) -> None:
         super().pre_backward(grad)
         if self.group is not None:
-            self.prefetch(self.backward_hint, -1)
+            self.prefetch(self.backward_hint, self.comm.backward_order)
 
     def final_callback(self) -> None:
         finish_reduce(self.comm)  # the last group's reduce-scatter
@@ -78,20 +85,19 @@ class FSDPState(ReferenceState):
         finish_reduce(self.comm)  # groups whose post-backward ran only just now
 
     # --- prefetch ---------------------------------------------------------------------------
-    def prefetch(self, hint: list | None, direction: int) -> None:
+    def prefetch(self, hint: list | None, order: list) -> None:
         """Issue the all-gathers of the groups that run next; see [Note: implicit prefetch]."""
-        for group in self.prefetch_targets(hint, direction):
+        for group in self.prefetch_targets(hint, order):
             if isinstance(group, FlatParamGroup) and group is not self.group:
                 group.unshard_async()
 
-    def prefetch_targets(self, hint: list | None, direction: int) -> list:
+    def prefetch_targets(self, hint: list | None, order: list) -> list:
         """The groups to all-gather now, while this one computes: the modules of ``hint`` (an
-        explicit prefetch list), else the next group in the forward order (``direction`` +1)
-        or in backward order (-1). A variant with another prefetch policy overrides this."""
+        explicit prefetch list), else the group right after this one in ``order`` (the order
+        in which groups run in this pass). A variant with another policy overrides this."""
         if hint is not None:
             return [s.group for m in hint if (s := get_state(m)) is not None and s.group]
-        order = self.comm.forward_order
         if self.group not in order:
             return []
-        i = order.index(self.group) + direction
-        return [order[i]] if 0 <= i < len(order) else []
+        i = order.index(self.group)
+        return order[i + 1:i + 2]

@@ -29,26 +29,44 @@ def test_reference_passes_and_writes_reports(tmp_path):
     assert data["rows"][0]["compared"] > 100
 
 
-# Each planted bug, and the cases that must report it.
+# Each planted bug: the cases that must report it, the mesh, and how the suite runs. The
+# optimized path's stream bugs show only on stand-in streams, where the stream order is checked.
+STANDIN = ("--stand-in-streams", "--no-oracles")
 PLANTED = {
-    "scaled_grads": ["per_block", "llama"],
-    "dropped_grad": ["per_block", "trace_default"],
-    "shifted_shard": ["per_block", "llama"],
-    "bf16_reduce": ["trace_bf16_fp32"],
+    "scaled_grads": (["per_block", "llama"], "2", ()),
+    "dropped_grad": (["per_block", "trace_default"], "2", ()),
+    "shifted_shard": (["per_block", "llama"], "2", ()),
+    "bf16_reduce": (["trace_bf16_fp32"], "2", ()),
+    "optimized_no_wait": (["per_block", "llama"], "2", STANDIN),
+    "optimized_early_release": (["per_block", "llama"], "2", STANDIN),
+    "optimized_dropped_partial": (["no_all_reduce"], "2x2", ("--no-oracles",)),
+    "optimized_wrong_prefetch": (["per_block", "llama"], "2", ("--no-oracles",)),
+    "optimized_scaled_grads": (["per_block", "llama"], "2", ("--no-oracles",)),
 }
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_planted_bug_is_caught(bug, tmp_path):
     js = tmp_path / "r.json"
-    cases = ",".join(PLANTED[bug] + ["trace_reshard_false"])
-    out = conform(f"twinshard.conformance.planted.{bug}", "--world-sizes", "2", "--cases", cases,
-                  "--report", str(js))
+    cases, mesh, options = PLANTED[bug]
+    out = conform(f"twinshard.conformance.planted.{bug}", "--world-sizes", mesh,
+                  "--cases", ",".join(cases + ["trace_reshard_false"]), "--report", str(js),
+                  *options)
     assert out.returncode == 1, out.stdout + out.stderr
     rows = {r["case"]: r for r in json.loads(js.read_text())["rows"]}
-    for case in PLANTED[bug]:
+    for case in cases:
         assert rows[case]["status"] == "FAIL", (bug, case, rows[case])
         assert rows[case]["failures"], (bug, case)
+    assert rows["trace_reshard_false"]["status"] in ("PASS", "FAIL")  # the run went through
+
+
+def test_stream_bugs_name_the_streams(tmp_path):
+    """On stand-in streams the failure says which access was out of order, and where."""
+    js = tmp_path / "r.json"
+    conform("twinshard.conformance.planted.optimized_no_wait", "--world-sizes", "2",
+            "--cases", "per_block", "--report", str(js), *STANDIN)
+    failure = json.loads(js.read_text())["rows"][0]["failures"][0]
+    assert "StreamOrderError" in failure and "stream 'all_gather'" in failure, failure[-800:]
 
 
 def test_torch_fully_shard_passes_with_its_expected_failures(tmp_path):

@@ -1,63 +1,115 @@
-"""The optimized path's schedule: the next group's all-gather is issued before the current
-group computes (forward and backward), and no more than two blocks are unsharded at once."""
+"""The optimized path's schedule, as named event lists (hook by hook, collective by collective).
+
+Each group's hooks and collectives are wrapped to log ``(event, group)``; one training step
+(the second: the first records the order of the groups) is compared with the expected list
+as a whole, so a change of order anywhere shows as a diff. The optimized path issues the next
+group's all-gather inside the current group's pre-forward / pre-backward (one group ahead)
+and reduces each group's gradients one group later; the reference does everything in place.
+"""
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from twinshard.conformance.trace import CollectiveTrace
 from twinshard.launch import launch
-from twinshard.models import MLPStack
+
+HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward")
 
 
-def _schedule(impl_name):
+def _events(impl_name: str, n_blocks: int = 3) -> list[tuple[str, str]]:
     import importlib
+
+    from twinshard.models import MLPStack
+    from twinshard.reference.state import get_state
+
     impl = importlib.import_module(impl_name)
     torch.manual_seed(0)
-    model = MLPStack(dim=15, hidden=37, n_blocks=4)
+    model = MLPStack(dim=15, hidden=37, n_blocks=n_blocks)
     for block in model.blocks:
         impl.fully_shard(block)
     impl.fully_shard(model)
+    events: list[tuple[str, str]] = []
+
+    def log(group, method, label, name, only_if=lambda: True):
+        original = getattr(group, method)
+
+        def logged(*args, **kwargs):
+            if only_if():
+                events.append((label, name))
+            return original(*args, **kwargs)
+        setattr(group, method, logged)
+
+    for name, module in model.named_modules():
+        state = get_state(module)
+        if state is None or state.group is None:
+            continue
+        group, name = state.group, name or "root"
+        gathered = lambda g=group: all(p.state.name == "UNSHARDED" for p in g.params)  # noqa: E731
+        for hook in HOOKS:
+            log(group, hook, hook, name)
+        log(group, "reduce_grads_now", "reduce-scatter", name)
+        # a reshard is an event when there is something to free or to finish
+        log(group, "reshard", "reshard", name,
+            lambda g=group, f=gathered: f() or getattr(g, "in_flight", None) is not None)
+        if hasattr(group, "unshard_async"):  # the optimized path splits unshard in two
+            log(group, "unshard_async", "all-gather", name,
+                lambda g=group, f=gathered: g.in_flight is None and not f())
+            log(group, "wait_for_unshard", "wait", name, lambda g=group: g.in_flight is not None)
+        else:
+            log(group, "unshard", "all-gather", name, lambda f=gathered: not f())
     x = torch.randn(4, 15)
     model(x).sum().backward()  # the first step records the order of the groups
-    seen = {"forward": [], "backward": [], "unsharded": []}
-    trace = CollectiveTrace()
+    events.clear()
+    model(x).sum().backward()
+    return events
 
-    def unsharded_blocks():
-        return sum(not isinstance(b.w1.weight, DTensor) for b in model.blocks)
 
-    def note(kind, i):
-        seen[kind].append((i, len(trace.calls)))
-        seen["unsharded"].append(unsharded_blocks())  # hooks must return None
-
-    for i, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(lambda m, a, i=i: note("forward", i))
-        block.w1.register_full_backward_pre_hook(lambda m, g, i=i: note("backward", i))
-    with trace:
-        model(x).sum().backward()
-    gathers = [k for k, c in enumerate(trace.calls) if c.op == "all_gather"]
-    return seen, gathers, [c.op for c in trace.calls]
+OPTIMIZED = [
+    # forward: the root starts first; each pre-forward prefetches the next group
+    ("pre_forward", "root"), ("all-gather", "root"), ("wait", "root"),
+    ("all-gather", "blocks.0"),
+    ("pre_forward", "blocks.0"), ("wait", "blocks.0"), ("all-gather", "blocks.1"),
+    ("post_forward", "blocks.0"), ("reshard", "blocks.0"),
+    ("pre_forward", "blocks.1"), ("wait", "blocks.1"), ("all-gather", "blocks.2"),
+    ("post_forward", "blocks.1"), ("reshard", "blocks.1"),
+    ("pre_forward", "blocks.2"), ("wait", "blocks.2"),
+    ("post_forward", "blocks.2"), ("reshard", "blocks.2"),
+    ("post_forward", "root"),  # the root keeps its parameters for backward
+    # backward: the root finished forward last, so it runs first and prefetches blocks.2
+    ("pre_backward", "root"), ("all-gather", "blocks.2"),
+    ("pre_backward", "blocks.2"), ("wait", "blocks.2"), ("all-gather", "blocks.1"),
+    ("post_backward", "blocks.2"), ("reduce-scatter", "blocks.2"), ("reshard", "blocks.2"),
+    ("pre_backward", "blocks.1"), ("wait", "blocks.1"), ("all-gather", "blocks.0"),
+    ("post_backward", "blocks.1"), ("reduce-scatter", "blocks.1"), ("reshard", "blocks.1"),
+    ("pre_backward", "blocks.0"), ("wait", "blocks.0"),
+    # the inputs of the root and of blocks.0 need no gradient: their post-backward runs in
+    # the final callback, in the order fully_shard registered them
+    ("post_backward", "root"), ("reduce-scatter", "root"), ("reshard", "root"),
+    ("post_backward", "blocks.0"), ("reduce-scatter", "blocks.0"), ("reshard", "blocks.0"),
+]
 
 
 def test_optimized_prefetches_one_group_ahead():
-    seen, gathers, ops = launch(_schedule, 2, "twinshard.optimized")[0]
-    # forward: when block i starts computing, the gathers issued so far include block i+1's
-    # (root first, then one per block: block i's gather is number i + 1)
-    for i, issued in seen["forward"][:-1]:
-        done = sum(1 for g in gathers if g < issued)
-        assert done >= i + 3, (i, issued, gathers, ops)
-    # backward: block i's backward starts with block i-1's gather already issued
-    for i, issued in seen["backward"]:
-        if i > 0:
-            done = sum(1 for g in gathers if g < issued)
-            assert done >= 1 + 4 + (4 - i) + 1, (i, issued, gathers, ops)
-    assert max(seen["unsharded"]) <= 2, seen["unsharded"]
+    events = launch(_events, 2, "twinshard.optimized")[0]
+    assert events == OPTIMIZED, "\n".join(map(str, events))
 
 
-def test_reference_does_not_prefetch():
-    seen, gathers, ops = launch(_schedule, 2, "twinshard.reference")[0]
-    per_block = 6  # the reference gathers each of a block's 6 parameters separately
-    for i, issued in seen["forward"]:
-        done = sum(1 for g in gathers if g < issued)
-        assert done == 4 + (i + 1) * per_block, (i, issued)  # root's 4, then this block's own
-    assert max(seen["unsharded"]) <= 1
+def test_reference_does_everything_in_place():
+    events = launch(_events, 2, "twinshard.reference")[0]
+    expected = [
+        ("pre_forward", "root"), ("all-gather", "root"),
+        ("pre_forward", "blocks.0"), ("all-gather", "blocks.0"),
+        ("post_forward", "blocks.0"), ("reshard", "blocks.0"),
+        ("pre_forward", "blocks.1"), ("all-gather", "blocks.1"),
+        ("post_forward", "blocks.1"), ("reshard", "blocks.1"),
+        ("pre_forward", "blocks.2"), ("all-gather", "blocks.2"),
+        ("post_forward", "blocks.2"), ("reshard", "blocks.2"),
+        ("post_forward", "root"),
+        ("pre_backward", "root"),
+        ("pre_backward", "blocks.2"), ("all-gather", "blocks.2"),
+        ("post_backward", "blocks.2"), ("reduce-scatter", "blocks.2"), ("reshard", "blocks.2"),
+        ("pre_backward", "blocks.1"), ("all-gather", "blocks.1"),
+        ("post_backward", "blocks.1"), ("reduce-scatter", "blocks.1"), ("reshard", "blocks.1"),
+        ("pre_backward", "blocks.0"), ("all-gather", "blocks.0"),
+        ("post_backward", "root"), ("reduce-scatter", "root"), ("reshard", "root"),
+        ("post_backward", "blocks.0"), ("reduce-scatter", "blocks.0"), ("reshard", "blocks.0"),
+    ]
+    assert events == expected, "\n".join(map(str, events))

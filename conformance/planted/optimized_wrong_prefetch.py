@@ -12,8 +12,9 @@ from ._optimized import optimized_fully_shard
 
 
 class TwoAhead(FSDPState):
-    def prefetch_targets(self, hint, direction):
-        return super().prefetch_targets(hint, 2 * direction)
+    def prefetch_targets(self, hint, order):
+        i = order.index(self.group) if self.group in order else len(order)
+        return order[i + 2:i + 3]
 
 
 class TakesAnyPrefetch(FlatParamGroup):

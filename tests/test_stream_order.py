@@ -1,0 +1,141 @@
+"""The accelerator schedule on stand-in streams: the sanitizer's rules, then the optimized
+path's ordering rules read off the stand-in log by name.
+
+The sanitizer tests build small schedules by hand (one process, no process group) and check
+that each kind of mistake is reported and each correct order is not. The schedule tests run
+two training steps of the optimized path on 2 ranks with stand-in streams, under the checks,
+and assert the rules a GPU needs: the copy-in waits for the compute that produced the shards
+(or for the post-optimizer event instead), a buffer is released only after its streams waited
+on an event recorded after its last use, and the end of backward waits for the last reduction.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from twinshard.conformance.stream_check import StreamOrderError
+from twinshard.launch import launch
+from twinshard.optimized.standin import StandInStreams
+
+
+@pytest.fixture
+def streams():
+    s = StandInStreams()
+    with s.checking():
+        yield s
+
+
+def test_read_of_another_streams_write_needs_a_wait(streams):
+    side = streams.new_stream("side")
+    with streams.use(side):
+        filled = torch.ones(8) * 2  # written on "side"
+    with pytest.raises(StreamOrderError, match="on stream 'side' used, without waiting"):
+        filled.sum()  # the default stream reads it without waiting
+    streams.current().wait_event(side.record_event())
+    assert filled.sum().item() == 16.0
+
+
+def test_write_after_another_streams_read_needs_a_wait(streams):
+    side = streams.new_stream("side")
+    data = torch.zeros(4)
+    side.wait_stream(streams.current())
+    with streams.use(side):
+        data.sum()  # "side" reads it
+    with pytest.raises(StreamOrderError, match="writes memory that aten.sum"):
+        data.add_(1)  # the default stream overwrites it while "side" may still read it
+    streams.current().wait_stream(side)
+    data.add_(1)
+
+
+def test_release_needs_the_allocating_stream_to_wait_for_every_use(streams):
+    side = streams.new_stream("side")
+    with streams.use(side):
+        buffer = torch.zeros(4) + 1  # allocated on "side"
+    streams.current().wait_stream(side)
+    buffer.sum()  # last use, on the default stream
+    with pytest.raises(StreamOrderError, match="released while aten.sum"):
+        streams.release([buffer], "a test release")
+    side.wait_event(streams.current().record_event())
+    streams.release([buffer], "a test release")
+    with pytest.raises(StreamOrderError, match="use after release"):
+        buffer.sum()
+
+
+def test_a_reused_address_is_a_new_buffer(streams):
+    side = streams.new_stream("side")
+    for _ in range(50):  # freed memory comes back at the same addresses
+        with streams.use(side):
+            buffer = torch.zeros(16) + 1
+        side.wait_event(streams.current().record_event())
+        streams.release([buffer], "a test release")
+        del buffer
+        gc.collect()
+        fresh = torch.empty(16)
+        fresh.fill_(3.0)  # not a use after release: another buffer at the old address
+        assert fresh.sum().item() == 48.0
+
+
+def _two_steps(post_optim_event: bool):
+    import twinshard.optimized as O
+    from twinshard.models import MLPStack
+    from twinshard.optimized.standin import standin_streams
+
+    streams = standin_streams()
+    torch.manual_seed(0)
+    model = MLPStack(dim=15, hidden=37, n_blocks=3)
+    for block in model.blocks:
+        O.fully_shard(block)
+    O.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    marks = {}
+    with streams.checking():
+        for step in range(2):
+            marks[f"step {step}"] = len(streams.log)
+            model(torch.randn(4, 15)).sum().backward()
+            marks[f"after backward {step}"] = len(streams.log)
+            opt.step()
+            opt.zero_grad()
+            if post_optim_event:
+                event = streams.current().record_event()
+                model.set_post_optim_event(event)
+                marks[f"post-optim event {step}"] = event.id
+    return streams.log, marks
+
+
+def _recorded_on(log) -> dict:
+    return {entry[2]: entry[1] for entry in log if entry[0] == "record_event"}
+
+
+@pytest.mark.parametrize("post_optim_event", [False, True], ids=["compute", "post_optim_event"])
+def test_optimized_schedule_orders_its_streams(post_optim_event):
+    log, marks = launch(_two_steps, 2, post_optim_event, env={"TWINSHARD_STANDIN_STREAMS": "1"})[0]
+    recorded_on = _recorded_on(log)
+    # 1. before every copy-in, the copy-in stream waits for the compute stream; in the step
+    # after set_post_optim_event, the first one waits for that event instead
+    gathers = [i for i, e in enumerate(log) if e == ("wait_stream", "all_gather", "copy_in")]
+    assert len(gathers) >= 2 * 4, gathers  # every group in forward, two steps
+    first_of_step_1 = min(g for g in gathers if g > marks["step 1"])
+    for previous, g in zip([-1] + gathers, gathers):
+        first = next(e for e in log[previous + 1:g] if e[1] == "copy_in")
+        if post_optim_event and g == first_of_step_1:
+            assert first == ("wait_event", "copy_in", marks["post-optim event 0"]), first
+        else:
+            assert first == ("wait_stream", "copy_in", "default"), (g, first)
+    # 2. each release comes after its streams waited on an event recorded on the compute
+    # stream, after the buffers' last use there
+    releases = [i for i, e in enumerate(log) if e[0] == "release"]
+    assert any("all_gather" in log[i][2] for i in releases)
+    assert any("reduce_scatter" in log[i][2] for i in releases)
+    for i in releases:
+        if "unreduced" in log[i][2]:
+            continue  # gradients live on the compute stream, which waited for the reduction
+        waits = [log[i - 1]] + ([log[i - 2]] if "all_gather" in log[i][2] else [])
+        for kind, _, event in waits:
+            assert kind == "wait_event" and recorded_on[event] == "default", (i, log[i - 2:i + 1])
+    # 3. the end of backward waits for the last reduction (reduce-scatter or all-reduce)
+    for step in range(2):
+        end = marks[f"after backward {step}"]
+        last = max(i for i, e in enumerate(log[:end]) if e[0] == "record_event"
+                   and e[1] in ("reduce_scatter", "all_reduce"))
+        assert ("wait_event", "default", log[last][2]) in log[last:end], log[last:end]
