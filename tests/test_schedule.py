@@ -140,11 +140,12 @@ def test_cli_writes_the_picture_and_the_table(tmp_path):
     png, txt = tmp_path / "step.png", tmp_path / "step.txt"
     subprocess.run([sys.executable, "-m", "twinshard.cli", "schedule", "--impl", "reference,torch",
                     "--model", "mlp", "--layers", "2", "--out", str(png), "--text", str(txt),
-                    "--quiet"], check=True, timeout=300)
+                    "--compact", "--quiet"], check=True, timeout=300)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     text = txt.read_text()
     assert text.startswith("reference, rank 0 of 2") and "\ntorch, rank 0 of 2" in text
     assert text.count("final_callback  root") == 2
+    assert "-> blocks.0: 6 params, one all-gather each  [blocking]" in text  # reference, compact
 
 
 def test_a_post_forward_piece_is_seen_from_the_smaller_all_gather():

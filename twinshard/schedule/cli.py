@@ -2,7 +2,7 @@
 
     twinshard schedule --impl reference --world-size 2 --out step.png --text step.txt
     twinshard schedule --impl reference,optimized --out both.png       # one picture, stacked
-    twinshard schedule --impl torch --model mlp --layers 4
+    twinshard schedule --impl torch --model mlp --layers 4 --compact
 
 The example model (a tiny Llama from ``twinshard.models``, or ``--model mlp`` for the
 MLPStack) is sharded block by block and then at the root, trained for one step so that an
@@ -93,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--out", default=None, help="write the timeline picture here (.png, .svg)")
     parser.add_argument("--text", default=None, help="write the text table here")
+    parser.add_argument("--compact", action="store_true",
+                        help="write a run of per-parameter collectives as one line")
     parser.add_argument("--quiet", action="store_true", help="do not print the table")
 
 
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                    param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
     schedules = [record_step(impl.strip(), args.world_size, **options)
                  for impl in args.impl.split(",") if impl.strip()]
-    text = "\n\n".join(format_table(s) for s in schedules)
+    text = "\n\n".join(format_table(s, compact=args.compact) for s in schedules)
     if not args.quiet:
         print(text)
     if args.text:
