@@ -48,6 +48,7 @@ def _rss_mb() -> float:
 
 def run_one(impl_name, preset, dtype, seq, per_rank, warmup, steps, trace_dir):
     import importlib
+
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -66,7 +67,9 @@ def run_one(impl_name, preset, dtype, seq, per_rank, warmup, steps, trace_dir):
         model = Llama(cfg)
         kwargs = {}
         if low is not None:
-            kwargs["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+            kwargs["mp_policy"] = impl.MixedPrecisionPolicy(
+                param_dtype=low, reduce_dtype=torch.float32
+            )
         for block in model.blocks:
             impl.fully_shard(block, **kwargs)
         impl.fully_shard(model, **kwargs)
@@ -76,7 +79,7 @@ def run_one(impl_name, preset, dtype, seq, per_rank, warmup, steps, trace_dir):
     prof = None
     for step in range(warmup + steps):
         tokens = torch.randint(0, cfg.vocab_size, (per_rank * world, seq + 1), generator=g)
-        tokens = tokens[rank * per_rank:(rank + 1) * per_rank].to(device)
+        tokens = tokens[rank * per_rank : (rank + 1) * per_rank].to(device)
         if trace_dir and impl_name == IMPLS["optimized"] and step == warmup and rank == 0:
             prof = torch.profiler.profile(activities=_activities(cuda))
             prof.__enter__()
@@ -96,10 +99,17 @@ def run_one(impl_name, preset, dtype, seq, per_rank, warmup, steps, trace_dir):
             os.makedirs(trace_dir, exist_ok=True)
             prof.export_chrome_trace(os.path.join(trace_dir, "optimized_trace.json"))
             prof = None
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss)
-    return {"step_s": statistics.median(times), "peak_mb": peak, "loss": loss.item(),
-            "params": sum(p.numel() for p in model.parameters())}
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss
+    )
+    return {
+        "step_s": statistics.median(times),
+        "peak_mb": peak,
+        "loss": loss.item(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def _activities(cuda):
@@ -128,23 +138,57 @@ def main(argv=None) -> int:
     rows = {name: [] for name in args.impls.split(",")}
     for _ in range(args.repeat):
         for name in rows:
-            res = launch(run_one, args.nproc, IMPLS[name], args.preset, args.dtype, args.seq,
-                         args.per_rank, args.warmup, args.steps, args.trace, backend=backend,
-                         timeout=1800)
-            rows[name].append({"step_s": statistics.median(r["step_s"] for r in res),
-                               "peak_mb": max(r["peak_mb"] for r in res), "loss": res[0]["loss"],
-                               "params": res[0]["params"]})
-            print(f"  {name:10s} step {rows[name][-1]['step_s'] * 1000:8.1f} ms  "
-                  f"peak {rows[name][-1]['peak_mb']:8.1f} MB", flush=True)
-    summary = {n: {"step_s": statistics.median(r["step_s"] for r in v),
-                   "peak_mb": statistics.median(r["peak_mb"] for r in v)} for n, v in rows.items()}
+            res = launch(
+                run_one,
+                args.nproc,
+                IMPLS[name],
+                args.preset,
+                args.dtype,
+                args.seq,
+                args.per_rank,
+                args.warmup,
+                args.steps,
+                args.trace,
+                backend=backend,
+                timeout=1800,
+            )
+            rows[name].append(
+                {
+                    "step_s": statistics.median(r["step_s"] for r in res),
+                    "peak_mb": max(r["peak_mb"] for r in res),
+                    "loss": res[0]["loss"],
+                    "params": res[0]["params"],
+                }
+            )
+            print(
+                f"  {name:10s} step {rows[name][-1]['step_s'] * 1000:8.1f} ms  "
+                f"peak {rows[name][-1]['peak_mb']:8.1f} MB",
+                flush=True,
+            )
+    summary = {
+        n: {
+            "step_s": statistics.median(r["step_s"] for r in v),
+            "peak_mb": statistics.median(r["peak_mb"] for r in v),
+        }
+        for n, v in rows.items()
+    }
     print(table(summary))
     if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv),
-                "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                "cpus": os.cpu_count(), "device": args.device, "nproc": args.nproc,
-                "preset": args.preset, "dtype": args.dtype, "seq": args.seq,
-                "per_rank": args.per_rank, "steps": args.steps, "repeat": args.repeat}
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(["python"] + sys.argv),
+            "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "device": args.device,
+            "nproc": args.nproc,
+            "preset": args.preset,
+            "dtype": args.dtype,
+            "seq": args.seq,
+            "per_rank": args.per_rank,
+            "steps": args.steps,
+            "repeat": args.repeat,
+        }
         if args.device == "cuda":
             meta["gpu"] = torch.cuda.get_device_name(0)
         with open(args.json, "w") as f:
@@ -155,14 +199,18 @@ def main(argv=None) -> int:
 def table(summary: dict) -> str:
     plain = summary.get("plain")
     ref = summary.get("reference")
-    lines = ["| impl | step (ms) | vs plain | vs reference | peak (MB) | mem vs reference |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| impl | step (ms) | vs plain | vs reference | peak (MB) | mem vs reference |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in summary.items():
         vs_plain = f"{r['step_s'] / plain['step_s']:.2f}x" if plain else "-"
         vs_ref = f"{r['step_s'] / ref['step_s']:.2f}x" if ref else "-"
         mem_ref = f"{r['peak_mb'] / ref['peak_mb']:.2f}x" if ref and ref["peak_mb"] > 0 else "-"
-        lines.append(f"| {name} | {r['step_s'] * 1000:.1f} | {vs_plain} | {vs_ref} | "
-                     f"{r['peak_mb']:.1f} | {mem_ref} |")
+        lines.append(
+            f"| {name} | {r['step_s'] * 1000:.1f} | {vs_plain} | {vs_ref} | "
+            f"{r['peak_mb']:.1f} | {mem_ref} |"
+        )
     return "\n".join(lines)
 
 

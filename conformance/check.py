@@ -1,6 +1,6 @@
 """The conformance suite as pytest tests; see ``twinshard.conformance.pytest_plugin``.
 
-    pytest --pyargs twinshard.conformance.check --fsdp-impl twinshard.reference
+pytest --pyargs twinshard.conformance.check --fsdp-impl twinshard.reference
 """
 
 import pytest

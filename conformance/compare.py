@@ -39,7 +39,7 @@ class Checker:
     worst: Worst = field(default_factory=Worst)
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # e.g. an oracle that could not run here
-    low_eps: float = 2.0 ** -7  # rounding step of the low-precision dtype (bf16)
+    low_eps: float = 2.0**-7  # rounding step of the low-precision dtype (bf16)
     worst_by: dict = field(default_factory=dict)  # per comparison series ("reference", ...)
     count: int = 0
 
@@ -60,8 +60,10 @@ class Checker:
         self.count += 1
         if actual is None or expected is None:
             if (actual is None) != (expected is None):
-                self.fail(f"{where}: {'missing' if actual is None else 'unexpected'} value "
-                          f"(expected {'None' if expected is None else 'a tensor'})")
+                self.fail(
+                    f"{where}: {'missing' if actual is None else 'unexpected'} value "
+                    f"(expected {'None' if expected is None else 'a tensor'})"
+                )
             return
         actual = torch.as_tensor(actual).detach().to("cpu")
         expected = torch.as_tensor(expected).detach().to("cpu")
@@ -78,8 +80,15 @@ class Checker:
         series = where.split(" step ")[0] if " step " in where else "other"
         if max_abs >= self.worst_by.get(series, Worst(-1.0)).abs:
             self.worst_by[series] = Worst(max_abs, max_rel, where)
-        self._judge(where, actual, expected, diff, max_abs, plain_low,
-                    expected if truth is None else torch.as_tensor(truth).detach().cpu())
+        self._judge(
+            where,
+            actual,
+            expected,
+            diff,
+            max_abs,
+            plain_low,
+            expected if truth is None else torch.as_tensor(truth).detach().cpu(),
+        )
 
     def _judge(self, where, actual, expected, diff, max_abs, plain_low, truth) -> None:
         if self.tolerance == "bitwise":
@@ -89,21 +98,26 @@ class Checker:
         if self.tolerance == "fp32":
             allowed = FP32_ATOL + FP32_RTOL * expected.double().abs()
             if bool((diff > allowed).any()) or not torch.isfinite(actual).all():
-                self.fail(f"{where}: max abs diff {max_abs:.3e} outside fp32 assert_close "
-                          f"defaults (rtol {FP32_RTOL}, atol {FP32_ATOL})")
+                self.fail(
+                    f"{where}: max abs diff {max_abs:.3e} outside fp32 assert_close "
+                    f"defaults (rtol {FP32_RTOL}, atol {FP32_ATOL})"
+                )
             return
         if plain_low is None:
-            raise ValueError(f"{where}: the low_precision class needs the plain model's "
-                             "low-precision result")
+            raise ValueError(
+                f"{where}: the low_precision class needs the plain model's low-precision result"
+            )
         plain_low = torch.as_tensor(plain_low).detach().cpu().double()
         plain_err = (plain_low - truth.double()).abs().max().item() if truth.numel() else 0.0
         magnitude = truth.double().abs().max().item() if truth.numel() else 0.0
         floor = max(FP32_ATOL, self.low_eps * magnitude)
         if max_abs > 2 * plain_err + floor or not torch.isfinite(actual).all():
-            self.fail(f"{where}: max abs diff {max_abs:.3e} > 2 x plain low-precision error "
-                      f"{plain_err:.3e} + one rounding {floor:.3e}")
+            self.fail(
+                f"{where}: max abs diff {max_abs:.3e} > 2 x plain low-precision error "
+                f"{plain_err:.3e} + one rounding {floor:.3e}"
+            )
 
-    def absorb(self, other: "Checker") -> None:
+    def absorb(self, other: Checker) -> None:
         """Fold another checker's comparisons (made under another tolerance) into this one."""
         self.failures += other.failures
         self.count += other.count
@@ -114,10 +128,17 @@ class Checker:
             self.worst = other.worst
 
     def summary(self) -> dict:
-        return {"ok": self.ok, "tolerance": self.tolerance, "compared": self.count,
-                "max_abs": self.worst.abs, "max_rel": self.worst.rel, "where": self.worst.where,
-                "failures": self.failures[:10], "notes": self.notes,
-                "worst_by": {k: vars(w) for k, w in self.worst_by.items()}}
+        return {
+            "ok": self.ok,
+            "tolerance": self.tolerance,
+            "compared": self.count,
+            "max_abs": self.worst.abs,
+            "max_rel": self.worst.rel,
+            "where": self.worst.where,
+            "failures": self.failures[:10],
+            "notes": self.notes,
+            "worst_by": {k: vars(w) for k, w in self.worst_by.items()},
+        }
 
 
 def local_rows(full: torch.Tensor, dtensor) -> torch.Tensor:
@@ -133,4 +154,3 @@ def local_rows(full: torch.Tensor, dtensor) -> torch.Tensor:
             start = min(coord[mesh_dim] * chunk, block.shape[d])
             block = block.narrow(d, start, min(chunk, block.shape[d] - start))
     return block
-

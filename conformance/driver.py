@@ -10,8 +10,9 @@ SGD with momentum (Adam would hide a wrong gradient scale).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,7 @@ def _slice(batch: tuple, rank: int, world: int) -> tuple:
     out = []
     for t in batch:
         n = t.shape[0] // world
-        out.append(t[rank * n:(rank + 1) * n].to(DEVICE))
+        out.append(t[rank * n : (rank + 1) * n].to(DEVICE))
     return tuple(out)
 
 
@@ -103,8 +104,13 @@ def run_plain(recipe: Recipe, low: torch.dtype | None = None, world: int = 1) ->
     return trace
 
 
-def run_sharded(recipe: Recipe, impl, mesh, model: nn.Module | None = None,
-                opt: torch.optim.Optimizer | None = None) -> tuple[Trace, nn.Module]:
+def run_sharded(
+    recipe: Recipe,
+    impl,
+    mesh,
+    model: nn.Module | None = None,
+    opt: torch.optim.Optimizer | None = None,
+) -> tuple[Trace, nn.Module]:
     """The implementation ``impl`` on this rank's slice of each global batch (or continue
     training a given sharded ``model`` and its optimizer)."""
     if model is None:
@@ -124,9 +130,16 @@ def make_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=0.9)
 
 
-def _train(recipe: Recipe, model: nn.Module, master: nn.Module | None, rank: int, world: int,
-           low: torch.dtype | None, opt: torch.optim.Optimizer | None = None,
-           low_world: int = 1) -> Trace:
+def _train(
+    recipe: Recipe,
+    model: nn.Module,
+    master: nn.Module | None,
+    rank: int,
+    world: int,
+    low: torch.dtype | None,
+    opt: torch.optim.Optimizer | None = None,
+    low_world: int = 1,
+) -> Trace:
     opt = opt or make_optimizer(recipe, model)
     trace = Trace(optimizer=opt)
     for step in range(recipe.steps):
@@ -150,8 +163,9 @@ def _train(recipe: Recipe, model: nn.Module, master: nn.Module | None, rank: int
         if recipe.before_step is not None and master is None:
             recipe.before_step(model)
         if recipe.clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip,
-                                                  norm_type=recipe.norm_type)
+            norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), recipe.clip, norm_type=recipe.norm_type
+            )
             trace.norms.append(_float(norm))
         named = dict(model.named_parameters())
         trace.grads.append({n: _local(p.grad) for n, p in named.items()})
@@ -162,15 +176,19 @@ def _train(recipe: Recipe, model: nn.Module, master: nn.Module | None, rank: int
     return trace
 
 
-def _low_precision_backward(recipe: Recipe, master: nn.Module, batch: tuple,
-                            low: torch.dtype, world: int) -> torch.Tensor:
+def _low_precision_backward(
+    recipe: Recipe, master: nn.Module, batch: tuple, low: torch.dtype, world: int
+) -> torch.Tensor:
     """Each of ``world`` slices computes in a ``low`` copy of the model; gradients are
     averaged over slices in ``recipe.low_reduce`` and added to the fp32 master's."""
     work = copy.deepcopy(master).to(low)
     # Cast the model's floating-point inputs where the root module begins, as
     # cast_forward_inputs does (the loss's own targets stay in full precision).
-    work.register_forward_pre_hook(lambda module, args: tuple(
-        a.to(low) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+    work.register_forward_pre_hook(
+        lambda module, args: tuple(
+            a.to(low) if torch.is_tensor(a) and a.is_floating_point() else a for a in args
+        )
+    )
     losses, sums = [], None
     for r in range(world):
         part = _slice(batch, r, world)
@@ -178,9 +196,14 @@ def _low_precision_backward(recipe: Recipe, master: nn.Module, batch: tuple,
         loss = recipe.loss(work, part)
         loss.backward()
         losses.append(loss.detach().float())
-        grads = [None if q.grad is None else q.grad.to(recipe.low_reduce) for q in work.parameters()]
-        sums = grads if sums is None else [
-            a if b is None else (b if a is None else a + b) for a, b in zip(sums, grads)]
+        grads = [
+            None if q.grad is None else q.grad.to(recipe.low_reduce) for q in work.parameters()
+        ]
+        sums = (
+            grads
+            if sums is None
+            else [a if b is None else (b if a is None else a + b) for a, b in zip(sums, grads)]
+        )
     for p, g in zip(master.parameters(), sums):
         if g is not None:
             g = (g / world).float()
@@ -194,8 +217,14 @@ def _blocks(run: Trace, name: str):
     return lambda t: t if (t is None or dt is None) else local_rows(t, dt)
 
 
-def compare(checker: Checker, label: str, run: Trace, truth: Trace,
-            truth_low: Trace | None = None, other: Trace | None = None) -> None:
+def compare(
+    checker: Checker,
+    label: str,
+    run: Trace,
+    truth: Trace,
+    truth_low: Trace | None = None,
+    other: Trace | None = None,
+) -> None:
     """Compare a sharded run with the plain truth on this rank's blocks, or, with ``other``
     (another sharded run with the same placements), with that run, judged against the truth."""
     for step, loss in enumerate(run.losses):
@@ -205,8 +234,9 @@ def compare(checker: Checker, label: str, run: Trace, truth: Trace,
         if run.norms:
             low = truth_low.norms[step] if truth_low else None
             expected = other.norms[step] if other else truth.norms[step]
-            checker.close(f"{label} step {step} grad norm", run.norms[step], expected, low,
-                          truth.norms[step])
+            checker.close(
+                f"{label} step {step} grad norm", run.norms[step], expected, low, truth.norms[step]
+            )
         for kind in ("grads", "params"):
             mine, true = getattr(run, kind)[step], getattr(truth, kind)[step]
             true_low = getattr(truth_low, kind)[step] if truth_low else None
@@ -217,5 +247,10 @@ def compare(checker: Checker, label: str, run: Trace, truth: Trace,
                 block = _blocks(run, name)
                 expected = getattr(other, kind)[step].get(name) if other else block(true[name])
                 low = block(true_low[name]) if true_low else None
-                checker.close(f"{label} step {step} {kind[:-1]} '{name}'", value, expected, low,
-                              block(true[name]))
+                checker.close(
+                    f"{label} step {step} {kind[:-1]} '{name}'",
+                    value,
+                    expected,
+                    low,
+                    block(true[name]),
+                )

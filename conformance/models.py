@@ -14,9 +14,11 @@ from .driver import Recipe
 
 def batches(shape_fn, seed: int = 1234):
     """Global batch ``i``, the same on every rank: a generator seeded by ``seed + i``."""
+
     def data(i: int) -> tuple:
         g = torch.Generator().manual_seed(seed + i)
         return shape_fn(g)
+
     return data
 
 
@@ -24,8 +26,12 @@ GLOBAL_BATCH = 12  # divisible by every world size 1-4 (and 6): the data never d
 
 
 def mlp_data(dim: int = 15):
-    return batches(lambda g: (torch.randn(GLOBAL_BATCH, dim, generator=g),
-                              torch.randn(GLOBAL_BATCH, dim, generator=g)))
+    return batches(
+        lambda g: (
+            torch.randn(GLOBAL_BATCH, dim, generator=g),
+            torch.randn(GLOBAL_BATCH, dim, generator=g),
+        )
+    )
 
 
 def mse(model: nn.Module, batch: tuple) -> torch.Tensor:
@@ -43,22 +49,42 @@ def shard_blocks(impl, model: nn.Module, mesh, root: bool = True, **kwargs) -> N
 
 
 def mlp_recipe(world: int, wrap=None, **kwargs) -> Recipe:
-    settings = dict(build=lambda: MLPStack(dim=15, hidden=37, n_blocks=3),
-                    wrap=wrap or shard_blocks, data=mlp_data(), loss=mse)
+    settings = dict(
+        build=lambda: MLPStack(dim=15, hidden=37, n_blocks=3),
+        wrap=wrap or shard_blocks,
+        data=mlp_data(),
+        loss=mse,
+    )
     return Recipe(**{**settings, **kwargs})
 
 
 def llama_config(tie: bool = False) -> LlamaConfig:
-    return LlamaConfig(vocab_size=37, dim=24, n_layers=2, n_heads=3, n_kv_heads=1,
-                       ffn_hidden=37, max_seq_len=16, tie_embeddings=tie, multiple_of=1)
+    return LlamaConfig(
+        vocab_size=37,
+        dim=24,
+        n_layers=2,
+        n_heads=3,
+        n_kv_heads=1,
+        ffn_hidden=37,
+        max_seq_len=16,
+        tie_embeddings=tie,
+        multiple_of=1,
+    )
 
 
 def llama_recipe(world: int, tie: bool = False, wrap=None, **kwargs) -> Recipe:
     def tokens(g):
         t = torch.randint(0, 37, (GLOBAL_BATCH, 10), generator=g)
         return t[:, :-1], t[:, 1:]
-    return Recipe(build=lambda: Llama(llama_config(tie)), wrap=wrap or shard_blocks,
-                  data=batches(tokens), loss=lambda m, b: m(b[0], b[1]), lr=0.1, **kwargs)
+
+    return Recipe(
+        build=lambda: Llama(llama_config(tie)),
+        wrap=wrap or shard_blocks,
+        data=batches(tokens),
+        loss=lambda m, b: m(b[0], b[1]),
+        lr=0.1,
+        **kwargs,
+    )
 
 
 # --- models with a twist ---------------------------------------------------------------------
@@ -98,6 +124,7 @@ def _dict_forward(block):
 
     def forward(inputs):
         return {"x": plain(block, inputs["x"]), "tag": inputs["tag"]}
+
     return forward
 
 

@@ -19,20 +19,31 @@ import os
 import pytest
 
 from .runner import select
-from .suite import (DEFAULT_MESHES, apply_xfail, default_xfail, load_xfail, mesh_name,
-                    parse_meshes, run_suite)
+from .suite import (
+    DEFAULT_MESHES,
+    apply_xfail,
+    default_xfail,
+    load_xfail,
+    mesh_name,
+    parse_meshes,
+    run_suite,
+)
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("twinshard", "FSDP conformance (twinshard)")
-    group.addoption("--fsdp-impl", default=None,
-                    help="implementation module to check (or env TWINSHARD_IMPL)")
+    group.addoption(
+        "--fsdp-impl", default=None, help="implementation module to check (or env TWINSHARD_IMPL)"
+    )
     group.addoption("--fsdp-world-sizes", default=DEFAULT_MESHES, help="meshes, e.g. 1,2,3,2x2")
     group.addoption("--fsdp-cases", default=None, help="comma-separated case name patterns")
     group.addoption("--fsdp-device", default="cpu", choices=("cpu", "cuda"))
     group.addoption("--fsdp-xfail", default=None, help="expected-failures file")
-    group.addoption("--fsdp-stand-in-streams", action="store_true",
-                    help="run with stand-in streams and stream-order checks")
+    group.addoption(
+        "--fsdp-stand-in-streams",
+        action="store_true",
+        help="run with stand-in streams and stream-order checks",
+    )
 
 
 def implementation(config) -> str:
@@ -40,14 +51,17 @@ def implementation(config) -> str:
     if not impl:
         raise pytest.UsageError(
             "twinshard conformance: name the implementation to check with --fsdp-impl MODULE "
-            "or the environment variable TWINSHARD_IMPL (e.g. twinshard.reference)")
+            "or the environment variable TWINSHARD_IMPL (e.g. twinshard.reference)"
+        )
     return impl
 
 
 def _settings(config):
     cases = config.getoption("--fsdp-cases")
-    return (parse_meshes(config.getoption("--fsdp-world-sizes")),
-            cases.split(",") if cases else None)
+    return (
+        parse_meshes(config.getoption("--fsdp-world-sizes")),
+        cases.split(",") if cases else None,
+    )
 
 
 def conformance_params(config) -> list[tuple[str, str]]:
@@ -77,9 +91,14 @@ class _Results:
                 name = mesh_name(shape)
                 if name in self.done:
                     continue
-                rows = run_suite(self.impl, [shape], self.patterns,
-                                 self.config.getoption("--fsdp-device"), tmpdir=str(self.tmp),
-                                 stand_in_streams=self.config.getoption("--fsdp-stand-in-streams"))
+                rows = run_suite(
+                    self.impl,
+                    [shape],
+                    self.patterns,
+                    self.config.getoption("--fsdp-device"),
+                    tmpdir=str(self.tmp),
+                    stand_in_streams=self.config.getoption("--fsdp-stand-in-streams"),
+                )
                 for r in apply_xfail(rows, self.expected):
                     self.rows[(r["mesh"], r["case"])] = r
                 self.done.add(name)

@@ -25,8 +25,13 @@ def select(patterns: list[str] | None) -> list[str]:
     return names
 
 
-def run_cases(impl_name: str, mesh_shape: tuple[int, ...], tmpdir: str,
-              patterns: list[str] | None = None, with_oracle: bool = True) -> list[dict]:
+def run_cases(
+    impl_name: str,
+    mesh_shape: tuple[int, ...],
+    tmpdir: str,
+    patterns: list[str] | None = None,
+    with_oracle: bool = True,
+) -> list[dict]:
     """Run the selected cases on this rank; every rank returns the same merged results.
 
     A case that does not apply to this mesh gets a SKIP row with its reason. With stand-in
@@ -51,30 +56,58 @@ def run_cases(impl_name: str, mesh_shape: tuple[int, ...], tmpdir: str,
             with stream_checks():
                 summary = case.fn(ctx).summary()
         except Exception:  # reported as a failure of this case; the next case still runs
-            summary = {"ok": False, "failures": [traceback.format_exc()], "max_abs": float("nan"),
-                       "max_rel": float("nan"), "where": "", "compared": 0, "tolerance": "-"}
+            summary = {
+                "ok": False,
+                "failures": [traceback.format_exc()],
+                "max_abs": float("nan"),
+                "max_rel": float("nan"),
+                "where": "",
+                "compared": 0,
+                "tolerance": "-",
+            }
         summary.update(case=name, group=case.group, seconds=time.perf_counter() - start)
         merged = _merge_ranks(summary)
-        merged.update(mesh="x".join(map(str, mesh_shape)), status="PASS" if merged["ok"] else "FAIL")
+        merged.update(
+            mesh="x".join(map(str, mesh_shape)), status="PASS" if merged["ok"] else "FAIL"
+        )
         results.append(merged)
     return results
 
 
-def skip_row(name: str, mesh_shape: tuple[int, ...], reason: str, status: str = "SKIP",
-             failures: list[str] | None = None) -> dict:
+def skip_row(
+    name: str,
+    mesh_shape: tuple[int, ...],
+    reason: str,
+    status: str = "SKIP",
+    failures: list[str] | None = None,
+) -> dict:
     """A row for a case that did not run: skipped (with ``reason``) or failed as a whole."""
-    return {"case": name, "mesh": "x".join(map(str, mesh_shape)), "group": CASES[name].group,
-            "ok": False, "status": status, "reason": reason, "failures": list(failures or []),
-            "compared": 0, "max_abs": float("nan"), "max_rel": float("nan"), "where": "",
-            "seconds": 0.0, "notes": [], "worst_by": {}}
+    return {
+        "case": name,
+        "mesh": "x".join(map(str, mesh_shape)),
+        "group": CASES[name].group,
+        "ok": False,
+        "status": status,
+        "reason": reason,
+        "failures": list(failures or []),
+        "compared": 0,
+        "max_abs": float("nan"),
+        "max_rel": float("nan"),
+        "where": "",
+        "seconds": 0.0,
+        "notes": [],
+        "worst_by": {},
+    }
 
 
 def stream_checks():
     """The stand-in streams' checks when they are asked for, else nothing."""
     from twinshard.optimized.streams import STANDIN_ENV
+
     if os.environ.get(STANDIN_ENV, "0") in ("", "0"):
         return contextlib.nullcontext()
     from twinshard.optimized.standin import standin_streams
+
     return standin_streams().checking()
 
 
@@ -86,8 +119,12 @@ def _merge_ranks(summary: dict) -> dict:
     merged["ok"] = all(s["ok"] for s in every)
     merged["failures"] = [f"rank {r}: {f}" for r, s in enumerate(every) for f in s["failures"]]
     worst = max(every, key=lambda s: -1.0 if s["max_abs"] != s["max_abs"] else s["max_abs"])
-    merged.update(max_abs=worst["max_abs"], max_rel=max(s["max_rel"] for s in every),
-                  where=worst["where"], compared=sum(s["compared"] for s in every))
+    merged.update(
+        max_abs=worst["max_abs"],
+        max_rel=max(s["max_rel"] for s in every),
+        where=worst["where"],
+        compared=sum(s["compared"] for s in every),
+    )
     by: dict = {}
     for s in every:
         for series, w in s.get("worst_by", {}).items():

@@ -98,8 +98,9 @@ class StreamSanitizer(TorchDispatchMode):
         key = _key(t)
         if key is not None:
             stream = self.streams.current()
-            self.records[key] = StorageRecord(weakref.ref(_storage(t)), stream,
-                                              Access(stream, stream.tick(), _name(func)))
+            self.records[key] = StorageRecord(
+                weakref.ref(_storage(t)), stream, Access(stream, stream.tick(), _name(func))
+            )
 
     def _access(self, t: torch.Tensor, write: bool, func) -> None:
         rec = self._record(t)
@@ -108,8 +109,10 @@ class StreamSanitizer(TorchDispatchMode):
         stream, op = self.streams.current(), _name(func)
         verb = "writes" if write else "reads"
         if rec.released is not None:
-            raise StreamOrderError(f"{op} on stream '{stream.name}' {verb} a buffer that was "
-                                   f"already released ({rec.released}): use after release")
+            raise StreamOrderError(
+                f"{op} on stream '{stream.name}' {verb} a buffer that was "
+                f"already released ({rec.released}): use after release"
+            )
         earlier = [rec.last_write] if rec.last_write else []
         if write:
             earlier += rec.reads.values()
@@ -118,7 +121,8 @@ class StreamSanitizer(TorchDispatchMode):
                 raise StreamOrderError(
                     f"{op} on stream '{stream.name}' {verb} memory that {a.op} on stream "
                     f"'{a.stream.name}' used, without waiting for it: wait on an event recorded "
-                    "after that use first")
+                    "after that use first"
+                )
         access = Access(stream, stream.tick(), op)
         if write:
             rec.last_write, rec.reads = access, {}
@@ -135,7 +139,8 @@ class StreamSanitizer(TorchDispatchMode):
                 raise StreamOrderError(
                     f"{where}: a buffer of stream '{rec.allocated_on.name}' is released while "
                     f"{a.op} on stream '{a.stream.name}' may still use it; make "
-                    f"'{rec.allocated_on.name}' wait on an event recorded after that use first")
+                    f"'{rec.allocated_on.name}' wait on an event recorded after that use first"
+                )
         rec.released = where
 
 

@@ -21,10 +21,10 @@ import pathlib
 import tempfile
 from dataclasses import dataclass
 
+from twinshard.optimized.streams import STANDIN_ENV
+
 from .cases import CASES, Context
 from .runner import run_cases, select, skip_row
-
-from twinshard.optimized.streams import STANDIN_ENV
 
 DEFAULT_MESHES = "1,2,3,2x2"
 XFAIL_DIR = pathlib.Path(__file__).with_name("xfail")
@@ -38,7 +38,9 @@ def parse_meshes(text: str) -> list[tuple[int, ...]]:
         try:
             shape = tuple(int(n) for n in part.split("x"))
         except ValueError:
-            raise ValueError(f"bad mesh {part!r}: use a world size (3) or replicas x shards (2x2)")
+            raise ValueError(
+                f"bad mesh {part!r}: use a world size (3) or replicas x shards (2x2)"
+            ) from None
         if not 1 <= len(shape) <= 2 or min(shape) < 1:
             raise ValueError(f"bad mesh {part!r}: use a world size (3) or replicas x shards (2x2)")
         meshes.append(shape)
@@ -56,15 +58,24 @@ def applicable(shape: tuple[int, ...], patterns: list[str] | None) -> list[str]:
     return [n for n in select(patterns) if CASES[n].skip_reason(ctx) is None]
 
 
-def run_suite(impl: str, meshes: list[tuple[int, ...]], patterns: list[str] | None = None,
-              device: str = "cpu", timeout: float = 600.0, tmpdir: str | None = None,
-              progress=None, stand_in_streams: bool = False, oracles: bool = True) -> list[dict]:
+def run_suite(
+    impl: str,
+    meshes: list[tuple[int, ...]],
+    patterns: list[str] | None = None,
+    device: str = "cpu",
+    timeout: float = 600.0,
+    tmpdir: str | None = None,
+    progress=None,
+    stand_in_streams: bool = False,
+    oracles: bool = True,
+) -> list[dict]:
     """Every selected case on every mesh; one row per (mesh, case), SKIP where a case does not
     apply. ``stand_in_streams``: run the accelerator schedule on the CPU, with stream checks
     (``twinshard.optimized.standin``). ``oracles=False`` compares with the plain model only
     (not with the reference and torch): faster, for a second pass in another mode."""
-    from twinshard.launch import LaunchError, launch
     import torch
+
+    from twinshard.launch import LaunchError, launch
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="twinshard-conform-") as scratch:
@@ -79,11 +90,23 @@ def run_suite(impl: str, meshes: list[tuple[int, ...]], patterns: list[str] | No
                 rows += [skip_row(n, shape, reason) for n in names]
                 continue
             try:
-                rows += launch(run_cases, world, impl, shape, tmp, names, oracles, backend=backend,
-                               timeout=timeout, env=env)[0]
+                rows += launch(
+                    run_cases,
+                    world,
+                    impl,
+                    shape,
+                    tmp,
+                    names,
+                    oracles,
+                    backend=backend,
+                    timeout=timeout,
+                    env=env,
+                )[0]
             except LaunchError as error:  # a crash or a hang: every case of this mesh fails
-                rows += [skip_row(n, shape, "", status="FAIL", failures=[str(error)[-4000:]])
-                         for n in names]
+                rows += [
+                    skip_row(n, shape, "", status="FAIL", failures=[str(error)[-4000:]])
+                    for n in names
+                ]
             if progress:
                 progress(shape, [r for r in rows if r["mesh"] == mesh_name(shape)])
     return rows
@@ -120,8 +143,14 @@ def default_xfail(impl: str) -> pathlib.Path | None:
 
 def apply_xfail(rows: list[dict], expected: list[Expected]) -> list[dict]:
     for row in rows:
-        match = next((e for e in expected if fnmatch.fnmatch(row["case"], e.case)
-                      and fnmatch.fnmatch(row["mesh"], e.mesh)), None)
+        match = next(
+            (
+                e
+                for e in expected
+                if fnmatch.fnmatch(row["case"], e.case) and fnmatch.fnmatch(row["mesh"], e.mesh)
+            ),
+            None,
+        )
         if match is None or row["status"] == "SKIP":
             continue
         row["reason"] = match.reason
@@ -136,8 +165,11 @@ def failed(rows: list[dict]) -> bool:
 def report(rows: list[dict], impl: str, fmt: str = "text") -> str:
     """The verdict as a table (text or markdown) or as JSON."""
     if fmt == "json":
-        return json.dumps({"implementation": impl, "passed": not failed(rows), "rows": rows},
-                          indent=1, default=str)
+        return json.dumps(
+            {"implementation": impl, "passed": not failed(rows), "rows": rows},
+            indent=1,
+            default=str,
+        )
     head = ["case", "mesh", "result", "worst abs", "worst rel", "where", "s"]
     lines = []
     for r in rows:
@@ -146,17 +178,36 @@ def report(rows: list[dict], impl: str, fmt: str = "text") -> str:
             detail = r["reason"]
         elif r["status"] == "FAIL" and r["failures"]:
             detail = r["failures"][0].strip().splitlines()[-1]
-        lines.append([r["case"], r["mesh"], r["status"], _num(r["max_abs"]), _num(r["max_rel"]),
-                      detail[:110], f"{r['seconds']:.1f}"])
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "XFAIL", "XPASS", "SKIP")}
+        lines.append(
+            [
+                r["case"],
+                r["mesh"],
+                r["status"],
+                _num(r["max_abs"]),
+                _num(r["max_rel"]),
+                detail[:110],
+                f"{r['seconds']:.1f}",
+            ]
+        )
+    counts = {
+        s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "XFAIL", "XPASS", "SKIP")
+    }
     summary = f"{impl}: " + ", ".join(f"{n} {s.lower()}" for s, n in counts.items() if n)
     if fmt == "markdown":
-        out = [f"# Conformance: `{impl}`", "", summary, "",
-               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out = [
+            f"# Conformance: `{impl}`",
+            "",
+            summary,
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
         out += ["| " + " | ".join(c.replace("|", "/") for c in line) + " |" for line in lines]
         return "\n".join(out) + "\n"
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
-              for i, h in enumerate(head)]
+    widths = [
+        max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+        for i, h in enumerate(head)
+    ]
     fmt_line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([fmt_line(head), *(fmt_line(line) for line in lines), "", summary]) + "\n"
 

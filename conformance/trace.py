@@ -73,12 +73,16 @@ def compare_ranks(calls: list[Call]) -> str | None:
     dist.all_gather_object(every, [(c.op, str(c.dtype), c.numel) for c in calls])
     for rank, other in enumerate(every[1:], 1):
         if other != every[0]:
-            i = next((k for k, (a, b) in enumerate(zip(every[0], other)) if a != b),
-                     min(len(every[0]), len(other)))
+            i = next(
+                (k for k, (a, b) in enumerate(zip(every[0], other)) if a != b),
+                min(len(every[0]), len(other)),
+            )
             first = every[0][i] if i < len(every[0]) else "nothing"
             theirs = other[i] if i < len(other) else "nothing"
-            return (f"rank 0 and rank {rank} differ at collective #{i}: {first} vs {theirs} "
-                    f"({len(every[0])} vs {len(other)} collectives)")
+            return (
+                f"rank 0 and rank {rank} differ at collective #{i}: {first} vs {theirs} "
+                f"({len(every[0])} vs {len(other)} collectives)"
+            )
     return None
 
 

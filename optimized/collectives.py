@@ -63,8 +63,9 @@ class ReduceScatterResult(NamedTuple):
 
 
 @torch.no_grad()
-def all_gather(params: list, dtypes: list, group: dist.ProcessGroup,
-               comm: CommContext) -> AllGatherResult:
+def all_gather(
+    params: list, dtypes: list, group: dist.ProcessGroup, comm: CommContext
+) -> AllGatherResult:
     """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over
     ``group``. Replaces the reference's ``ShardedParam.unshard`` loop of one blocking
     all-gather per parameter; see [Note: one flat buffer per group]."""
@@ -75,8 +76,9 @@ def all_gather(params: list, dtypes: list, group: dist.ProcessGroup,
     with comm.on(comm.all_gather_stream):
         ranks = dist.get_world_size(group)
         recv = send.new_empty(ranks * send.numel())
-        pending = comm.issue(all_gather_into, recv, send, group=group,
-                             stream=comm.all_gather_stream)
+        pending = comm.issue(
+            all_gather_into, recv, send, group=group, stream=comm.all_gather_stream
+        )
     return AllGatherResult(pending, send, recv, ranks, params, dtypes)
 
 
@@ -95,8 +97,9 @@ def copy_out(result: AllGatherResult, comm: CommContext) -> None:
 
 
 @torch.no_grad()
-def reduce_scatter(params: list, info, all_reduce: bool, divide_by: float,
-                   comm: CommContext) -> ReduceScatterResult | None:
+def reduce_scatter(
+    params: list, info, all_reduce: bool, divide_by: float, comm: CommContext
+) -> ReduceScatterResult | None:
     """Pack the waiting gradients of ``params`` into one buffer and reduce-scatter it; for
     HSDP add the partial sums and all-reduce across replicas. Replaces the reference's
     ``ShardedParam.reduce_grad`` loop of blocking per-parameter reductions."""
@@ -109,8 +112,13 @@ def reduce_scatter(params: list, info, all_reduce: bool, divide_by: float,
     with comm.on(comm.reduce_scatter_stream):
         packed = torch.cat([g.view(S, -1) for g in grads], dim=1).view(-1)  # (S * per-rank,)
         out = packed.new_empty(packed.numel() // S)  # (per-rank numel,)
-        pending = comm.issue(reduce_scatter_into, out, packed, group=info.shard_group,
-                             stream=comm.reduce_scatter_stream)
+        pending = comm.issue(
+            reduce_scatter_into,
+            out,
+            packed,
+            group=info.shard_group,
+            stream=comm.reduce_scatter_stream,
+        )
         kept = False
         if info.replicate_group is not None:  # see [Note: HSDP after the reduce-scatter]
             comm.wait(pending, comm.reduce_scatter_stream)
@@ -120,8 +128,9 @@ def reduce_scatter(params: list, info, all_reduce: bool, divide_by: float,
             kept = not all_reduce
     if info.replicate_group is not None and all_reduce:
         comm.all_reduce_stream.wait_stream(comm.reduce_scatter_stream)
-        pending = comm.issue(dist.all_reduce, out, group=info.replicate_group,
-                             stream=comm.all_reduce_stream)
+        pending = comm.issue(
+            dist.all_reduce, out, group=info.replicate_group, stream=comm.all_reduce_stream
+        )
     return ReduceScatterResult(pending, grads, packed, out, params, divide_by, kept)
 
 

@@ -24,19 +24,19 @@ whenever the allocator notices.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from .streams import streams_for
 
 
-class Pending(NamedTuple):
+@dataclass
+class Pending:
     """A collective in flight; see [Note: two ways to wait]."""
 
-    work: Any  # torch.distributed.Work, or None when a stream orders the collective
+    work: Any  # torch.distributed.Work, or None when a stream orders it (or once waited on)
     event: Any  # recorded after the collective on its stream, or None
 
 
@@ -87,7 +87,10 @@ class CommContext:
     def wait(self, pending: Pending, stream=None) -> None:
         """Make ``stream`` (default: the current one) wait for ``pending``."""
         if pending.work is not None:
+            # Wait on a work handle once: gloo copies a reduce-scatter's result into its output
+            # at every wait(), which would undo what was added to it since (HSDP partial sums).
             pending.work.wait()
+            pending.work = None
         if pending.event is not None:
             (stream or self.current_stream()).wait_event(pending.event)
 
@@ -105,6 +108,11 @@ class CommContext:
                 for stream in streams:
                     stream.wait_event(held.event)
             self.streams.release(held.buffers, f"release of the {kind} buffers")
+
+    def set_post_optim_event(self, event) -> None:
+        """Let the next all-gather's copy-in wait on ``event`` (recorded after the optimizer
+        step) rather than on everything the current stream has queued."""
+        self.post_optim_event = event
 
     def before_all_gather(self) -> None:
         """Order the copy-in stream after the compute that produced the shards (or only after

@@ -66,7 +66,8 @@ class FlatParamGroup(ParamGroup):
             raise FSDPUsageError(
                 f"the parameters of the group of '{params[0].fqn}' are in different states "
                 "(some kept a post-forward piece, some not); call reshard() on the module "
-                "before unsharding it again")
+                "before unsharding it again"
+            )
         mesh = params[0].all_gather_mesh(self.post_forward_info)
         with torch.profiler.record_function("twinshard::unshard"):
             dtypes = [self.param_dtype(p) for p in params]
@@ -96,8 +97,9 @@ class FlatParamGroup(ParamGroup):
         reference's loop of blocking per-parameter reductions)."""
         comm = self.own_comm()
         finish_reduce(comm)  # the previous group's gradients are added, its buffers freed
-        comm.pending_reduce = reduce_scatter(self.params, self.info, self.all_reduce_grads,
-                                             self.gradient_divisor(), comm)
+        comm.pending_reduce = reduce_scatter(
+            self.params, self.info, self.all_reduce_grads, self.gradient_divisor(), comm
+        )
 
 
 def finish_reduce(comm: CommContext) -> None:

@@ -12,21 +12,38 @@ from __future__ import annotations
 import torch.nn as nn
 
 from twinshard.api import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, check_fsdp_modules
-from twinshard.reference.fully_shard import FSDPModule as ReferenceModule, shard_module
+from twinshard.reference.fully_shard import FSDPModule as ReferenceModule
+from twinshard.reference.fully_shard import register_fsdp_forward_method, shard_module
 from twinshard.reference.state import get_state
 
 from .flat_group import FlatParamGroup
 from .state import FSDPState
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
-                mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None,
-                shard_placement_fn=None) -> nn.Module:
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh=None,
+    reshard_after_forward: bool | int | None = None,
+    mp_policy=MixedPrecisionPolicy(),
+    offload_policy=OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    shard_placement_fn=None,
+) -> nn.Module:
     """Shard ``module`` like ``twinshard.reference.fully_shard``, communicating per group and
     overlapping communication with compute."""
-    return shard_module(module, FlatParamGroup, FSDPState, FSDPModule, mesh, reshard_after_forward,
-                        mp_policy, offload_policy, ignored_params, shard_placement_fn)
+    return shard_module(
+        module,
+        FlatParamGroup,
+        FSDPState,
+        FSDPModule,
+        mesh,
+        reshard_after_forward,
+        mp_policy,
+        offload_policy,
+        ignored_params,
+        shard_placement_fn,
+    )
 
 
 class _Handle(UnshardHandle):
@@ -52,17 +69,19 @@ class FSDPModule(ReferenceModule):
         return _Handle(state.group)
 
     def set_modules_to_forward_prefetch(self, modules) -> None:
-        get_state(self).forward_hint = check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
+        get_state(self).forward_hint = check_fsdp_modules(
+            modules, "set_modules_to_forward_prefetch"
+        )
 
     def set_modules_to_backward_prefetch(self, modules) -> None:
-        get_state(self).backward_hint = check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
+        get_state(self).backward_hint = check_fsdp_modules(
+            modules, "set_modules_to_backward_prefetch"
+        )
 
     def set_post_optim_event(self, event) -> None:
         state = get_state(self)
         state.lazy_init()
-        state.comm.post_optim_event = event
+        state.comm.set_post_optim_event(event)
 
 
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    from twinshard.reference.fully_shard import register_fsdp_forward_method as register
-    register(module, method_name)
+__all__ = ["FSDPModule", "fully_shard", "register_fsdp_forward_method"]  # the last one is shared

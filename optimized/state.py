@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from twinshard.reference.param_group import TrainingState
-from twinshard.reference.state import FSDPState as ReferenceState, get_state
+from twinshard.reference.state import FSDPState as ReferenceState
+from twinshard.reference.state import get_state
 
 from .comm import CommContext
 from .flat_group import FlatParamGroup, finish_reduce
@@ -39,18 +40,25 @@ class FSDPState(ReferenceState):
         if self.is_root is not None:
             return
         super().lazy_init()
-        device = next((s.group.device for s in self.all_states if s.group is not None),
-                      torch.device("cpu"))
+        device = next(
+            (s.group.device for s in self.all_states if s.group is not None), torch.device("cpu")
+        )
         self.comm = CommContext(device)
         for state in self.all_states:
-            state.comm = self.comm
-            if state.group is not None:
-                state.group.use_comm(self.comm)
+            state.use_comm(self.comm)
+
+    def use_comm(self, comm: CommContext) -> None:
+        """Share the root's ``comm`` (streams, work in flight) with this module's group."""
+        self.comm = comm
+        if self.group is not None:
+            self.group.use_comm(comm)
 
     # --- forward ----------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
         self.lazy_init()
-        if self.is_root and (self.group is None or self.group.state is not TrainingState.PRE_BACKWARD):
+        if self.is_root and (
+            self.group is None or self.group.state is not TrainingState.PRE_BACKWARD
+        ):
             self.comm.current_order, self.comm.current_post_order = [], []
         args, kwargs = super().pre_forward(module, args, kwargs)
         if self.group is not None and self.group.state is TrainingState.FORWARD:
@@ -100,4 +108,4 @@ class FSDPState(ReferenceState):
         if self.group not in order:
             return []
         i = order.index(self.group)
-        return order[i + 1:i + 2]
+        return order[i + 1 : i + 2]

@@ -57,5 +57,6 @@ def streams_for(device: torch.device) -> DeviceStreams:
     variable ``TWINSHARD_STANDIN_STREAMS=1`` asks for them, else the device's own."""
     if device.type == "cpu" and os.environ.get(STANDIN_ENV, "0") not in ("", "0"):
         from .standin import standin_streams
+
         return standin_streams()
     return DeviceStreams(device)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
 # torch 2.13 renamed the single-tensor collectives; torch 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -18,8 +18,17 @@ import weakref
 import torch.nn as nn
 
 from twinshard.api import (
-    CPUOffloadPolicy, FSDPModule as FSDPModuleContract, FSDPUsageError, MixedPrecisionPolicy, OffloadPolicy,
-    UnshardHandle, as_mp_policy, as_offload_policy, is_container_without_forward,
+    CPUOffloadPolicy,
+    FSDPUsageError,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    as_mp_policy,
+    as_offload_policy,
+    is_container_without_forward,
+)
+from twinshard.api import (
+    FSDPModule as FSDPModuleContract,
 )
 
 from .mesh import default_mesh, mesh_info, post_forward_mesh_info
@@ -28,22 +37,48 @@ from .sharded_param import ShardedParam
 from .state import FSDPState, get_state
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
-                mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None,
-                shard_placement_fn=None) -> nn.Module:
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh=None,
+    reshard_after_forward: bool | int | None = None,
+    mp_policy=MixedPrecisionPolicy(),
+    offload_policy=OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    shard_placement_fn=None,
+) -> nn.Module:
     """Shard ``module``'s parameters across ``mesh`` (1D: FSDP, 2D: HSDP); returns the module.
 
     ``reshard_after_forward``: ``True`` frees the parameters after forward and all-gathers
     them again in backward; ``False`` keeps them until after backward; an int N keeps a 1/N
     piece; ``None`` (default) means ``True``, except for the root, which keeps them.
     """
-    return shard_module(module, ParamGroup, FSDPState, FSDPModule, mesh, reshard_after_forward,
-                        mp_policy, offload_policy, ignored_params, shard_placement_fn)
+    return shard_module(
+        module,
+        ParamGroup,
+        FSDPState,
+        FSDPModule,
+        mesh,
+        reshard_after_forward,
+        mp_policy,
+        offload_policy,
+        ignored_params,
+        shard_placement_fn,
+    )
 
 
-def shard_module(module, group_type, state_type, module_type, mesh, reshard_after_forward,
-                 mp_policy, offload_policy, ignored_params, shard_placement_fn) -> nn.Module:
+def shard_module(
+    module,
+    group_type,
+    state_type,
+    module_type,
+    mesh,
+    reshard_after_forward,
+    mp_policy,
+    offload_policy,
+    ignored_params,
+    shard_placement_fn,
+) -> nn.Module:
     """The steps of ``fully_shard``, given the three types that make an implementation.
 
     ``group_type`` (a ``ParamGroup`` subclass) schedules the collectives of one group's
@@ -53,8 +88,9 @@ def shard_module(module, group_type, state_type, module_type, mesh, reshard_afte
     between the two implementations."""
     _check_module(module)
     if shard_placement_fn is not None:
-        raise FSDPUsageError("twinshard shards every parameter on dim 0; "
-                             "shard_placement_fn is not supported")
+        raise FSDPUsageError(
+            "twinshard shards every parameter on dim 0; shard_placement_fn is not supported"
+        )
     info = mesh_info(mesh if mesh is not None else default_mesh())
     auto = reshard_after_forward is None
     post_forward = post_forward_mesh_info(True if auto else reshard_after_forward, info)
@@ -82,8 +118,10 @@ def shard_module(module, group_type, state_type, module_type, mesh, reshard_afte
 
 def _check_module(module: nn.Module) -> None:
     if isinstance(module, (list, tuple)):
-        raise FSDPUsageError("the reference takes one module per fully_shard call; "
-                             "wrap the modules in a parent module and shard that")
+        raise FSDPUsageError(
+            "the reference takes one module per fully_shard call; "
+            "wrap the modules in a parent module and shard that"
+        )
     if not isinstance(module, nn.Module):
         raise FSDPUsageError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if is_container_without_forward(module):
@@ -92,8 +130,10 @@ def _check_module(module: nn.Module) -> None:
             "apply it to each module inside, or to the module that calls them"
         )
     if get_state(module) is not None:
-        raise FSDPUsageError(f"fully_shard was already applied to this {type(module).__name__}; "
-                             "apply it once per module")
+        raise FSDPUsageError(
+            f"fully_shard was already applied to this {type(module).__name__}; "
+            "apply it once per module"
+        )
 
 
 def _collect_params(module: nn.Module, ignored: set) -> dict[nn.Parameter, list]:
@@ -158,7 +198,9 @@ class FSDPModule(FSDPModuleContract):
         if (group := get_state(self).group) is not None:
             group.reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         for group in _groups_below(self, recurse):
             group.reduce_grads = requires_gradient_sync
 
@@ -168,14 +210,17 @@ class FSDPModule(FSDPModuleContract):
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
-            raise FSDPUsageError(f"set_reshard_after_forward takes a bool, "
-                                 f"got {reshard_after_forward!r}")
+            raise FSDPUsageError(
+                f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}"
+            )
         for state in _states_below(self, recurse):
             state.auto_reshard_after_forward = False
             if state.group is not None:
                 state.group.post_forward_info = state.group.info if reshard_after_forward else None
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         for group in _groups_below(self, recurse):
             group.reshard_after_backward = reshard_after_backward
 
@@ -207,8 +252,10 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method other than ``forward`` (e.g. ``generate``) sees unsharded parameters."""
     state = get_state(module)
     if state is None:
-        raise FSDPUsageError(f"register_fsdp_forward_method: fully_shard was not applied to "
-                             f"this {type(module).__name__}")
+        raise FSDPUsageError(
+            f"register_fsdp_forward_method: fully_shard was not applied to "
+            f"this {type(module).__name__}"
+        )
     method = getattr(module, method_name, None)
     if not callable(method):
         raise FSDPUsageError(f"{type(module).__name__} has no method '{method_name}'")

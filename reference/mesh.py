@@ -69,8 +69,12 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
         return MeshInfo(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
     if mesh.ndim == 2:
         return MeshInfo(
-            mesh, mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1),
-            mesh.get_group(0), mesh.size(0),
+            mesh,
+            mesh.get_group(1),
+            mesh.size(1),
+            mesh.get_local_rank(1),
+            mesh.get_group(0),
+            mesh.size(0),
         )
     raise FSDPUsageError(
         f"fully_shard takes a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate, shard), "

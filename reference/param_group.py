@@ -34,8 +34,14 @@ class TrainingState(Enum):
 class ParamGroup:
     """Unshards, reshards and reduces one group's parameters, one parameter at a time."""
 
-    def __init__(self, params: list[ShardedParam], info: MeshInfo, post_forward: MeshInfo | None,
-                 mp: MixedPrecisionPolicy, device: torch.device):
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        info: MeshInfo,
+        post_forward: MeshInfo | None,
+        mp: MixedPrecisionPolicy,
+        device: torch.device,
+    ):
         self.params = params
         self.info = info
         self.post_forward_info = post_forward  # None: keep unsharded after forward
@@ -115,7 +121,9 @@ class ParamGroup:
     def finish_backward(self) -> None:
         """End of the whole backward: groups whose inputs needed no gradient never got their
         post-backward call from autograd, so it runs here; then every group is idle again."""
-        if self.state is not TrainingState.POST_BACKWARD and any(p.has_new_grad for p in self.params):
+        if self.state is not TrainingState.POST_BACKWARD and any(
+            p.has_new_grad for p in self.params
+        ):
             self.post_backward()
         elif self.reshard_after_backward:
             self.reshard()  # parameters that got no gradient are still freed

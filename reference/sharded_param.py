@@ -50,8 +50,14 @@ class ParamState(Enum):
 class ShardedParam:
     """Shards one parameter at construction and moves it between its states."""
 
-    def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]],
-                 info: MeshInfo, device: torch.device, offload: CPUOffloadPolicy | None):
+    def __init__(
+        self,
+        param: nn.Parameter,
+        owners: list[tuple[nn.Module, str]],
+        info: MeshInfo,
+        device: torch.device,
+        offload: CPUOffloadPolicy | None,
+    ):
         if param.dim() == 0:
             raise FSDPUsageError(
                 f"fully_shard cannot shard the 0-dim parameter '{owners[0][1]}' of "
@@ -90,8 +96,14 @@ class ShardedParam:
         return self._as_dtensor(block)
 
     def _as_dtensor(self, block: torch.Tensor) -> DTensor:
-        return DTensor.from_local(block, self.info.mesh, self.info.placements,
-                                  run_check=False, shape=self.shape, stride=self.stride)
+        return DTensor.from_local(
+            block,
+            self.info.mesh,
+            self.info.placements,
+            run_check=False,
+            shape=self.shape,
+            stride=self.stride,
+        )
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Writing _parameters directly skips nn.Module.__setattr__'s checks on every swap.
@@ -150,12 +162,15 @@ class ShardedParam:
         Its first ``rows`` rows are the unsharded parameter; the rest are padding."""
         rows = self.info.shard_size * self.chunk
         if self.all_gather_buffer is None:
-            self.all_gather_buffer = torch.empty((rows, *self.shape[1:]), dtype=dtype,
-                                                 device=self.device)
+            self.all_gather_buffer = torch.empty(
+                (rows, *self.shape[1:]), dtype=dtype, device=self.device
+            )
             # ``.data`` gives the parameter its own version counter, so that writing the
             # all-gather into the buffer does not look like an in-place change to autograd.
             view = self.all_gather_buffer.data.narrow(0, 0, self.shape[0])  # (rows, *rest)
-            self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+            self.unsharded_param = nn.Parameter(
+                view, requires_grad=self.sharded_param.requires_grad
+            )
         else:
             buffer = self.all_gather_buffer
             buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
@@ -180,7 +195,7 @@ class ShardedParam:
         if post_forward is not None and post_forward is not self.info:
             piece = buffer.shape[0] // post_forward.shard_size
             start = post_forward.shard_rank * piece
-            self.post_forward_block = buffer[start:start + piece].clone()  # (S*chunk/N, *rest)
+            self.post_forward_block = buffer[start : start + piece].clone()  # (S*chunk/N, *rest)
         buffer.untyped_storage().resize_(0)  # the memory FSDP saves
         self._register(self.sharded_param)
         keep_piece = self.post_forward_block is not None

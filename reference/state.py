@@ -31,15 +31,20 @@ from .mixed_precision import cast_inputs, cast_output
 from .param_group import ParamGroup, TrainingState
 
 
-def get_state(module: nn.Module) -> "FSDPState | None":
+def get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get("_twinshard_state")
 
 
 class FSDPState:
     """What ``fully_shard`` attaches to one module: its parameter group, policy and hooks."""
 
-    def __init__(self, module: nn.Module, group: ParamGroup | None, mp: MixedPrecisionPolicy,
-                 auto_reshard_after_forward: bool):
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ParamGroup | None,
+        mp: MixedPrecisionPolicy,
+        auto_reshard_after_forward: bool,
+    ):
         self.module = module
         self.group = group  # None when every parameter belongs to sharded children
         self.mp = mp

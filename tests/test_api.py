@@ -5,16 +5,17 @@ import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 
-from twinshard import api
 import twinshard.reference as reference
+from twinshard import api
 
 
 def test_policies_accept_torch_policies():
     theirs = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mine = api.as_mp_policy(theirs)
     assert mine == api.MixedPrecisionPolicy(torch.bfloat16, torch.float32, None, True)
-    assert isinstance(api.as_offload_policy(torch_fsdp.CPUOffloadPolicy(pin_memory=False)),
-                      api.CPUOffloadPolicy)
+    assert isinstance(
+        api.as_offload_policy(torch_fsdp.CPUOffloadPolicy(pin_memory=False)), api.CPUOffloadPolicy
+    )
     assert type(api.as_offload_policy(torch_fsdp.OffloadPolicy())) is api.OffloadPolicy
 
 
@@ -46,8 +47,15 @@ def test_map_tensors_rebuilds_nested_structures():
 
 
 def test_reference_exports_the_interface():
-    for name in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-                 "CPUOffloadPolicy", "UnshardHandle", "register_fsdp_forward_method"):
+    for name in (
+        "fully_shard",
+        "FSDPModule",
+        "MixedPrecisionPolicy",
+        "OffloadPolicy",
+        "CPUOffloadPolicy",
+        "UnshardHandle",
+        "register_fsdp_forward_method",
+    ):
         assert hasattr(reference, name), name
     assert issubclass(reference.FSDPModule, api.FSDPModule)
 

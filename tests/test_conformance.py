@@ -11,18 +11,30 @@ from twinshard.conformance.suite import apply_xfail, load_xfail, parse_meshes, r
 
 
 def conform(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "twinshard.cli", "conform", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "twinshard.cli", "conform", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_reference_passes_and_writes_reports(tmp_path):
     md, js = tmp_path / "r.md", tmp_path / "r.json"
-    out = conform("twinshard.reference", "--world-sizes", "2", "--cases", "per_block,trace_default",
-                  "--report", str(md))
+    out = conform(
+        "twinshard.reference",
+        "--world-sizes",
+        "2",
+        "--cases",
+        "per_block,trace_default",
+        "--report",
+        str(md),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "| per_block | 2 | PASS |" in md.read_text()
-    out = conform("twinshard.reference", "--world-sizes", "1", "--cases", "llama",
-                  "--report", str(js))
+    out = conform(
+        "twinshard.reference", "--world-sizes", "1", "--cases", "llama", "--report", str(js)
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads(js.read_text())
     assert data["passed"] and data["rows"][0]["case"] == "llama"
@@ -49,9 +61,16 @@ PLANTED = {
 def test_planted_bug_is_caught(bug, tmp_path):
     js = tmp_path / "r.json"
     cases, mesh, options = PLANTED[bug]
-    out = conform(f"twinshard.conformance.planted.{bug}", "--world-sizes", mesh,
-                  "--cases", ",".join(cases + ["trace_reshard_false"]), "--report", str(js),
-                  *options)
+    out = conform(
+        f"twinshard.conformance.planted.{bug}",
+        "--world-sizes",
+        mesh,
+        "--cases",
+        ",".join(cases + ["trace_reshard_false"]),
+        "--report",
+        str(js),
+        *options,
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     rows = {r["case"]: r for r in json.loads(js.read_text())["rows"]}
     for case in cases:
@@ -63,8 +82,16 @@ def test_planted_bug_is_caught(bug, tmp_path):
 def test_stream_bugs_name_the_streams(tmp_path):
     """On stand-in streams the failure says which access was out of order, and where."""
     js = tmp_path / "r.json"
-    conform("twinshard.conformance.planted.optimized_no_wait", "--world-sizes", "2",
-            "--cases", "per_block", "--report", str(js), *STANDIN)
+    conform(
+        "twinshard.conformance.planted.optimized_no_wait",
+        "--world-sizes",
+        "2",
+        "--cases",
+        "per_block",
+        "--report",
+        str(js),
+        *STANDIN,
+    )
     failure = json.loads(js.read_text())["rows"][0]["failures"][0]
     assert "StreamOrderError" in failure and "stream 'all_gather'" in failure, failure[-800:]
 
@@ -90,19 +117,49 @@ def test_module_without_the_interface_is_a_clear_error():
 
 
 def test_pytest_plugin_needs_an_implementation(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "--pyargs", "twinshard.conformance.check"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--pyargs",
+            "twinshard.conformance.check",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert out.returncode != 0
     assert "--fsdp-impl" in out.stdout + out.stderr
 
 
 def test_pytest_plugin_runs_cases(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "--pyargs", "twinshard.conformance.check",
-                          "--fsdp-impl", "twinshard.reference", "--fsdp-world-sizes", "2",
-                          "--fsdp-cases", "per_block,errors"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--pyargs",
+            "twinshard.conformance.check",
+            "--fsdp-impl",
+            "twinshard.reference",
+            "--fsdp-world-sizes",
+            "2",
+            "--fsdp-cases",
+            "per_block,errors",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     assert "2 passed" in out.stdout
 
@@ -111,9 +168,11 @@ def test_xfail_file_marks_and_flags_stale_entries(tmp_path):
     path = tmp_path / "x.txt"
     path.write_text("# comment\nper_block@2: known issue\nllama: another\n")
     expected = load_xfail(path)
-    rows = [{"case": "per_block", "mesh": "2", "status": "FAIL"},
-            {"case": "per_block", "mesh": "3", "status": "FAIL"},
-            {"case": "llama", "mesh": "1", "status": "PASS"}]
+    rows = [
+        {"case": "per_block", "mesh": "2", "status": "FAIL"},
+        {"case": "per_block", "mesh": "3", "status": "FAIL"},
+        {"case": "llama", "mesh": "1", "status": "PASS"},
+    ]
     rows = apply_xfail(rows, expected)
     assert [r["status"] for r in rows] == ["XFAIL", "FAIL", "XPASS"]
     assert rows[0]["reason"] == "known issue"
@@ -129,9 +188,20 @@ def test_meshes_parse_with_world_size_two_first():
 
 
 def test_report_counts_every_status():
-    rows = [{"case": "a", "mesh": "2", "status": s, "max_abs": 0.0, "max_rel": 0.0, "where": "",
-             "reason": "r", "failures": ["boom"], "seconds": 0.1}
-            for s in ("PASS", "FAIL", "XFAIL")]
+    rows = [
+        {
+            "case": "a",
+            "mesh": "2",
+            "status": s,
+            "max_abs": 0.0,
+            "max_rel": 0.0,
+            "where": "",
+            "reason": "r",
+            "failures": ["boom"],
+            "seconds": 0.1,
+        }
+        for s in ("PASS", "FAIL", "XFAIL")
+    ]
     text = report(rows, "impl")
     assert "1 pass, 1 fail, 1 xfail" in text
     assert "| a | 2 | FAIL |" in report(rows, "impl", "markdown")

@@ -16,11 +16,28 @@ from twinshard.reference.sharded_param import ShardedParam
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPTIMIZED = sorted((ROOT / "optimized").glob("*.py"))
-CONTRACT = ("all_gather_mesh", "all_gather_input", "all_gather_output", "finish_unshard",
-            "reshard", "take_grad", "reduce_scatter_input", "combine_partial_sum",
-            "accumulate_grad", "refresh", "has_new_grad")
-BATCHED = ("all_gather_mesh", "all_gather_input", "all_gather_output", "finish_unshard",
-           "reduce_scatter_input", "combine_partial_sum", "accumulate_grad")
+CONTRACT = (
+    "all_gather_mesh",
+    "all_gather_input",
+    "all_gather_output",
+    "finish_unshard",
+    "reshard",
+    "take_grad",
+    "reduce_scatter_input",
+    "combine_partial_sum",
+    "accumulate_grad",
+    "refresh",
+    "has_new_grad",
+)
+BATCHED = (
+    "all_gather_mesh",
+    "all_gather_input",
+    "all_gather_output",
+    "finish_unshard",
+    "reduce_scatter_input",
+    "combine_partial_sum",
+    "accumulate_grad",
+)
 
 
 def _private_names_of_the_reference() -> set[str]:
@@ -39,9 +56,14 @@ def _private_names_of_the_reference() -> set[str]:
 
 def _sharded_param_attributes() -> set[str]:
     tree = ast.parse(inspect.getsource(ShardedParam))
-    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-            and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
-            and n.value.id == "self"}
+    return {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    }
 
 
 @pytest.mark.parametrize("path", OPTIMIZED, ids=lambda p: p.name)
@@ -50,7 +72,9 @@ def test_optimized_uses_no_private_name_of_the_reference(path):
     tree = ast.parse(path.read_text())
     hits = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("twinshard.reference"):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "twinshard.reference"
+        ):
             hits += [f"imports {a.name}" for a in node.names if a.name.startswith("_")]
         elif isinstance(node, ast.Attribute) and node.attr in private:
             hits.append(f"line {node.lineno}: .{node.attr}")
@@ -61,9 +85,14 @@ def test_optimized_uses_no_private_name_of_the_reference(path):
 def test_optimized_sets_no_attribute_of_a_sharded_param(path):
     owned = _sharded_param_attributes()
     tree = ast.parse(path.read_text())
-    hits = [f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-            and n.attr in owned and not (isinstance(n.value, ast.Name) and n.value.id == "self")]
+    hits = [
+        f"line {n.lineno}: {ast.unparse(n)}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and n.attr in owned
+        and not (isinstance(n.value, ast.Name) and n.value.id == "self")
+    ]
     assert not hits, f"{path.name} sets a ShardedParam's state from outside: {hits}"
 
 
@@ -81,12 +110,16 @@ def test_contract_methods_are_documented_and_used_by_the_reference(name):
     assert doc and len(doc.split()) >= 8, f"ShardedParam.{name} needs a docstring"
     reference = "\n".join(p.read_text() for p in (ROOT / "reference").glob("*.py"))
     assert f".{name}" in reference, (
-        f"the reference does not call ShardedParam.{name} through the contract")
+        f"the reference does not call ShardedParam.{name} through the contract"
+    )
 
 
 @pytest.mark.parametrize("name", BATCHED)
 def test_optimized_collectives_call_the_contract(name):
     """The optimized path batches these calls itself; the others (reshard, take_grad, refresh,
     has_new_grad) it reaches through the reference's ParamGroup, which it extends."""
-    assert f".{name}(" in (ROOT / "optimized" / "collectives.py").read_text() + (
-        ROOT / "optimized" / "flat_group.py").read_text()
+    assert (
+        f".{name}("
+        in (ROOT / "optimized" / "collectives.py").read_text()
+        + (ROOT / "optimized" / "flat_group.py").read_text()
+    )

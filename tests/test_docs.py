@@ -31,7 +31,9 @@ HOOKS = ROOT / "docs" / "hooks"
 TUTORIALS = pathlib.Path(os.environ.get("TWINSHARD_TUTORIALS", ROOT / "tutorials"))
 # The first build executes every tutorial (about a minute each on 2 cores) inside the fixture.
 pytestmark = pytest.mark.timeout(2400)
-CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+CHROMIUM = next(
+    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
+)
 
 
 def load_hook(name: str):
@@ -51,10 +53,28 @@ def site(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     env.pop("TWINSHARD_DOCS_NOTEBOOKS", None)  # always the executed notebooks here
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
-                            "-f", str(ROOT / "mkdocs.yml"), "-d", str(out)],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert build.returncode == 0, f"mkdocs build --strict failed:\n{build.stdout}\n{build.stderr[-6000:]}"
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-q",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert build.returncode == 0, (
+        f"mkdocs build --strict failed:\n{build.stdout}\n{build.stderr[-6000:]}"
+    )
     warnings = re.findall(r"^WARNING +- .*$", build.stderr, re.M)  # mkdocs' own log lines
     assert not warnings, "\n".join(warnings)
     return out
@@ -93,6 +113,7 @@ def browser(site, server, tmp_path_factory):
         found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
         assert found, f"the probe page did not report on {path}:\n{dom[-2000:]}"
         import html
+
         result = json.loads(html.unescape(found.group(1)))
         assert not result.get("error"), f"{path}: {result['error']}"
         return result
@@ -101,10 +122,20 @@ def browser(site, server, tmp_path_factory):
 
 
 def run_chromium(profile: pathlib.Path, *args: str) -> str:
-    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               "--no-first-run", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
-               "--window-size=1280,1400", *args]
+    command = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,1400",
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"chromium failed ({done.returncode}):\n{done.stderr[-3000:]}"
     return done.stdout
@@ -144,9 +175,21 @@ frame.src = target;
 # --- the build -----------------------------------------------------------------------------------
 def nav_pages() -> list[str]:
     """Site paths of the pages that mkdocs.yml and the tutorials glob promise."""
-    pages = ["", "concepts/", "conformance/", "torch-mapping/", "train/", "benchmarks/",
-             "tutorials/", "api/", "api/interface/", "api/reference/", "api/optimized/",
-             "api/launch/", "api/conformance/"]
+    pages = [
+        "",
+        "concepts/",
+        "conformance/",
+        "torch-mapping/",
+        "train/",
+        "benchmarks/",
+        "tutorials/",
+        "api/",
+        "api/interface/",
+        "api/reference/",
+        "api/optimized/",
+        "api/launch/",
+        "api/conformance/",
+    ]
     return pages + [f"tutorials/{nb.stem}/" for nb in sorted(TUTORIALS.glob("*.ipynb"))]
 
 
@@ -215,8 +258,11 @@ def test_torch_mapping_covers_torch_and_agrees_with_introspection(site):
         cells = [page_text_of(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
         if cells:
             rows[cells[0]] = cells[1:]
-    methods = [f"FSDPModule.{m}" for m in dir(fsdp.FSDPModule)
-               if not m.startswith("_") and not hasattr(nn.Module, m)]
+    methods = [
+        f"FSDPModule.{m}"
+        for m in dir(fsdp.FSDPModule)
+        if not m.startswith("_") and not hasattr(nn.Module, m)
+    ]
     assert set(rows) == set(fsdp.__all__) | set(methods)
     for name, cells in rows.items():
         for impl, cell in zip((twinshard.reference, twinshard.optimized), cells):
@@ -227,7 +273,7 @@ def test_torch_mapping_covers_torch_and_agrees_with_introspection(site):
 def test_torch_mapping_notes_are_attached_to_real_names():
     mapping = load_hook("mapping")
     names = {name for name, _ in mapping.rows()}
-    for (name, impl), note in mapping.NOTES.items():
+    for name, impl in mapping.NOTES:
         assert name in names, f"note for {name!r}, which torch.distributed.fsdp does not have"
         for impl_name in [impl] if impl else mapping.IMPLS:
             assert impl_name in mapping.IMPLS, impl_name
@@ -293,15 +339,20 @@ def schedule_notebook() -> tuple[pathlib.Path, list[str]]:
         for cell in cells:
             if cell["cell_type"] != "code":
                 continue
-            pngs = [o["data"]["image/png"] for o in cell.get("outputs", [])
-                    if "image/png" in o.get("data", {})]
+            pngs = [
+                o["data"]["image/png"]
+                for o in cell.get("outputs", [])
+                if "image/png" in o.get("data", {})
+            ]
             images += ["".join(p).replace("\n", "") for p in pngs]
             if "schedule" in "".join(cell["source"]):
                 schedule_images += len(pngs)
         if schedule_images:
             return nb, images
-    pytest.fail("no tutorial shows a schedule picture: no code cell mentioning 'schedule' "
-                "has an image output")
+    pytest.fail(
+        "no tutorial shows a schedule picture: no code cell mentioning 'schedule' "
+        "has an image output"
+    )
 
 
 def test_tutorial_page_shows_its_outputs(site, browser):
@@ -310,11 +361,16 @@ def test_tutorial_page_shows_its_outputs(site, browser):
     assert shown["has_nav"], "the notebook page rendered without the site's navigation"
     assert shown["outputs"] > 0, f"{nb.name}: the page shows no cell output"
     drawn = [i for i in shown["images"] if i["complete"] and i["width"] > 0 and i["height"] > 0]
-    assert len(drawn) == len(shown["images"]), f"images the browser could not show: {shown['images']}"
+    assert len(drawn) == len(shown["images"]), (
+        f"images the browser could not show: {shown['images']}"
+    )
     for png in images:  # each picture the notebook made, the schedule among them, is on the page
         assert base64.b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
-        assert any(i["src"].startswith("data:image/png;base64,") and png.startswith(
-            i["src"].split(",", 1)[1][:100]) for i in drawn), f"{nb.name}: a picture is not shown"
+        assert any(
+            i["src"].startswith("data:image/png;base64,")
+            and png.startswith(i["src"].split(",", 1)[1][:100])
+            for i in drawn
+        ), f"{nb.name}: a picture is not shown"
 
 
 # --- helpers -------------------------------------------------------------------------------------

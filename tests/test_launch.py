@@ -78,7 +78,9 @@ def test_results_are_ordered_by_rank(nprocs):
 
 
 def test_args_kwargs_and_env_reach_every_rank():
-    results = launch(echo_args, 2, 3, 4, scale=10, tag="hi", env={"EXTRA": "x"}, start_method="fork")
+    results = launch(
+        echo_args, 2, 3, 4, scale=10, tag="hi", env={"EXTRA": "x"}, start_method="fork"
+    )
     assert results == [(0, 70, "hi", "2", "x"), (1, 70, "hi", "2", "x")]
 
 
@@ -125,7 +127,9 @@ def test_rank_raising_fails_fast_and_kills_blocked_ranks():
     assert "Traceback" in message and "raise_on_rank_one" in message
     assert 1 in info.value.failures and "ValueError" in info.value.failures[1]
     assert isinstance(info.value, RuntimeError)
-    assert elapsed < 20, f"took {elapsed:.1f}s; rank 0 was stuck in a barrier and should have been killed"
+    assert elapsed < 20, (
+        f"took {elapsed:.1f}s; rank 0 was stuck in a barrier and should have been killed"
+    )
     assert_no_children_left()
 
 
@@ -217,6 +221,7 @@ def test_function_from_a_main_without_file_runs(tmp_path):
     """Like a notebook cell: the function lives in a __main__ that has no file to import."""
     import subprocess
     import sys
+
     code = (
         "import torch, torch.distributed as dist\n"
         "from twinshard.launch import launch\n"
@@ -226,7 +231,8 @@ def test_function_from_a_main_without_file_runs(tmp_path):
         "    return t.item()\n"
         "print(launch(cell, 2, 10))\n"
     )
-    out = subprocess.run([sys.executable, "-"], input=code, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-"], input=code, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[21.0, 21.0]"

@@ -35,6 +35,7 @@ def _events(impl_name: str, n_blocks: int = 3) -> list[tuple[str, str]]:
             if only_if():
                 events.append((label, name))
             return original(*args, **kwargs)
+
         setattr(group, method, logged)
 
     for name, module in model.named_modules():
@@ -47,11 +48,21 @@ def _events(impl_name: str, n_blocks: int = 3) -> list[tuple[str, str]]:
             log(group, hook, hook, name)
         log(group, "reduce_grads_now", "reduce-scatter", name)
         # a reshard is an event when there is something to free or to finish
-        log(group, "reshard", "reshard", name,
-            lambda g=group, f=gathered: f() or getattr(g, "in_flight", None) is not None)
+        log(
+            group,
+            "reshard",
+            "reshard",
+            name,
+            lambda g=group, f=gathered: f() or getattr(g, "in_flight", None) is not None,
+        )
         if hasattr(group, "unshard_async"):  # the optimized path splits unshard in two
-            log(group, "unshard_async", "all-gather", name,
-                lambda g=group, f=gathered: g.in_flight is None and not f())
+            log(
+                group,
+                "unshard_async",
+                "all-gather",
+                name,
+                lambda g=group, f=gathered: g.in_flight is None and not f(),
+            )
             log(group, "wait_for_unshard", "wait", name, lambda g=group: g.in_flight is not None)
         else:
             log(group, "unshard", "all-gather", name, lambda f=gathered: not f())
@@ -64,26 +75,50 @@ def _events(impl_name: str, n_blocks: int = 3) -> list[tuple[str, str]]:
 
 OPTIMIZED = [
     # forward: the root starts first; each pre-forward prefetches the next group
-    ("pre_forward", "root"), ("all-gather", "root"), ("wait", "root"),
+    ("pre_forward", "root"),
+    ("all-gather", "root"),
+    ("wait", "root"),
     ("all-gather", "blocks.0"),
-    ("pre_forward", "blocks.0"), ("wait", "blocks.0"), ("all-gather", "blocks.1"),
-    ("post_forward", "blocks.0"), ("reshard", "blocks.0"),
-    ("pre_forward", "blocks.1"), ("wait", "blocks.1"), ("all-gather", "blocks.2"),
-    ("post_forward", "blocks.1"), ("reshard", "blocks.1"),
-    ("pre_forward", "blocks.2"), ("wait", "blocks.2"),
-    ("post_forward", "blocks.2"), ("reshard", "blocks.2"),
+    ("pre_forward", "blocks.0"),
+    ("wait", "blocks.0"),
+    ("all-gather", "blocks.1"),
+    ("post_forward", "blocks.0"),
+    ("reshard", "blocks.0"),
+    ("pre_forward", "blocks.1"),
+    ("wait", "blocks.1"),
+    ("all-gather", "blocks.2"),
+    ("post_forward", "blocks.1"),
+    ("reshard", "blocks.1"),
+    ("pre_forward", "blocks.2"),
+    ("wait", "blocks.2"),
+    ("post_forward", "blocks.2"),
+    ("reshard", "blocks.2"),
     ("post_forward", "root"),  # the root keeps its parameters for backward
     # backward: the root finished forward last, so it runs first and prefetches blocks.2
-    ("pre_backward", "root"), ("all-gather", "blocks.2"),
-    ("pre_backward", "blocks.2"), ("wait", "blocks.2"), ("all-gather", "blocks.1"),
-    ("post_backward", "blocks.2"), ("reduce-scatter", "blocks.2"), ("reshard", "blocks.2"),
-    ("pre_backward", "blocks.1"), ("wait", "blocks.1"), ("all-gather", "blocks.0"),
-    ("post_backward", "blocks.1"), ("reduce-scatter", "blocks.1"), ("reshard", "blocks.1"),
-    ("pre_backward", "blocks.0"), ("wait", "blocks.0"),
+    ("pre_backward", "root"),
+    ("all-gather", "blocks.2"),
+    ("pre_backward", "blocks.2"),
+    ("wait", "blocks.2"),
+    ("all-gather", "blocks.1"),
+    ("post_backward", "blocks.2"),
+    ("reduce-scatter", "blocks.2"),
+    ("reshard", "blocks.2"),
+    ("pre_backward", "blocks.1"),
+    ("wait", "blocks.1"),
+    ("all-gather", "blocks.0"),
+    ("post_backward", "blocks.1"),
+    ("reduce-scatter", "blocks.1"),
+    ("reshard", "blocks.1"),
+    ("pre_backward", "blocks.0"),
+    ("wait", "blocks.0"),
     # the inputs of the root and of blocks.0 need no gradient: their post-backward runs in
     # the final callback, in the order fully_shard registered them
-    ("post_backward", "root"), ("reduce-scatter", "root"), ("reshard", "root"),
-    ("post_backward", "blocks.0"), ("reduce-scatter", "blocks.0"), ("reshard", "blocks.0"),
+    ("post_backward", "root"),
+    ("reduce-scatter", "root"),
+    ("reshard", "root"),
+    ("post_backward", "blocks.0"),
+    ("reduce-scatter", "blocks.0"),
+    ("reshard", "blocks.0"),
 ]
 
 
@@ -95,21 +130,39 @@ def test_optimized_prefetches_one_group_ahead():
 def test_reference_does_everything_in_place():
     events = launch(_events, 2, "twinshard.reference")[0]
     expected = [
-        ("pre_forward", "root"), ("all-gather", "root"),
-        ("pre_forward", "blocks.0"), ("all-gather", "blocks.0"),
-        ("post_forward", "blocks.0"), ("reshard", "blocks.0"),
-        ("pre_forward", "blocks.1"), ("all-gather", "blocks.1"),
-        ("post_forward", "blocks.1"), ("reshard", "blocks.1"),
-        ("pre_forward", "blocks.2"), ("all-gather", "blocks.2"),
-        ("post_forward", "blocks.2"), ("reshard", "blocks.2"),
+        ("pre_forward", "root"),
+        ("all-gather", "root"),
+        ("pre_forward", "blocks.0"),
+        ("all-gather", "blocks.0"),
+        ("post_forward", "blocks.0"),
+        ("reshard", "blocks.0"),
+        ("pre_forward", "blocks.1"),
+        ("all-gather", "blocks.1"),
+        ("post_forward", "blocks.1"),
+        ("reshard", "blocks.1"),
+        ("pre_forward", "blocks.2"),
+        ("all-gather", "blocks.2"),
+        ("post_forward", "blocks.2"),
+        ("reshard", "blocks.2"),
         ("post_forward", "root"),
         ("pre_backward", "root"),
-        ("pre_backward", "blocks.2"), ("all-gather", "blocks.2"),
-        ("post_backward", "blocks.2"), ("reduce-scatter", "blocks.2"), ("reshard", "blocks.2"),
-        ("pre_backward", "blocks.1"), ("all-gather", "blocks.1"),
-        ("post_backward", "blocks.1"), ("reduce-scatter", "blocks.1"), ("reshard", "blocks.1"),
-        ("pre_backward", "blocks.0"), ("all-gather", "blocks.0"),
-        ("post_backward", "root"), ("reduce-scatter", "root"), ("reshard", "root"),
-        ("post_backward", "blocks.0"), ("reduce-scatter", "blocks.0"), ("reshard", "blocks.0"),
+        ("pre_backward", "blocks.2"),
+        ("all-gather", "blocks.2"),
+        ("post_backward", "blocks.2"),
+        ("reduce-scatter", "blocks.2"),
+        ("reshard", "blocks.2"),
+        ("pre_backward", "blocks.1"),
+        ("all-gather", "blocks.1"),
+        ("post_backward", "blocks.1"),
+        ("reduce-scatter", "blocks.1"),
+        ("reshard", "blocks.1"),
+        ("pre_backward", "blocks.0"),
+        ("all-gather", "blocks.0"),
+        ("post_backward", "root"),
+        ("reduce-scatter", "root"),
+        ("reshard", "root"),
+        ("post_backward", "blocks.0"),
+        ("reduce-scatter", "blocks.0"),
+        ("reshard", "blocks.0"),
     ]
     assert events == expected, "\n".join(map(str, events))

@@ -9,21 +9,39 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_imports_from_another_directory(tmp_path):
-    code = ("import twinshard.reference, twinshard.optimized, twinshard.conformance, "
-            "twinshard.api, twinshard.launch, twinshard.models; "
-            "print(twinshard.reference.fully_shard.__module__)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                         text=True, check=True)
+    code = (
+        "import twinshard.reference, twinshard.optimized, twinshard.conformance, "
+        "twinshard.api, twinshard.launch, twinshard.models; "
+        "print(twinshard.reference.fully_shard.__module__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "twinshard.reference.fully_shard"
 
 
 def test_wheel_holds_only_the_namespaced_packages(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(ROOT)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+    )
     wheel = next(tmp_path.glob("twinshard-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "twinshard/reference/fully_shard.py" in names
-    assert "twinshard/conformance/cases.py" in names
+    assert "twinshard/conformance/cases/core.py" in names
+    assert "twinshard/train/cli.py" in names
+    assert any(n.endswith("licenses/LICENSE") for n in names)
     assert "twinshard/api.py" in names
     tops = {n.split("/")[0] for n in names}
     assert not tops & {"reference", "optimized", "conformance", "tests"}, tops

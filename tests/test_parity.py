@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from twinshard.conformance.suite import mesh_name, parse_meshes, run_suite
 from twinshard.conformance.runner import select
+from twinshard.conformance.suite import mesh_name, parse_meshes, run_suite
 
 MESHES = parse_meshes("1,2,3,2x2,4")
 RUNS = {  # name -> (implementation, run_suite options)
@@ -40,6 +40,7 @@ def results(tmp_path_factory):
                     json.dump(rows, f, indent=1, default=str)
             _cache[run] = {(r["mesh"], r["case"]): r for r in rows}
         return _cache[run]
+
     return get
 
 
@@ -59,16 +60,29 @@ def test_every_group_ran_on_every_mesh(results):
         rows = results(run)
         for mesh in map(mesh_name, MESHES):
             seen = {r["group"] for (m, _), r in rows.items() if m == mesh and r["status"] == "PASS"}
-            assert {"training", "gradients", "mixed_precision", "state_dict", "api", "offload",
-                    "errors", "trace"} <= seen, (run, mesh, seen)
+            assert {
+                "training",
+                "gradients",
+                "mixed_precision",
+                "state_dict",
+                "api",
+                "offload",
+                "errors",
+                "trace",
+            } <= seen, (run, mesh, seen)
 
 
 def test_optimized_was_compared_bitwise_with_the_reference(results):
     rows = results("optimized")
     series = {s for (m, _), r in rows.items() if m in ("1", "2") for s in r["worst_by"]}
     assert "optimized vs reference" in series, series
-    bitwise = [r for (m, _), r in rows.items() if m in ("1", "2") and r["group"] != "mixed_precision"
-               and "optimized vs reference" in r["worst_by"]]
+    bitwise = [
+        r
+        for (m, _), r in rows.items()
+        if m in ("1", "2")
+        and r["group"] != "mixed_precision"
+        and "optimized vs reference" in r["worst_by"]
+    ]
     assert bitwise and all(r["worst_by"]["optimized vs reference"]["abs"] == 0.0 for r in bitwise)
 
 

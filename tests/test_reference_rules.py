@@ -20,8 +20,11 @@ def test_reference_files_exist():
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_no_overlap_machinery(path):
-    hits = [f"{path.name}:{i}: {line.strip()}"
-            for i, line in enumerate(path.read_text().splitlines(), 1) if FORBIDDEN.search(line)]
+    hits = [
+        f"{path.name}:{i}: {line.strip()}"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if FORBIDDEN.search(line)
+    ]
     assert not hits, "reference/ must stay single-stream:\n" + "\n".join(hits)
 
 
@@ -50,7 +53,15 @@ def test_reference_depends_only_on_torch_and_the_api():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 top = node.module.split(".")[0]
-                assert top in {"torch", "twinshard", "__future__", "typing", "enum",
-                               "dataclasses", "functools", "weakref"}, (path.name, node.module)
+                assert top in {
+                    "torch",
+                    "twinshard",
+                    "__future__",
+                    "typing",
+                    "enum",
+                    "dataclasses",
+                    "functools",
+                    "weakref",
+                }, (path.name, node.module)
                 if top == "twinshard":
                     assert node.module == "twinshard.api", (path.name, node.module)

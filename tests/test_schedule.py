@@ -19,11 +19,13 @@ from twinshard.schedule.cli import build_model, record_on_rank
 
 BLOCK, ROOT = 53_376 * 4, 32_832 * 4  # bytes
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
-HOOK_ORDER = (["pre_forward root"]
-              + [f"{h} {b}" for b in BLOCKS for h in ("pre_forward", "post_forward")]
-              + ["post_forward root", "pre_backward root"]
-              + [f"{h} {b}" for b in reversed(BLOCKS) for h in ("pre_backward", "post_backward")]
-              + ["final_callback root"])
+HOOK_ORDER = (
+    ["pre_forward root"]
+    + [f"{h} {b}" for b in BLOCKS for h in ("pre_forward", "post_forward")]
+    + ["post_forward root", "pre_backward root"]
+    + [f"{h} {b}" for b in reversed(BLOCKS) for h in ("pre_backward", "post_backward")]
+    + ["final_callback root"]
+)
 
 
 def _record_all():
@@ -36,6 +38,7 @@ def _record_all():
 def _recording_changes_nothing() -> bool:
     """The same step with and without a recorder gives bitwise the same gradients."""
     from twinshard.reference import fully_shard
+
     grads = []
     for record in (False, True):
         net, batch = build_model("llama", 2)
@@ -87,15 +90,17 @@ def test_reference_gathers_one_parameter_at_a_time_and_holds_one_block(recorded)
 def test_optimized_issues_the_next_blocks_all_gather_before_this_block_computes(recorded):
     s = recorded[0]["optimized"]
     for i in range(2):  # forward: block i+1's all-gather goes out in block i's pre_forward
-        (gather,) = [c for c in s.calls("all_gather", BLOCKS[i + 1])
-                     if s.events[c.event].phase == "forward"]
+        (gather,) = [
+            c for c in s.calls("all_gather", BLOCKS[i + 1]) if s.events[c.event].phase == "forward"
+        ]
         assert gather.event == _event(s, "pre_forward", BLOCKS[i]).index
         assert not gather.blocking
         assert gather.used_tick > _event(s, "post_forward", BLOCKS[i]).tick
         assert gather.params == tuple(s.params[BLOCKS[i + 1]])  # one collective for the group
     for i in (2, 1):  # backward: block i-1's all-gather goes out in block i's pre_backward
-        (gather,) = [c for c in s.calls("all_gather", BLOCKS[i - 1])
-                     if s.events[c.event].phase == "backward"]
+        (gather,) = [
+            c for c in s.calls("all_gather", BLOCKS[i - 1]) if s.events[c.event].phase == "backward"
+        ]
         assert gather.event == _event(s, "pre_backward", BLOCKS[i]).index
     assert max(len([g for g in s.unsharded_groups(e) if g]) for e in s.events) == 1
     assert max(e.unsharded_bytes for e in s.events) == ROOT + 2 * BLOCK  # one block in flight
@@ -129,7 +134,9 @@ def test_text_table_has_a_row_per_hook_and_a_line_per_collective(recorded):
     text = format_table(s)
     rows = re.findall(r"^\s*\d+\s+(\w+)\s+(\S+)\s+[USP*-]\s", text, flags=re.M)
     assert [f"{h} {g}" for h, g in rows] == HOOK_ORDER
-    assert len(re.findall(r"^\s+all_gather\s+float32", text, flags=re.M)) == len(s.calls("all_gather"))
+    assert len(re.findall(r"^\s+all_gather\s+float32", text, flags=re.M)) == len(
+        s.calls("all_gather")
+    )
     assert "pre_forward     blocks.0     U       U         S         S" in text
     compact = format_table(s, compact=True)
     assert compact.count("blocks.0: 9 params, one all-gather each  [blocking]") == 2
@@ -138,9 +145,28 @@ def test_text_table_has_a_row_per_hook_and_a_line_per_collective(recorded):
 
 def test_cli_writes_the_picture_and_the_table(tmp_path):
     png, txt = tmp_path / "step.png", tmp_path / "step.txt"
-    subprocess.run([sys.executable, "-m", "twinshard.cli", "schedule", "--impl", "reference,torch",
-                    "--model", "mlp", "--layers", "2", "--out", str(png), "--text", str(txt),
-                    "--compact", "--quiet"], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "twinshard.cli",
+            "schedule",
+            "--impl",
+            "reference,torch",
+            "--model",
+            "mlp",
+            "--layers",
+            "2",
+            "--out",
+            str(png),
+            "--text",
+            str(txt),
+            "--compact",
+            "--quiet",
+        ],
+        check=True,
+        timeout=300,
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     text = txt.read_text()
     assert text.startswith("reference, rank 0 of 2") and "\ntorch, rank 0 of 2" in text
@@ -149,10 +175,20 @@ def test_cli_writes_the_picture_and_the_table(tmp_path):
 
 
 def test_a_post_forward_piece_is_seen_from_the_smaller_all_gather():
-    s = launch(record_on_rank, 4, "reference", model="mlp", layers=2, reshard_after_forward=2,
-               start_method="fork", timeout=240)[0]
+    s = launch(
+        record_on_rank,
+        4,
+        "reference",
+        model="mlp",
+        layers=2,
+        reshard_after_forward=2,
+        start_method="fork",
+        timeout=240,
+    )[0]
     after_forward = _event(s, "post_forward", "blocks.0")
     assert s.group_state(after_forward, "blocks.0") == "P"
-    backward = [c for c in s.calls("all_gather", "blocks.0") if s.events[c.event].phase == "backward"]
+    backward = [
+        c for c in s.calls("all_gather", "blocks.0") if s.events[c.event].phase == "backward"
+    ]
     assert backward and {c.ranks for c in backward} == {2}
     assert s.group_state(_event(s, "pre_backward", "blocks.0"), "blocks.0") == "U"

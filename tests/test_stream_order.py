@@ -117,7 +117,7 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
     assert len(gathers) >= 2 * 4, gathers  # every group in forward, two steps
     first_of_step_1 = min(g for g in gathers if g > marks["step 1"])
     for previous, g in zip([-1] + gathers, gathers):
-        first = next(e for e in log[previous + 1:g] if e[1] == "copy_in")
+        first = next(e for e in log[previous + 1 : g] if e[1] == "copy_in")
         if post_optim_event and g == first_of_step_1:
             assert first == ("wait_event", "copy_in", marks["post-optim event 0"]), first
         else:
@@ -132,10 +132,13 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
             continue  # gradients live on the compute stream, which waited for the reduction
         waits = [log[i - 1]] + ([log[i - 2]] if "all_gather" in log[i][2] else [])
         for kind, _, event in waits:
-            assert kind == "wait_event" and recorded_on[event] == "default", (i, log[i - 2:i + 1])
+            assert kind == "wait_event" and recorded_on[event] == "default", (i, log[i - 2 : i + 1])
     # 3. the end of backward waits for the last reduction (reduce-scatter or all-reduce)
     for step in range(2):
         end = marks[f"after backward {step}"]
-        last = max(i for i, e in enumerate(log[:end]) if e[0] == "record_event"
-                   and e[1] in ("reduce_scatter", "all_reduce"))
+        last = max(
+            i
+            for i, e in enumerate(log[:end])
+            if e[0] == "record_event" and e[1] in ("reduce_scatter", "all_reduce")
+        )
         assert ("wait_event", "default", log[last][2]) in log[last:end], log[last:end]

@@ -14,8 +14,9 @@ types and a user can swap ``torch.distributed.fsdp.fully_shard`` for either one 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -138,21 +139,29 @@ class FSDPModule:
 
     def _fsdp_unshard(self, wait: bool) -> UnshardHandle | None:
         """Implementation hook of ``unshard``: return ``None`` when ``wait`` else a handle."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement this FSDPModule method"
+        )
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones on the module again."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement this FSDPModule method"
+        )
 
     # --- gradient synchronization ---------------------------------------------------------
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Whether backward reduces gradients across data-parallel ranks.
 
         ``False`` accumulates unsharded gradients locally (gradient accumulation without
         communication); the next backward with ``True`` reduces the sum. With ``recurse`` the
         setting applies to every FSDP module in this module's subtree.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement this FSDPModule method"
+        )
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP only: whether backward all-reduces gradient shards across replicas.
@@ -160,29 +169,41 @@ class FSDPModule:
         ``False`` still reduce-scatters within the shard group and keeps a partial sum;
         the next backward with ``True`` all-reduces everything accumulated.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement this FSDPModule method"
+        )
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (a bool)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement this FSDPModule method"
+        )
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """Whether parameters are freed after backward. ``False`` keeps them unsharded
         (useful between gradient-accumulation micro-batches); they are resharded by an explicit
         ``reshard()`` or a later backward with ``True``."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement this FSDPModule method"
+        )
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last one before the optimizer step, so that
         an implementation can finish all outstanding gradient work at its end."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement this FSDPModule method"
+        )
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement this FSDPModule method")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement this FSDPModule method"
+        )
 
     # --- scheduling hints -----------------------------------------------------------------
-    def set_modules_to_forward_prefetch(self, modules: Iterable["FSDPModule"]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """Modules whose all-gather is issued right after this module's, in forward.
 
         An implementation without overlap accepts and checks the list and otherwise ignores it:
@@ -191,7 +212,7 @@ class FSDPModule:
         """
         self._fsdp_forward_hint = check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
 
-    def set_modules_to_backward_prefetch(self, modules: Iterable["FSDPModule"]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """Modules whose all-gather is issued right after this module's, in backward.
 
         Accepted and checked, and otherwise ignored by an implementation without overlap

@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv[:1] or ["--help"])  # prints help, or the unknown-command error
         return 2
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
-    command = argparse.ArgumentParser(prog=f"twinshard {argv[0]}", description=module.__doc__.split("\n")[0])
+    command = argparse.ArgumentParser(
+        prog=f"twinshard {argv[0]}", description=module.__doc__.split("\n")[0]
+    )
     module.add_arguments(command)
     result = module.run(command.parse_args(argv[1:]))
     return int(result or 0)

@@ -30,7 +30,7 @@ def batch(step: int, batch_size: int, seq: int) -> tuple[torch.Tensor, torch.Ten
     data = torch.tensor(list(TEXT.encode()), dtype=torch.long)  # (N,) bytes
     g = torch.Generator().manual_seed(step)
     starts = torch.randint(0, len(data) - seq - 1, (batch_size,), generator=g)
-    rows = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])  # (B, seq + 1)
+    rows = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])  # (B, seq + 1)
     return rows[:, :-1], rows[:, 1:]
 
 
@@ -48,7 +48,10 @@ def train(steps: int, lr: float, every: int) -> list[float]:
     per_rank = 8
     for step in range(steps):
         x, y = batch(step, per_rank * world, 48)
-        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        x, y = (
+            x[rank * per_rank : (rank + 1) * per_rank],
+            y[rank * per_rank : (rank + 1) * per_rank],
+        )
         loss = model(x, y)
         loss.backward()
         opt.step()
@@ -57,8 +60,10 @@ def train(steps: int, lr: float, every: int) -> list[float]:
         dist.all_reduce(total)
         losses.append(total.item() / world)
         if rank == 0 and (step % every == 0 or step == steps - 1):
-            print(f"step {step:4d}  loss {losses[-1]:.4f}  ({time.perf_counter() - start:.1f}s)",
-                  flush=True)
+            print(
+                f"step {step:4d}  loss {losses[-1]:.4f}  ({time.perf_counter() - start:.1f}s)",
+                flush=True,
+            )
     return losses
 
 

@@ -44,9 +44,10 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,13 @@ _KILL_GRACE = 2.0  # how long to wait after SIGTERM before SIGKILL
 _POLL = 0.5  # the longest the parent sleeps between checks
 _DRAIN = 1.0  # after a failure, how long to wait for the other ranks' reports
 # First lines of errors that a rank gets because a peer died, not because of its own bug.
-_KNOCK_ON = ("closed by peer", "reset by peer", "broken pipe", "remote worker", "connection refused")
+_KNOCK_ON = (
+    "closed by peer",
+    "reset by peer",
+    "broken pipe",
+    "remote worker",
+    "connection refused",
+)
 
 
 class LaunchError(RuntimeError):
@@ -74,6 +81,7 @@ class LaunchError(RuntimeError):
 
 class RankInfo(NamedTuple):
     """What a rank needs to know about itself."""
+
     rank: int
     local_rank: int
     world_size: int
@@ -87,7 +95,9 @@ _RANK_INFO: RankInfo | None = None
 def get_rank_info() -> RankInfo:
     """Return this rank's ``RankInfo``. Works only inside a function run by ``launch``."""
     if _RANK_INFO is None:
-        raise RuntimeError("get_rank_info() only works inside a function run by twinshard.launch.launch()")
+        raise RuntimeError(
+            "get_rank_info() only works inside a function run by twinshard.launch.launch()"
+        )
     return _RANK_INFO
 
 
@@ -104,22 +114,34 @@ def _resolve_backend(backend: str | None, nprocs: int) -> str:
         return "nccl" if 0 < nprocs <= gpus and dist.is_nccl_available() else "gloo"
     name = backend.lower() if isinstance(backend, str) else backend
     if name not in dist.Backend.backend_list or name == "undefined":
-        raise ValueError(f"unknown backend {backend!r}; expected one of {dist.Backend.backend_list[1:]}")
+        raise ValueError(
+            f"unknown backend {backend!r}; expected one of {dist.Backend.backend_list[1:]}"
+        )
     if not dist.is_backend_available(name):
         raise ValueError(f"backend {name!r} is not available in this build of torch")
     if name == "nccl" and nprocs > gpus:
-        raise ValueError(f"backend 'nccl' needs one GPU per rank: nprocs={nprocs} but {gpus} GPU(s) visible")
+        raise ValueError(
+            f"backend 'nccl' needs one GPU per rank: nprocs={nprocs} but {gpus} GPU(s) visible"
+        )
     return name
 
 
 def _pick_start_method(fn: Callable, args: tuple, kwargs: dict, start_method: str | None) -> str:
     """Fork when a spawned child could not import ``fn`` by module and name, else spawn."""
     if start_method not in (None, "fork", "spawn", "forkserver"):
-        raise ValueError(f"unknown start_method {start_method!r}; use None, 'fork', 'spawn' or 'forkserver'")
+        raise ValueError(
+            f"unknown start_method {start_method!r}; use None, 'fork', 'spawn' or 'forkserver'"
+        )
     name = getattr(fn, "__qualname__", "")
     main_file = getattr(sys.modules["__main__"], "__file__", None)  # "<stdin>" is no file
-    unimportable = "<lambda>" in name or "<locals>" in name or (
-        getattr(fn, "__module__", None) == "__main__" and not (main_file and os.path.isfile(main_file)))
+    unimportable = (
+        "<lambda>" in name
+        or "<locals>" in name
+        or (
+            getattr(fn, "__module__", None) == "__main__"
+            and not (main_file and os.path.isfile(main_file))
+        )
+    )
     if start_method == "fork" or (start_method is None and unimportable):
         return "fork"
     try:
@@ -127,8 +149,10 @@ def _pick_start_method(fn: Callable, args: tuple, kwargs: dict, start_method: st
     except Exception as e:
         if start_method is None:
             return "fork"
-        raise TypeError(f"with start_method={start_method!r}, fn must be a module-level function and its "
-                        f"arguments picklable ({type(e).__name__}: {e})") from e
+        raise TypeError(
+            f"with start_method={start_method!r}, fn must be a module-level function and its "
+            f"arguments picklable ({type(e).__name__}: {e})"
+        ) from e
     return start_method or "spawn"
 
 
@@ -136,8 +160,13 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, con
     global _RANK_INFO
     try:
         os.environ.update(env)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+        )
         threads = int(os.environ.get("TWINSHARD_THREADS", "1") or "0")
         if threads > 0:
             torch.set_num_threads(threads)
@@ -146,7 +175,9 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, con
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
         _RANK_INFO = RankInfo(rank, rank, world_size, backend, device)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
         conn.send_bytes(pickle.dumps(("ready",)))
         result = fn(*args, **kwargs)
         conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
@@ -157,7 +188,6 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, con
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            _save_coverage()
             os._exit(1)  # skip teardown: peers may be stuck, and the parent stops them anyway
     try:
         if dist.is_initialized():
@@ -169,18 +199,7 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, con
         sys.stderr.flush()
         # Communication threads left behind by subgroups (device meshes) can abort the
         # interpreter's own shutdown; the result is already delivered, so leave directly.
-        _save_coverage()
         os._exit(0)
-
-
-def _save_coverage() -> None:
-    """``os._exit`` skips atexit handlers: save this rank's line coverage first, when the
-    rank runs under coverage.py (``COVERAGE_PROCESS_START``), so it is not lost."""
-    coverage = sys.modules.get("coverage")
-    current = coverage.Coverage.current() if coverage is not None else None
-    if current is not None:
-        current.stop()
-        current.save()
 
 
 def _stop(procs: list) -> None:
@@ -216,7 +235,9 @@ def _collect(procs: list, conns: list, timeout: float) -> list:
         while rank not in results and rank not in failures:
             if not conn.poll():
                 if proc.exitcode is not None and not conn.poll():  # died without a report
-                    failures[rank] = f"exited without reporting a result (exit code {proc.exitcode})"
+                    failures[rank] = (
+                        f"exited without reporting a result (exit code {proc.exitcode})"
+                    )
                 return
             try:
                 msg = pickle.loads(conn.recv_bytes())
@@ -235,8 +256,10 @@ def _collect(procs: list, conns: list, timeout: float) -> list:
 
     def wait_and_poll(until: float) -> list[int]:
         pending = [r for r in range(n) if r not in results and r not in failures]
-        wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
-             timeout=max(0.0, min(_POLL, until - time.monotonic())))
+        wait(
+            [conns[r] for r in pending] + [procs[r].sentinel for r in pending],
+            timeout=max(0.0, min(_POLL, until - time.monotonic())),
+        )
         for r in pending:
             poll(r)
         return [r for r in pending if r not in results and r not in failures]
@@ -246,7 +269,9 @@ def _collect(procs: list, conns: list, timeout: float) -> list:
         if not all_ready and len(ready) == n:
             all_ready, deadline = True, time.monotonic() + timeout + min(5.0, 0.1 * timeout)
         if time.monotonic() >= deadline and not failures:
-            late = {r: "had not finished " + ("fn" if r in ready else "starting up") for r in pending}
+            late = {
+                r: "had not finished " + ("fn" if r in ready else "starting up") for r in pending
+            }
             raise _error(f"deadline of {timeout}s exceeded", late)
     if failures:  # peers of a failed rank often fail a moment later: collect them briefly
         end = time.monotonic() + _DRAIN
@@ -258,17 +283,30 @@ def _collect(procs: list, conns: list, timeout: float) -> list:
     for p in procs:
         p.join(max(0.0, end - time.monotonic()))
     if stuck := [r for r, p in enumerate(procs) if p.is_alive()]:
-        warnings.warn(f"rank(s) {stuck} returned but did not exit within {_EXIT_GRACE}s; killing them")
-    bad = {r: f"returned a result but then exited with code {p.exitcode}"
-           for r, p in enumerate(procs) if p.exitcode not in (0, None)}
+        warnings.warn(
+            f"rank(s) {stuck} returned but did not exit within {_EXIT_GRACE}s; killing them",
+            stacklevel=2,
+        )
+    bad = {
+        r: f"returned a result but then exited with code {p.exitcode}"
+        for r, p in enumerate(procs)
+        if p.exitcode not in (0, None)
+    }
     if bad:
         raise _error("launch failed during teardown", bad)
     return [results[r] for r in range(n)]
 
 
-def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
-           timeout: float = 300.0, start_method: str | None = None,
-           env: dict[str, str] | None = None, **kwargs: Any) -> list:
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 300.0,
+    start_method: str | None = None,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return the results by rank.
 
     ``backend``: default "nccl" (one GPU per rank) if there are enough GPUs, else "gloo".
@@ -284,7 +322,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build of torch")
     if dist.is_initialized():
-        raise RuntimeError("launch() must be called from a process that has not initialized torch.distributed")
+        raise RuntimeError(
+            "launch() must be called from a process that has not initialized torch.distributed"
+        )
     backend = _resolve_backend(backend, nprocs)
     ctx = mp.get_context(_pick_start_method(fn, args, kwargs, start_method))
     env = {str(k): str(v) for k, v in (env or {}).items()}
@@ -293,8 +333,11 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
     try:
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, name=f"twinshard-rank{rank}",
-                            args=(fn, args, kwargs, rank, nprocs, port, backend, timeout, env, writer))
+            p = ctx.Process(
+                target=_worker,
+                name=f"twinshard-rank{rank}",
+                args=(fn, args, kwargs, rank, nprocs, port, backend, timeout, env, writer),
+            )
             p.start()
             writer.close()  # keep only the child's copy, so its death reads as EOF
             procs.append(p)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +34,7 @@ from torch import nn
 INIT_STD = 0.02
 
 
-def init_weights_(model: nn.Module, seed: Optional[int] = None) -> None:
+def init_weights_(model: nn.Module, seed: int | None = None) -> None:
     """Deterministically re-initialize every parameter of ``model`` in place."""
     gen = None if seed is None else torch.Generator().manual_seed(seed)
     seen: set[int] = set()  # tied parameters are initialized once
@@ -76,9 +75,15 @@ class MLPBlock(nn.Module):
 class MLPStack(nn.Module):
     """``proj_in`` (optional) -> ``blocks`` -> ``norm`` -> ``head``."""
 
-    def __init__(self, dim: int = 15, hidden: int = 37, n_blocks: int = 3,
-                 in_dim: Optional[int] = None, out_dim: Optional[int] = None,
-                 bias: bool = True):
+    def __init__(
+        self,
+        dim: int = 15,
+        hidden: int = 37,
+        n_blocks: int = 3,
+        in_dim: int | None = None,
+        out_dim: int | None = None,
+        bias: bool = True,
+    ):
         super().__init__()
         self.proj_in = nn.Linear(in_dim, dim, bias=bias) if in_dim is not None else None
         self.blocks = nn.ModuleList(MLPBlock(dim, hidden, bias) for _ in range(n_blocks))
@@ -86,7 +91,7 @@ class MLPStack(nn.Module):
         self.head = nn.Linear(dim, dim if out_dim is None else out_dim, bias=bias)
         self.init_weights()
 
-    def init_weights(self, seed: Optional[int] = None) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """Re-initialize all parameters (see the module docstring)."""
         init_weights_(self, seed)
 
@@ -104,8 +109,15 @@ PRESETS = {
     "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4),
     "small": dict(vocab_size=8192, dim=256, n_layers=8, n_heads=8, n_kv_heads=4),
     "medium": dict(vocab_size=8192, dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
-    "1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-               ffn_hidden=8192, max_seq_len=2048),
+    "1b": dict(
+        vocab_size=32000,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        max_seq_len=2048,
+    ),
 }
 
 
@@ -115,8 +127,8 @@ class LlamaConfig:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    n_kv_heads: Optional[int] = None  # < n_heads means grouped-query attention
-    ffn_hidden: Optional[int] = None  # None: int(8 * dim / 3) rounded up to multiple_of
+    n_kv_heads: int | None = None  # < n_heads means grouped-query attention
+    ffn_hidden: int | None = None  # None: int(8 * dim / 3) rounded up to multiple_of
     multiple_of: int = 32
     max_seq_len: int = 128
     norm_eps: float = 1e-5
@@ -129,11 +141,13 @@ class LlamaConfig:
         if self.n_heads <= 0 or self.dim % self.n_heads != 0:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by "
-                             f"n_kv_heads ({self.n_kv_heads})")
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
         if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim = dim // n_heads = {self.head_dim} must be even "
-                             "for rotary embeddings")
+            raise ValueError(
+                f"head_dim = dim // n_heads = {self.head_dim} must be even for rotary embeddings"
+            )
         if self.multiple_of < 1:
             raise ValueError(f"multiple_of must be >= 1, got {self.multiple_of}")
 
@@ -150,7 +164,7 @@ class LlamaConfig:
         return m * math.ceil(int(8 * self.dim / 3) / m)
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "LlamaConfig":
+    def preset(cls, name: str, **overrides) -> LlamaConfig:
         """A named configuration ("tiny", "small", "medium", "1b") with overrides."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; valid names: {', '.join(PRESETS)}")
@@ -163,8 +177,9 @@ class LlamaConfig:
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None):
     """cos and sin tables, each (seq_len, head_dim // 2), in float32."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device,
-                                       dtype=torch.float32) / head_dim)  # (head_dim/2,)
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )  # (head_dim/2,)
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)  # (T,)
     angles = torch.outer(pos, inv_freq)  # (T, head_dim/2)
     return angles.cos(), angles.sin()
@@ -248,7 +263,7 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def init_weights(self, seed: Optional[int] = None) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """Re-initialize all parameters (see the module docstring)."""
         if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight  # restore a tie lost in a move
@@ -258,8 +273,7 @@ class Llama(nn.Module):
         """Number of distinct parameter elements (a tied weight counts once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: torch.Tensor,
-                targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         B, T = tokens.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")

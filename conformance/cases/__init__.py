@@ -14,7 +14,13 @@ the order the suite runs them (``dcp_save`` before ``dcp_load``):
 """
 
 from . import (  # noqa: F401 - imported to register their cases, in this order
-    training, gradients, mixed_precision, api, state_dict, errors, collective_trace,
+    api,
+    collective_trace,
+    errors,
+    gradients,
+    mixed_precision,
+    state_dict,
+    training,
 )
 from .core import CASES, Case, Context, case, train_case
 

@@ -18,8 +18,10 @@ from .core import case, train_case
 @case("offload")
 def case_cpu_offload(ctx):
     """CPUOffloadPolicy: shards, gradients and optimizer state on the CPU; same results."""
+
     def wrap(impl, model, mesh):
         M.shard_blocks(impl, model, mesh, offload_policy=impl.CPUOffloadPolicy(pin_memory=False))
+
     checker = train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
     keep_grads = M.mlp_recipe(ctx.world, wrap=wrap, steps=1, zero_grad_set_to_none=lambda s: False)
     trace, model = run_sharded(keep_grads, ctx.impl, ctx.mesh)
@@ -36,6 +38,7 @@ def case_cpu_offload(ctx):
 @case("api")
 def case_explicit_unshard(ctx):
     """unshard() / unshard(async_op=True).wait() before forward, reshard() after the step."""
+
     def loss(model, batch):
         if hasattr(model, "unshard"):
             model.unshard()
@@ -44,6 +47,7 @@ def case_explicit_unshard(ctx):
                 handle.wait()
         out = M.mse(model, batch)
         return out
+
     checker = train_case(ctx, replace(M.mlp_recipe(ctx.world), loss=loss))
     model = M.MLPStack()
     M.shard_blocks(ctx.impl, model, ctx.mesh)
@@ -59,9 +63,11 @@ def case_explicit_unshard(ctx):
 @case("api")
 def case_forward_method(ctx):
     """register_fsdp_forward_method: a method other than forward runs the FSDP hooks."""
+
     def wrap(impl, model, mesh):
         impl.fully_shard(model, mesh=mesh)
         impl.register_fsdp_forward_method(model, "score")
+
     recipe = M.mlp_recipe(ctx.world, wrap=wrap, loss=lambda m, b: m.score(*b))
     return train_case(ctx, replace(recipe, build=lambda: M.ScoreMLP()))
 
@@ -71,8 +77,10 @@ def case_reshard_states(ctx):
     """After forward: blocks resharded, the root kept unsharded; after backward: all sharded.
     With reshard_after_forward=False the blocks stay unsharded until after backward."""
     checker = Checker("fp32")
-    for label, kwargs in (("default", {}), ("reshard_after_forward=False",
-                                           {"reshard_after_forward": False})):
+    for label, kwargs in (
+        ("default", {}),
+        ("reshard_after_forward=False", {"reshard_after_forward": False}),
+    ):
         model = M.MLPStack()
         M.shard_blocks(ctx.impl, model, ctx.mesh, **kwargs)
         loss = model(torch.randn(4, 15)).pow(2).mean()
@@ -80,7 +88,9 @@ def case_reshard_states(ctx):
         expected = not kwargs
         checker.count += 3
         if block_sharded != expected:
-            checker.fail(f"{label}: after forward a block is {'sharded' if block_sharded else 'unsharded'}")
+            checker.fail(
+                f"{label}: after forward a block is {'sharded' if block_sharded else 'unsharded'}"
+            )
         if isinstance(model.head.weight, DTensor):
             checker.fail(f"{label}: the root should keep its parameters unsharded after forward")
         loss.backward()
@@ -92,6 +102,7 @@ def case_reshard_states(ctx):
 @case("api")
 def case_scheduling_hints(ctx):
     """Prefetch lists are accepted and change no result."""
+
     def wrap(impl, model, mesh):
         M.shard_blocks(impl, model, mesh)
         blocks = list(model.blocks)
@@ -102,4 +113,5 @@ def case_scheduling_hints(ctx):
     def before_step(model):  # a CPU run has no device events; only the twinshard API takes None
         if not model.__class__.__module__.startswith("torch"):
             model.set_post_optim_event(None)
+
     return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap, before_step=before_step))

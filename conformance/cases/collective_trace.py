@@ -15,8 +15,14 @@ from ..compare import Checker
 from .core import case
 
 
-def _trace_case(ctx, unshards_block: int, unshards_root: int, param=torch.float32,
-                reduce=torch.float32, **kwargs) -> Checker:
+def _trace_case(
+    ctx,
+    unshards_block: int,
+    unshards_root: int,
+    param=torch.float32,
+    reduce=torch.float32,
+    **kwargs,
+) -> Checker:
     """Trace one forward+backward of the per-block MLP and check it against the schedule."""
     checker = Checker("fp32")
     plain = M.MLPStack()
@@ -28,7 +34,7 @@ def _trace_case(ctx, unshards_block: int, unshards_root: int, param=torch.float3
     M.shard_blocks(ctx.impl, model, ctx.mesh, **kwargs)
     x, y = M.mlp_data()(0)
     per = x.shape[0] // ctx.world
-    x, y = (t[ctx.rank * per:(ctx.rank + 1) * per].to(ctx.device) for t in (x, y))
+    x, y = (t[ctx.rank * per : (ctx.rank + 1) * per].to(ctx.device) for t in (x, y))
     with T.CollectiveTrace() as recorded:
         M.mse(model, (x, y)).backward()
     calls = recorded.calls
@@ -38,22 +44,36 @@ def _trace_case(ctx, unshards_block: int, unshards_root: int, param=torch.float3
     S = ctx.shard_size
     size = lambda ps: sum(T.padded_numel(p, S) for p in ps)  # noqa: E731
     expect = {
-        "all_gather": ([n for _, n in groups], sum(n * size(ps) for ps, n in groups), param,
-                       [n * len(ps) for ps, n in groups]),
-        "reduce_scatter": ([1 for _ in groups], sum(size(ps) for ps, _ in groups), reduce,
-                           [len(ps) for ps, _ in groups]),
+        "all_gather": (
+            [n for _, n in groups],
+            sum(n * size(ps) for ps, n in groups),
+            param,
+            [n * len(ps) for ps, n in groups],
+        ),
+        "reduce_scatter": (
+            [1 for _ in groups],
+            sum(size(ps) for ps, _ in groups),
+            reduce,
+            [len(ps) for ps, _ in groups],
+        ),
     }
     if ctx.hsdp:
-        expect["all_reduce"] = ([1 for _ in groups], sum(size(ps) // S for ps, _ in groups),
-                                reduce, [len(ps) for ps, _ in groups])
+        expect["all_reduce"] = (
+            [1 for _ in groups],
+            sum(size(ps) // S for ps, _ in groups),
+            reduce,
+            [len(ps) for ps, _ in groups],
+        )
     for op, (per_group, numel, dtype, per_param) in expect.items():
         count, total, dtypes = T.totals(calls, op)
         checker.count += 1
         if S == 1 and op != "all_reduce" and count == 0:
             continue  # with one shard there is nothing to gather or scatter; skipping is valid
         if count not in (sum(per_group), sum(per_param)):
-            checker.fail(f"{op}: {count} collectives, expected {sum(per_group)} (one per group "
-                         f"and unshard) or {sum(per_param)} (one per parameter)")
+            checker.fail(
+                f"{op}: {count} collectives, expected {sum(per_group)} (one per group "
+                f"and unshard) or {sum(per_param)} (one per parameter)"
+            )
         if total != numel:
             checker.fail(f"{op}: {total} elements in all, the schedule implies {numel}")
         if dtypes != {dtype}:
@@ -74,8 +94,11 @@ def case_trace_reshard_false(ctx):
     return _trace_case(ctx, 1, 1, reshard_after_forward=False)
 
 
-@case("trace", needs=lambda ctx: ctx.shard_size % 2 == 0 and ctx.shard_size > 2,
-      why="needs a shard group of 4 or more (even), where 2 differs from True")
+@case(
+    "trace",
+    needs=lambda ctx: ctx.shard_size % 2 == 0 and ctx.shard_size > 2,
+    why="needs a shard group of 4 or more (even), where 2 differs from True",
+)
 def case_trace_reshard_int(ctx):
     """reshard_after_forward=2: backward gathers among 2 ranks, same amount of data."""
     return _trace_case(ctx, 2, 2, reshard_after_forward=2)

@@ -7,18 +7,12 @@ where ``needs`` is false for a mesh, the case is reported as SKIP with ``why`` a
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
-import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from ..compare import Checker
 from ..driver import Recipe, compare, run_oracle, run_plain, run_sharded
@@ -64,7 +58,7 @@ class Context:
     def mesh(self):
         if self._mesh is None:
             kind = self.device_type
-            names = ("replicate", "shard")[-len(self.mesh_shape):]  # torch wants HSDP names
+            names = ("replicate", "shard")[-len(self.mesh_shape) :]  # torch wants HSDP names
             self._mesh = init_device_mesh(kind, self.mesh_shape, mesh_dim_names=names)
         return self._mesh
 
@@ -88,16 +82,20 @@ CASES: dict[str, Case] = {}
 
 def case(group: str, needs=None, why: str = ""):
     """Register a case function ``case_<name>`` under ``name``."""
+
     def register(fn):
         name = fn.__name__.removeprefix("case_")
-        CASES[name] = Case(name, fn, group, needs or (lambda ctx: True), why,
-                           (fn.__doc__ or "").strip())
+        CASES[name] = Case(
+            name, fn, group, needs or (lambda ctx: True), why, (fn.__doc__ or "").strip()
+        )
         return fn
+
     return register
 
 
-def train_case(ctx: Context, recipe: Recipe, tolerance: str = "fp32",
-               no_oracle: str | None = None) -> Checker:
+def train_case(
+    ctx: Context, recipe: Recipe, tolerance: str = "fp32", no_oracle: str | None = None
+) -> Checker:
     """Truth, implementation and oracle on the same recipe, compared every step.
 
     ``no_oracle`` says why torch's ``fully_shard`` cannot run this case here (then it is
@@ -110,8 +108,11 @@ def train_case(ctx: Context, recipe: Recipe, tolerance: str = "fp32",
         checker.notes.append(f"torch oracle skipped: {no_oracle}")
         ctx = replace(ctx, oracle=None)
     truth = run_plain(recipe)
-    truth_low = (run_plain(recipe, low=recipe.low_precision, world=ctx.world)
-                 if recipe.low_precision else None)
+    truth_low = (
+        run_plain(recipe, low=recipe.low_precision, world=ctx.world)
+        if recipe.low_precision
+        else None
+    )
     mine, _ = run_sharded(recipe, ctx.impl, ctx.mesh)
     compare(checker, ctx.impl_name, mine, truth, truth_low)
     if ctx.reference is not None:

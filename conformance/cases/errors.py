@@ -25,8 +25,11 @@ def _expect_error(checker: Checker, what: str, *words: str):
     except (ValueError, RuntimeError, TypeError, AssertionError) as error:
         text = str(error).lower()
         # a word given as a tuple is satisfied by any one of its alternatives
-        missing = [w for w in words
-                   if not any(a.lower() in text for a in (w if isinstance(w, tuple) else (w,)))]
+        missing = [
+            w
+            for w in words
+            if not any(a.lower() in text for a in (w if isinstance(w, tuple) else (w,)))
+        ]
         if missing:
             checker.fail(f"{what}: the error does not mention {missing}: {text!r}")
     else:
@@ -59,8 +62,9 @@ def case_errors(ctx):
         on_meta(torch.randn(2, 15))
     tied = M.Llama(M.llama_config(tie=True))
     impl.fully_shard(tied.tok_embeddings, mesh=mesh)
-    with _expect_error(checker, "tied parameters split across groups",
-                       ("output.weight", "tok_embeddings.weight")):
+    with _expect_error(
+        checker, "tied parameters split across groups", ("output.weight", "tok_embeddings.weight")
+    ):
         impl.fully_shard(tied, mesh=mesh)
         tied(torch.zeros(1, 4, dtype=torch.long))
     return checker

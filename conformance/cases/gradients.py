@@ -8,7 +8,7 @@ Micro-batches with ``set_requires_gradient_sync(False)`` (all, root only, some b
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -21,6 +21,7 @@ def _no_sync(select: Callable[[nn.Module], list[nn.Module]], recurse: bool = Tru
     def on_micro(model, micro, last):
         for m in select(model):
             m.set_requires_gradient_sync(last, recurse=recurse)
+
     return on_micro
 
 
@@ -50,19 +51,25 @@ def case_no_sync_some(ctx):
 def case_reshard_after_backward_false(ctx):
     """set_reshard_after_backward(False) and set_is_last_backward(False) between
     micro-batches, without gradient sync."""
+
     def on_micro(model, micro, last):
         model.set_requires_gradient_sync(last)
         model.set_reshard_after_backward(last)
         model.set_is_last_backward(last)
+
     return train_case(ctx, M.mlp_recipe(ctx.world, micro=3, on_micro=on_micro))
 
 
-@case("gradients", needs=lambda ctx: ctx.hsdp, why="set_requires_all_reduce needs an HSDP (2D) mesh")
+@case(
+    "gradients", needs=lambda ctx: ctx.hsdp, why="set_requires_all_reduce needs an HSDP (2D) mesh"
+)
 def case_no_all_reduce(ctx):
     """HSDP: set_requires_all_reduce(False) on the first two of three micro-batches, so the
     partial sums of two backwards must add up before the last one all-reduces them."""
+
     def on_micro(model, micro, last):
         model.set_requires_all_reduce(last)
+
     return train_case(ctx, M.mlp_recipe(ctx.world, micro=3, on_micro=on_micro))
 
 
@@ -101,6 +108,7 @@ def case_gradient_divide_factor(ctx):
             return loss
         scale = ctx.world / factor
         return loss * scale + (loss - loss * scale).detach()  # value: loss; gradient: scaled
+
     gloo = dist.get_backend() == "gloo"
     reason = "torch reduces with ReduceOp.PREMUL_SUM, which gloo lacks" if gloo else None
     return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap, loss=loss), no_oracle=reason)

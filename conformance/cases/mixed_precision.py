@@ -14,12 +14,16 @@ from .core import case, train_case
 
 def _mp_recipe(ctx, param=torch.bfloat16, reduce=torch.float32, output=None, cast_children=True):
     def wrap(impl, model, mesh):
-        child = impl.MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce,
-                                          cast_forward_inputs=cast_children)
+        child = impl.MixedPrecisionPolicy(
+            param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=cast_children
+        )
         for block in model.blocks:
             impl.fully_shard(block, mesh=mesh, mp_policy=child)
-        root = impl.MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output)
+        root = impl.MixedPrecisionPolicy(
+            param_dtype=param, reduce_dtype=reduce, output_dtype=output
+        )
         impl.fully_shard(model, mesh=mesh, mp_policy=root)
+
     return M.mlp_recipe(ctx.world, wrap=wrap, low_precision=param, low_reduce=reduce)
 
 
@@ -30,7 +34,8 @@ def _compute_dtypes(ctx, recipe) -> dict[str, torch.dtype]:
     seen = {}
     for i, block in enumerate(model.blocks):
         block.register_forward_pre_hook(  # runs after FSDP's own pre-forward (prepended)
-            lambda m, args, i=i: seen.__setitem__(f"blocks.{i}.w1.weight", m.w1.weight.dtype))
+            lambda m, args, i=i: seen.__setitem__(f"blocks.{i}.w1.weight", m.w1.weight.dtype)
+        )
     model(torch.randn(2, 15))
     return seen
 

@@ -22,6 +22,7 @@ from .core import Context, case
 
 def _dsd():
     from torch.distributed.checkpoint import state_dict as dsd
+
     return dsd
 
 
@@ -43,7 +44,9 @@ def case_sharded_state_dict(ctx):
     _, model = run_sharded(recipe, ctx.impl, ctx.mesh)
     sd = model.state_dict()
     if set(sd) != set(plain.state_dict()):
-        checker.fail(f"state_dict keys differ from the plain model's: {sorted(set(sd) ^ set(plain.state_dict()))}")
+        checker.fail(
+            f"state_dict keys differ from the plain model's: {sorted(set(sd) ^ set(plain.state_dict()))}"
+        )
     for name, value in sd.items():
         if not isinstance(value, DTensor):
             checker.fail(f"state_dict['{name}'] is a {type(value).__name__}, expected a DTensor")
@@ -105,11 +108,15 @@ def _dcp_state(model, opt):
     return {"model": msd, "optim": osd}
 
 
-@case("checkpoint", needs=lambda ctx: ctx.world == 2 and not ctx.hsdp,
-      why="checkpoints are saved at world size 2 (1D) and loaded at every other size")
+@case(
+    "checkpoint",
+    needs=lambda ctx: ctx.world == 2 and not ctx.hsdp,
+    why="checkpoints are saved at world size 2 (1D) and loaded at every other size",
+)
 def case_dcp_save(ctx):
     """Train 2 steps and save model + optimizer with DCP (for dcp_load at other sizes)."""
     import torch.distributed.checkpoint as dcp
+
     checker = Checker("fp32")
     recipe = M.mlp_recipe(ctx.world, steps=2)
     truth = run_plain(recipe)
@@ -117,7 +124,9 @@ def case_dcp_save(ctx):
         with checks:
             trace, model = run_sharded(recipe, impl, ctx.mesh)
             dcp.save(_dcp_state(model, trace.optimizer), checkpoint_id=_ckpt_dir(ctx, source))
-        _close_to_full(checker, f"{source} before save", model, dict(truth.model.named_parameters()))
+        _close_to_full(
+            checker, f"{source} before save", model, dict(truth.model.named_parameters())
+        )
     return checker
 
 
@@ -131,12 +140,10 @@ def sources(ctx: Context):
         yield "torch", ctx.oracle, paused()
 
 
-@case("checkpoint", needs=lambda ctx: not ctx.hsdp,
-      why="the checkpoint matrix runs on 1D meshes")
+@case("checkpoint", needs=lambda ctx: not ctx.hsdp, why="the checkpoint matrix runs on 1D meshes")
 def case_dcp_load(ctx):
     """Load the world-size-2 checkpoints (this implementation's and torch's) here, into this
     implementation and into torch's, and continue: identical to uninterrupted training."""
-    import torch.distributed.checkpoint as dcp
     checker = Checker("fp32")
     recipe = M.mlp_recipe(ctx.world, steps=4)
     truth = run_plain(recipe)
@@ -159,14 +166,16 @@ def _load_and_continue(recipe, impl, ctx: Context, path: str):
     """Build ``impl``'s sharded model with another init, load the checkpoint at ``path`` into
     it and its optimizer, and train steps 2 and 3."""
     import torch.distributed.checkpoint as dcp
+
     torch.manual_seed(7)
     model = recipe.build()
     recipe.wrap(impl, model, ctx.mesh)
     opt = make_optimizer(recipe, model)
     state = _dcp_state(model, opt)
     dcp.load(state, checkpoint_id=path)
-    _dsd().set_state_dict(model, opt, model_state_dict=state["model"],
-                          optim_state_dict=state["optim"])
+    _dsd().set_state_dict(
+        model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     run, _ = run_sharded(replace(recipe, steps=2, start=2), impl, ctx.mesh, model=model, opt=opt)
     return run, model
 

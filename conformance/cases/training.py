@@ -22,7 +22,9 @@ from .core import case, train_case
 @case("training")
 def case_one_group(ctx):
     """The whole MLP as one group (root only)."""
-    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=lambda i, m, mesh: i.fully_shard(m, mesh=mesh)))
+    return train_case(
+        ctx, M.mlp_recipe(ctx.world, wrap=lambda i, m, mesh: i.fully_shard(m, mesh=mesh))
+    )
 
 
 @case("training")
@@ -57,8 +59,11 @@ def case_reshard_true_root(ctx):
     return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
 
 
-@case("training", needs=lambda ctx: ctx.shard_size % 2 == 0,
-      why="reshard_after_forward=2 needs an even shard group")
+@case(
+    "training",
+    needs=lambda ctx: ctx.shard_size % 2 == 0,
+    why="reshard_after_forward=2 needs an even shard group",
+)
 def case_reshard_int(ctx):
     """reshard_after_forward=2: a half-size piece is kept between forward and backward."""
     wrap = functools.partial(M.shard_blocks, reshard_after_forward=2)
@@ -74,31 +79,37 @@ def case_module_twice(ctx):
 @case("training")
 def case_two_forwards(ctx):
     """Two forwards, then one backward through both losses."""
+
     def loss(model, batch):
         x, y = batch
         n, half = x.shape[0], x.shape[0] // 2
         first = M.mse(model, (x[:half], y[:half])) if half else 0.0
         return (half * first + (n - half) * M.mse(model, (x[half:], y[half:]))) / n
+
     return train_case(ctx, replace(M.mlp_recipe(ctx.world), loss=loss))
 
 
 @case("training")
 def case_dict_output(ctx):
     """Blocks take and return dicts; the root returns a dataclass."""
+
     def loss(model, batch):
         x, y = batch
         return (model(x).prediction - y).pow(2).mean()
+
     return train_case(ctx, replace(M.mlp_recipe(ctx.world), build=lambda: M.DictMLP(), loss=loss))
 
 
 @case("training")
 def case_frozen(ctx):
     """Some parameters frozen (requires_grad=False) before sharding."""
+
     def build():
         model = M.MLPStack()
         model.blocks[0].w1.weight.requires_grad_(False)
         model.norm.requires_grad_(False)
         return model
+
     return train_case(ctx, replace(M.mlp_recipe(ctx.world), build=build))
 
 
@@ -112,12 +123,14 @@ def case_unused(ctx):
 def case_ignored_params(ctx):
     """ignored_params stay plain tensors that FSDP neither shards nor reduces; averaging their
     gradients by hand restores data-parallel training."""
+
     def wrap(impl, model, mesh):
         M.shard_blocks(impl, model, mesh, ignored_params={model.head.bias})
 
     def average_ignored(model):
         dist.all_reduce(model.head.bias.grad)
         model.head.bias.grad /= ctx.world
+
     checker = train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap, before_step=average_ignored))
     _, model = run_sharded(M.mlp_recipe(ctx.world, wrap=wrap, steps=1), ctx.impl, ctx.mesh)
     checker.count += 1

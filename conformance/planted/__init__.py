@@ -30,10 +30,17 @@ from twinshard.reference import fully_shard as reference_fully_shard
 from twinshard.reference.state import get_state
 
 
-def plant(bug_param_class=None, bug_group_class=None, which=lambda params: params, after=None,
-          bug_state_class=None, base=reference_fully_shard):
+def plant(
+    bug_param_class=None,
+    bug_group_class=None,
+    which=lambda params: params,
+    after=None,
+    bug_state_class=None,
+    base=reference_fully_shard,
+):
     """A ``fully_shard`` that calls ``base`` (the reference's by default) and then swaps in the
     buggy classes (or, with ``after``, damages the freshly sharded parameters)."""
+
     def fully_shard(module, **kwargs):
         module = base(module, **kwargs)
         state = get_state(module)
@@ -49,4 +56,5 @@ def plant(bug_param_class=None, bug_group_class=None, which=lambda params: param
             if after is not None:
                 after(group)
         return module
+
     return fully_shard

@@ -3,6 +3,8 @@
 On an accelerator the copy-out would read the buffer before the all-gather stream has filled
 it; stand-in streams report the read as a race."""
 
+import dataclasses
+
 from twinshard.optimized.flat_group import FlatParamGroup
 
 from . import plant
@@ -14,7 +16,8 @@ class NoWait(FlatParamGroup):
     def wait_for_unshard(self):
         result = self.in_flight
         if result is not None:  # forget how to wait: as if the all-gather were done already
-            self.in_flight = result._replace(pending=result.pending._replace(work=None, event=None))
+            pending = dataclasses.replace(result.pending, work=None, event=None)
+            self.in_flight = result._replace(pending=pending)
             if result.pending.work is not None:
                 result.pending.work.wait()  # gloo needs its work finished; the stream order does not
         super().wait_for_unshard()

@@ -14,7 +14,7 @@ from ._optimized import optimized_fully_shard
 class TwoAhead(FSDPState):
     def prefetch_targets(self, hint, order):
         i = order.index(self.group) if self.group in order else len(order)
-        return order[i + 2:i + 3]
+        return order[i + 2 : i + 3]
 
 
 class TakesAnyPrefetch(FlatParamGroup):
@@ -28,5 +28,6 @@ class TakesAnyPrefetch(FlatParamGroup):
         super().unshard_async()
 
 
-fully_shard = plant(bug_group_class=TakesAnyPrefetch, bug_state_class=TwoAhead,
-                    base=optimized_fully_shard)
+fully_shard = plant(
+    bug_group_class=TakesAnyPrefetch, bug_state_class=TwoAhead, base=optimized_fully_shard
+)

@@ -25,19 +25,31 @@ IMPLS = ("twinshard.reference", "twinshard.optimized")
 # (name, implementation or None for both) -> what a user should know beyond the signature.
 NOTES: dict[tuple[str, str | None], str] = {
     ("fully_shard", None): "takes one module per call (torch also takes a list); "
-                           "`shard_placement_fn` must be `None` (every parameter is sharded on dim 0)",
+    "`shard_placement_fn` must be `None` (every parameter is sharded on dim 0)",
     ("FSDPModule", None): "a sharded module is an instance of `twinshard.api.FSDPModule`",
-    ("MixedPrecisionPolicy", None): "twinshard's own dataclass; torch's policy objects are accepted too",
-    ("CPUOffloadPolicy", None): "twinshard's own dataclass; torch's policy objects are accepted too",
+    (
+        "MixedPrecisionPolicy",
+        None,
+    ): "twinshard's own dataclass; torch's policy objects are accepted too",
+    (
+        "CPUOffloadPolicy",
+        None,
+    ): "twinshard's own dataclass; torch's policy objects are accepted too",
     ("OffloadPolicy", None): "twinshard's own dataclass; torch's policy objects are accepted too",
     ("FSDPModule.unshard", "twinshard.reference"): "blocking: with `async_op=True` the handle "
-                                                   "returned is already complete",
-    ("FSDPModule.set_modules_to_forward_prefetch", "twinshard.reference"):
-        "the list is checked and otherwise ignored: one stream, nothing to overlap",
-    ("FSDPModule.set_modules_to_backward_prefetch", "twinshard.reference"):
-        "the list is checked and otherwise ignored: one stream, nothing to overlap",
-    ("FSDPModule.set_post_optim_event", "twinshard.reference"):
-        "ignored: one stream, nothing to overlap",
+    "returned is already complete",
+    (
+        "FSDPModule.set_modules_to_forward_prefetch",
+        "twinshard.reference",
+    ): "the list is checked and otherwise ignored: one stream, nothing to overlap",
+    (
+        "FSDPModule.set_modules_to_backward_prefetch",
+        "twinshard.reference",
+    ): "the list is checked and otherwise ignored: one stream, nothing to overlap",
+    (
+        "FSDPModule.set_post_optim_event",
+        "twinshard.reference",
+    ): "ignored: one stream, nothing to overlap",
 }
 
 
@@ -50,7 +62,10 @@ def is_fsdp1(obj) -> bool:
     ``fsdp.api`` and ``fsdp.fully_sharded_data_parallel`` modules; FSDP2 names report the
     package itself (or its private ``_fully_shard`` modules) as their module."""
     module = getattr(obj, "__module__", "") or ""
-    return not (module == "torch.distributed.fsdp" or module.startswith("torch.distributed.fsdp._fully_shard"))
+    return not (
+        module == "torch.distributed.fsdp"
+        or module.startswith("torch.distributed.fsdp._fully_shard")
+    )
 
 
 def module_methods() -> list[str]:
@@ -58,8 +73,11 @@ def module_methods() -> list[str]:
     import torch.nn as nn
 
     cls = torch_fsdp().FSDPModule
-    return sorted(n for n in dir(cls) if not n.startswith("_") and not hasattr(nn.Module, n)
-                  and callable(getattr(cls, n)))
+    return sorted(
+        n
+        for n in dir(cls)
+        if not n.startswith("_") and not hasattr(nn.Module, n) and callable(getattr(cls, n))
+    )
 
 
 def rows() -> list[tuple[str, bool]]:
@@ -82,8 +100,11 @@ def _params(fn) -> dict[str, tuple[str, str]] | None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
-    return {name: (p.kind.description, "" if p.default is p.empty else repr(p.default))
-            for name, p in sig.parameters.items() if name not in ("self", "args", "kwargs")}
+    return {
+        name: (p.kind.description, "" if p.default is p.empty else repr(p.default))
+        for name, p in sig.parameters.items()
+        if name not in ("self", "args", "kwargs")
+    }
 
 
 def compare_callables(theirs, ours) -> list[str]:
@@ -98,7 +119,9 @@ def compare_callables(theirs, ours) -> list[str]:
         elif o[name][0] != kind:
             out.append(f"`{name}` is {o[name][0]}, torch: {kind}")
         elif o[name][1] != default:
-            out.append(f"`{name}` defaults to `{o[name][1] or 'nothing'}`, torch: `{default or 'nothing'}`")
+            out.append(
+                f"`{name}` defaults to `{o[name][1] or 'nothing'}`, torch: `{default or 'nothing'}`"
+            )
     extra = [n for n in o if n not in t]
     if extra:
         out.append("also takes " + ", ".join(f"`{n}`" for n in extra))
@@ -118,8 +141,9 @@ def compare(name: str, theirs, ours) -> tuple[str, list[str]]:
     details = compare_callables(theirs, ours)
     if inspect.isclass(theirs):
         if name == "FSDPModule" and not issubclass(ours, theirs):
-            details.append("`isinstance(m, torch.distributed.fsdp.FSDPModule)` is False for a "
-                           "twinshard module")
+            details.append(
+                "`isinstance(m, torch.distributed.fsdp.FSDPModule)` is False for a twinshard module"
+            )
         elif name != "FSDPModule":  # FSDPModule's methods have rows of their own
             lacking = sorted(m for m in _public_methods(theirs) if not hasattr(ours, m))
             details += [f"no method `{m}`" for m in lacking]
@@ -154,24 +178,38 @@ def markdown() -> str:
     import torch
 
     rows_ = table()
-    head = ["| torch.distributed.fsdp | " + " | ".join(f"`{i}`" for i in IMPLS) + " |",
-            "| --- |" + " --- |" * len(IMPLS)]
+    head = [
+        "| torch.distributed.fsdp | " + " | ".join(f"`{i}`" for i in IMPLS) + " |",
+        "| --- |" + " --- |" * len(IMPLS),
+    ]
 
     def section(selected):
-        return "\n".join(head + [
-            f"| `{r['name']}` | " + " | ".join(_cell(*r["impls"][i]) for i in IMPLS) + " |"
-            for r in selected
-        ])
+        return "\n".join(
+            head
+            + [
+                f"| `{r['name']}` | " + " | ".join(_cell(*r["impls"][i]) for i in IMPLS) + " |"
+                for r in selected
+            ]
+        )
 
-    counts = {i: {s: sum(r["impls"][i][0] == s for r in rows_ if not r["fsdp1"])
-                  for s in ("same", "differs", "missing")} for i in IMPLS}
-    summary = "; ".join(f"`{i}`: " + ", ".join(f"{n} {s}" for s, n in c.items()) for i, c in counts.items())
-    return "\n\n".join([
-        f"Generated with torch {torch.__version__} when this site was built. "
-        f"FSDP2 names and methods: {summary}.",
-        "### FSDP2: `fully_shard` and `FSDPModule`",
-        section([r for r in rows_ if not r["fsdp1"]]),
-        "### FSDP1: the `FullyShardedDataParallel` wrapper",
-        "twinshard implements FSDP2 only; these names belong to torch's older wrapper API.",
-        section([r for r in rows_ if r["fsdp1"]]),
-    ])
+    counts = {
+        i: {
+            s: sum(r["impls"][i][0] == s for r in rows_ if not r["fsdp1"])
+            for s in ("same", "differs", "missing")
+        }
+        for i in IMPLS
+    }
+    summary = "; ".join(
+        f"`{i}`: " + ", ".join(f"{n} {s}" for s, n in c.items()) for i, c in counts.items()
+    )
+    return "\n\n".join(
+        [
+            f"Generated with torch {torch.__version__} when this site was built. "
+            f"FSDP2 names and methods: {summary}.",
+            "### FSDP2: `fully_shard` and `FSDPModule`",
+            section([r for r in rows_ if not r["fsdp1"]]),
+            "### FSDP1: the `FullyShardedDataParallel` wrapper",
+            "twinshard implements FSDP2 only; these names belong to torch's older wrapper API.",
+            section([r for r in rows_ if r["fsdp1"]]),
+        ]
+    )

@@ -80,8 +80,12 @@ def execute(notebook: pathlib.Path) -> str:
 
     nb = nbformat.read(notebook, as_version=4)
     start = time.monotonic()
-    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(notebook.parent)}})
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(notebook.parent)}},
+    )
     try:
         client.execute()
     except nbclient.exceptions.CellExecutionError as error:

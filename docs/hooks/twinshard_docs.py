@@ -36,7 +36,9 @@ from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
 HOOKS = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HOOKS))  # hooks are loaded by path; their siblings are not importable otherwise
+sys.path.insert(
+    0, str(HOOKS)
+)  # hooks are loaded by path; their siblings are not importable otherwise
 
 import mapping  # noqa: E402
 import notebooks  # noqa: E402
@@ -103,7 +105,9 @@ def on_config(config):
     for i, item in enumerate(config["nav"]):
         if isinstance(item, dict) and "Tutorials" in item:
             index = item["Tutorials"]
-            pages = [{notebook_summary(nb)[0]: f"tutorials/{nb.name}"} for nb in tutorial_notebooks()]
+            pages = [
+                {notebook_summary(nb)[0]: f"tutorials/{nb.name}"} for nb in tutorial_notebooks()
+            ]
             config["nav"][i] = {"Tutorials": [{"Overview": index}, *pages]}
             return config
     raise PluginError("mkdocs.yml: the navigation has no 'Tutorials' entry for the notebooks")
@@ -124,8 +128,14 @@ def on_files(files, config):
             raise PluginError(f"{path}: notebooks must sit in a folder named 'tutorials'")
         # A File rooted at the copy's grandparent, not File.generated: mkdocs-jupyter's wrapper
         # only finds the source path of files that have a source folder.
-        files.append(File(f"tutorials/{nb.name}", src_dir=str(path.parent.parent),
-                          dest_dir=config["site_dir"], use_directory_urls=config["use_directory_urls"]))
+        files.append(
+            File(
+                f"tutorials/{nb.name}",
+                src_dir=str(path.parent.parent),
+                dest_dir=config["site_dir"],
+                use_directory_urls=config["use_directory_urls"],
+            )
+        )
     return files
 
 
@@ -172,13 +182,18 @@ SCHEDULE_PICTURES = {"reference": "schedule_reference.png", "optimized": "schedu
 
 
 def schedule_pictures() -> str:
-    found = {impl: name for impl, name in SCHEDULE_PICTURES.items()
-             if (ROOT / "docs" / "img" / name).is_file()}
+    found = {
+        impl: name
+        for impl, name in SCHEDULE_PICTURES.items()
+        if (ROOT / "docs" / "img" / name).is_file()
+    }
     if not found:
         return "The [tutorials](tutorials/index.md) draw both schedules with `twinshard schedule`."
-    return "\n\n".join(f"![One training step of twinshard.{impl}](img/{name})\n"
-                        f"*One training step of `twinshard.{impl}`, drawn by `twinshard schedule`.*"
-                        for impl, name in found.items())
+    return "\n\n".join(
+        f"![One training step of twinshard.{impl}](img/{name})\n"
+        f"*One training step of `twinshard.{impl}`, drawn by `twinshard schedule`.*"
+        for impl, name in found.items()
+    )
 
 
 # --- CLI help ----------------------------------------------------------------------------------

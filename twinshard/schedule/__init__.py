@@ -25,14 +25,25 @@ from .text import format_table
 def plot_timeline(*args, **kwargs):
     """Draw schedules as a timeline; see ``twinshard.schedule.timeline.plot_timeline``."""
     from .timeline import plot_timeline as plot
+
     return plot(*args, **kwargs)
 
 
 def record_step(*args, **kwargs):
     """Record one step of the example model; see ``twinshard.schedule.cli.record_step``."""
     from .cli import record_step as record
+
     return record(*args, **kwargs)
 
 
-__all__ = ["HOOKS", "Collective", "Event", "Recorder", "Schedule", "format_table", "name_of",
-           "plot_timeline", "record_step"]
+__all__ = [
+    "HOOKS",
+    "Collective",
+    "Event",
+    "Recorder",
+    "Schedule",
+    "format_table",
+    "name_of",
+    "plot_timeline",
+    "record_step",
+]

@@ -112,9 +112,12 @@ class Attributor:
         if c.index in self.values:
             dtype = getattr(torch, c.dtype)
             want = self.values[c.index]
-            same = [(g, names) for g, names in found
-                    if (have := self._shard_print(g, names, dtype)) is not None
-                    and all(abs(a - b) <= 1e-9 * (1.0 + want[1]) for a, b in zip(have, want))]
+            same = [
+                (g, names)
+                for g, names in found
+                if (have := self._shard_print(g, names, dtype)) is not None
+                and all(abs(a - b) <= 1e-9 * (1.0 + want[1]) for a, b in zip(have, want))
+            ]
             found = same or found
         return found
 
@@ -146,12 +149,21 @@ def infer_post_forward_pieces(schedule, groups: dict[str, GroupInfo]) -> None:
     all-gather, its parameters were pieces, not shards.
     """
     for path, g in groups.items():
-        gathers = [c for c in schedule.collectives if c.group == path and c.op == "all_gather"
-                   and 0 < c.ranks < g.shard_size and c.event is not None]
+        gathers = [
+            c
+            for c in schedule.collectives
+            if c.group == path
+            and c.op == "all_gather"
+            and 0 < c.ranks < g.shard_size
+            and c.event is not None
+        ]
         for c in gathers:
-            before = [e.index for e in schedule.events[:c.event]
-                      if e.group == path and e.hook == "post_forward"]
-            for e in schedule.events[before[-1] if before else c.event:c.event]:
+            before = [
+                e.index
+                for e in schedule.events[: c.event]
+                if e.group == path and e.hook == "post_forward"
+            ]
+            for e in schedule.events[before[-1] if before else c.event : c.event]:
                 for name, letter in e.states[path].items():
                     if letter == "S":
                         e.states[path][name] = "P"

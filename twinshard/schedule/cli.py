@@ -23,14 +23,18 @@ from .record import Recorder
 from .steps import Schedule
 from .text import format_table
 
-IMPLS = {"reference": "twinshard.reference", "optimized": "twinshard.optimized",
-         "torch": "torch.distributed.fsdp"}
+IMPLS = {
+    "reference": "twinshard.reference",
+    "optimized": "twinshard.optimized",
+    "torch": "torch.distributed.fsdp",
+}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_model(model: str, layers: int) -> tuple[torch.nn.Module, tuple]:
     """The example model and one batch for it (the same on every rank: seeded)."""
     from twinshard.models import Llama, LlamaConfig, MLPStack
+
     torch.manual_seed(0)
     if model == "llama":
         net = Llama(LlamaConfig.preset("tiny", n_layers=layers))
@@ -47,14 +51,20 @@ def _loss(net, batch) -> torch.Tensor:
     return out if out.dim() == 0 else out.square().mean()
 
 
-def record_on_rank(impl: str, model: str = "llama", layers: int = 3,
-                   reshard_after_forward: bool | int = True, param_dtype: str | None = None,
-                   reduce_dtype: str | None = None) -> Schedule:
+def record_on_rank(
+    impl: str,
+    model: str = "llama",
+    layers: int = 3,
+    reshard_after_forward: bool | int = True,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+) -> Schedule:
     """Shard the example model with ``impl``, run one step, record the second one."""
     module = importlib.import_module(IMPLS.get(impl, impl))
     net, batch = build_model(model, layers)
-    mp = module.MixedPrecisionPolicy(param_dtype=DTYPES.get(param_dtype),
-                                     reduce_dtype=DTYPES.get(reduce_dtype))
+    mp = module.MixedPrecisionPolicy(
+        param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype)
+    )
     for block in net.blocks:
         module.fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     module.fully_shard(net, mp_policy=mp)
@@ -69,32 +79,46 @@ def record_on_rank(impl: str, model: str = "llama", layers: int = 3,
     return recorder.schedule
 
 
-def record_step(impl: str = "reference", world_size: int = 2, rank: int = 0,
-                **options) -> Schedule:
+def record_step(impl: str = "reference", world_size: int = 2, rank: int = 0, **options) -> Schedule:
     """Run ``record_on_rank`` on ``world_size`` local ranks; return ``rank``'s schedule."""
     from twinshard.launch import launch
+
     # Forking skips re-importing torch in every rank: a second or two each on a small machine.
     start = None if torch.cuda.is_available() else "fork"
-    return launch(record_on_rank, world_size, impl, start_method=start, timeout=120,
-                  **options)[rank]
+    return launch(record_on_rank, world_size, impl, start_method=start, timeout=120, **options)[
+        rank
+    ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--impl", default="reference",
-                        help="reference, optimized, torch or a module path; several, "
-                             "comma-separated, are drawn one above the other (default reference)")
+    parser.add_argument(
+        "--impl",
+        default="reference",
+        help="reference, optimized, torch or a module path; several, "
+        "comma-separated, are drawn one above the other (default reference)",
+    )
     parser.add_argument("--world-size", type=int, default=2, help="local ranks (default 2)")
-    parser.add_argument("--model", choices=("llama", "mlp"), default="llama",
-                        help="the tiny Llama or the MLPStack of twinshard.models (default llama)")
+    parser.add_argument(
+        "--model",
+        choices=("llama", "mlp"),
+        default="llama",
+        help="the tiny Llama or the MLPStack of twinshard.models (default llama)",
+    )
     parser.add_argument("--layers", type=int, default=3, help="blocks in the model (default 3)")
-    parser.add_argument("--reshard-after-forward", default="true",
-                        help="for the blocks: true, false, or an int N (default true)")
+    parser.add_argument(
+        "--reshard-after-forward",
+        default="true",
+        help="for the blocks: true, false, or an int N (default true)",
+    )
     parser.add_argument("--param-dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--reduce-dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--out", default=None, help="write the timeline picture here (.png, .svg)")
     parser.add_argument("--text", default=None, help="write the text table here")
-    parser.add_argument("--compact", action="store_true",
-                        help="write a run of per-parameter collectives as one line")
+    parser.add_argument(
+        "--compact",
+        action="store_true",
+        help="write a run of per-parameter collectives as one line",
+    )
     parser.add_argument("--quiet", action="store_true", help="do not print the table")
 
 
@@ -105,16 +129,25 @@ def _reshard(value: str) -> bool | int:
     try:
         return int(value)
     except ValueError:
-        raise SystemExit(f"twinshard schedule: --reshard-after-forward takes true, false or "
-                         f"an int, not {value!r}")
+        raise SystemExit(
+            f"twinshard schedule: --reshard-after-forward takes true, false or "
+            f"an int, not {value!r}"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
-    options = dict(model=args.model, layers=args.layers,
-                   reshard_after_forward=_reshard(args.reshard_after_forward),
-                   param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    schedules = [record_step(impl.strip(), args.world_size, **options)
-                 for impl in args.impl.split(",") if impl.strip()]
+    options = dict(
+        model=args.model,
+        layers=args.layers,
+        reshard_after_forward=_reshard(args.reshard_after_forward),
+        param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype,
+    )
+    schedules = [
+        record_step(impl.strip(), args.world_size, **options)
+        for impl in args.impl.split(",")
+        if impl.strip()
+    ]
     text = "\n\n".join(format_table(s, compact=args.compact) for s in schedules)
     if not args.quiet:
         print(text)
@@ -123,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             f.write(text + "\n")
     if args.out:
         from .timeline import plot_timeline
+
         plot_timeline(schedules, args.out)
         print(f"wrote {args.out}")
     return 0

@@ -49,11 +49,14 @@ OPS = {
     "allreduce_coalesced_": ("all_reduce", "tensors", "tensors"),
     "broadcast_": ("broadcast", "tensors", "tensors"),
 }
+
+
 def is_fsdp_module(module: nn.Module) -> bool:
     """Sharded by twinshard (either implementation, or a variant) or by torch's fully_shard."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
     from twinshard.api import FSDPModule
+
     return isinstance(module, (FSDPModule, TorchFSDPModule))
 
 
@@ -111,7 +114,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
 class _Watch(TorchDispatchMode):
     """Sees every operator: records collectives and the first read of their results."""
 
-    def __init__(self, recorder: "Recorder"):
+    def __init__(self, recorder: Recorder):
         super().__init__()
         self.recorder = recorder
 
@@ -160,12 +163,14 @@ class Recorder:
             swapped = dict(zip(map(id, inputs), _AfterPostBackward.apply(note, *inputs)))
             swap = lambda v: swapped.get(id(v), v) if isinstance(v, torch.Tensor) else v  # noqa: E731
             return (tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()})
+
         return hook
 
     def _after_pre_forward(self, path: str):
         def hook(module, args):
             if self.active:
                 self._event(path, "pre_forward")
+
         return hook
 
     def _after_forward(self, path: str):
@@ -180,11 +185,13 @@ class Recorder:
                     fired.append(True)
                     self._queue_final_callback()
                     self._event(path, "pre_backward")
+
             if torch.is_grad_enabled():
                 for t in _tensors(output):
                     if t.requires_grad:
                         t.register_hook(pre_backward)
             return None
+
         return hook
 
     def _queue_final_callback(self) -> None:
@@ -200,7 +207,7 @@ class Recorder:
         self._event("", "final_callback")
 
     # --- recording -----------------------------------------------------------------------------
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         self.events, self.collectives, self.in_flight = [], [], {}
         self.gathered, self.reduced = [], []  # weak references to communication buffers
         self.ticks, self.phase, self.callback_queued = itertools.count(), "forward", False
@@ -224,9 +231,15 @@ class Recorder:
     def schedule(self) -> Schedule:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        s = Schedule(self.impl, rank, world, [g.path for g in self.groups],
-                     {g.path: [p[0] for p in g.params] for g in self.groups},
-                     list(self.events), list(self.collectives))
+        s = Schedule(
+            self.impl,
+            rank,
+            world,
+            [g.path for g in self.groups],
+            {g.path: [p[0] for p in g.params] for g in self.groups},
+            list(self.events),
+            list(self.collectives),
+        )
         infer_post_forward_pieces(s, {g.path: g for g in self.groups})
         return s
 
@@ -239,16 +252,32 @@ class Recorder:
 
     def _snapshot(self, path: str, hook: str) -> None:
         tick = next(self.ticks)
-        states = {g.path: {name: self._state(getattr(owner, attr), g.sizes[name].shard_size)
-                           for name, owner, attr in g.params} for g in self.groups}
+        states = {
+            g.path: {
+                name: self._state(getattr(owner, attr), g.sizes[name].shard_size)
+                for name, owner, attr in g.params
+            }
+            for g in self.groups
+        }
         unsharded, grads = self._memory()
         index = len(self.events)
         mine = [c for c in self.collectives if c.event is None]
         for c in mine:
             c.event = index
             self.attributor.resolve(c, path, self.phase)
-        self.events.append(Event(index, tick, path, hook, self.phase, states, unsharded, grads,
-                                 [c.index for c in mine]))
+        self.events.append(
+            Event(
+                index,
+                tick,
+                path,
+                hook,
+                self.phase,
+                states,
+                unsharded,
+                grads,
+                [c.index for c in mine],
+            )
+        )
 
     @staticmethod
     def _state(t: torch.Tensor, shard_size: int) -> str:
@@ -284,9 +313,16 @@ class Recorder:
             ranks = -1
         blocking = not bound.get("async_op", True)
         tick = next(self.ticks)
-        c = Collective(len(self.collectives), op, str(big[0].dtype).removeprefix("torch."),
-                       sum(t.numel() * t.element_size() for t in big), ranks, blocking, tick,
-                       tick if blocking else None)
+        c = Collective(
+            len(self.collectives),
+            op,
+            str(big[0].dtype).removeprefix("torch."),
+            sum(t.numel() * t.element_size() for t in big),
+            ranks,
+            blocking,
+            tick,
+            tick if blocking else None,
+        )
         self.busy = True
         try:
             self.attributor.note_values(c, ins, sum(t.numel() for t in big))

@@ -16,6 +16,7 @@ HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "final_
 @dataclass
 class Collective:
     """One collective as this rank issued it."""
+
     index: int
     op: str  # all_gather | reduce_scatter | all_reduce | broadcast
     dtype: str  # e.g. "float32"
@@ -32,6 +33,7 @@ class Collective:
 @dataclass
 class Event:
     """A hook of the implementation has just run; what things looked like right after."""
+
     index: int
     tick: int
     group: str  # module path of the sharded module ("" is the root)
@@ -46,6 +48,7 @@ class Event:
 @dataclass
 class Schedule:
     """One step: events and collectives in order. Plain data, so it pickles across ranks."""
+
     impl: str
     rank: int
     world_size: int
@@ -63,8 +66,11 @@ class Schedule:
         return [g for g in self.groups if self.group_state(event, g) == "U"]
 
     def calls(self, op: str | None = None, group: str | None = None) -> list[Collective]:
-        return [c for c in self.collectives
-                if (op is None or c.op == op) and (group is None or c.group == group)]
+        return [
+            c
+            for c in self.collectives
+            if (op is None or c.op == op) and (group is None or c.group == group)
+        ]
 
     def events_of(self, hook: str, group: str | None = None) -> list[Event]:
         return [e for e in self.events if e.hook == hook and (group is None or e.group == group)]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from .steps import Collective, Schedule, name_of
 
-LEGEND = ("states after each hook: U unsharded, S sharded (DTensor shard), "
-          "P post-forward piece, - freed, * mixed")
+LEGEND = (
+    "states after each hook: U unsharded, S sharded (DTensor shard), "
+    "P post-forward piece, - freed, * mixed"
+)
 
 
 def human_bytes(n: int) -> str:
@@ -41,10 +43,17 @@ def describe(schedule: Schedule, c: Collective) -> str:
         when = "blocking"
     else:
         k = used_in(schedule, c)
-        when = "async, not used in this step" if k is None else (
-            f"async, used in #{k}" if k < len(schedule.events) else "async, used after the step")
-    return (f"{c.op:14s} {c.dtype:8s} {human_bytes(c.nbytes):>9s}  {c.ranks} ranks  "
-            f"-> {target}  [{when}]")
+        when = (
+            "async, not used in this step"
+            if k is None
+            else (
+                f"async, used in #{k}" if k < len(schedule.events) else "async, used after the step"
+            )
+        )
+    return (
+        f"{c.op:14s} {c.dtype:8s} {human_bytes(c.nbytes):>9s}  {c.ranks} ranks  "
+        f"-> {target}  [{when}]"
+    )
 
 
 def _lines(schedule: Schedule, indices: list[int], compact: bool) -> list[str]:
@@ -53,9 +62,12 @@ def _lines(schedule: Schedule, indices: list[int], compact: bool) -> list[str]:
     runs: list[list[Collective]] = []
     for c in (schedule.collectives[i] for i in indices):
         last = runs[-1][-1] if runs else None
-        same = last is not None and len(c.params) == len(last.params) == 1 and (
-            c.op, c.dtype, c.ranks, c.group, c.blocking) == (
-            last.op, last.dtype, last.ranks, last.group, last.blocking)
+        same = (
+            last is not None
+            and len(c.params) == len(last.params) == 1
+            and (c.op, c.dtype, c.ranks, c.group, c.blocking)
+            == (last.op, last.dtype, last.ranks, last.group, last.blocking)
+        )
         if compact and same:
             runs[-1].append(c)
         else:
@@ -66,9 +78,11 @@ def _lines(schedule: Schedule, indices: list[int], compact: bool) -> list[str]:
             out.append(f"{'':7s}{describe(schedule, run[0])}")
             continue
         c = run[0]
-        out.append(f"{'':7s}{c.op:14s} {c.dtype:8s} {human_bytes(sum(r.nbytes for r in run)):>9s}"
-                   f"  {c.ranks} ranks  -> {name_of(c.group)}: {len(run)} params, one "
-                   f"{c.op.replace('_', '-')} each  [{'blocking' if c.blocking else 'async'}]")
+        out.append(
+            f"{'':7s}{c.op:14s} {c.dtype:8s} {human_bytes(sum(r.nbytes for r in run)):>9s}"
+            f"  {c.ranks} ranks  -> {name_of(c.group)}: {len(run)} params, one "
+            f"{c.op.replace('_', '-')} each  [{'blocking' if c.blocking else 'async'}]"
+        )
     return out
 
 
@@ -77,20 +91,30 @@ def format_table(schedule: Schedule, collectives: bool = True, compact: bool = F
     ``compact=True`` writes a run of per-parameter collectives as one line."""
     names = [name_of(g) for g in schedule.groups]
     widths = [max(len(n), 4) for n in names]
-    head = (f"{'#':>3s}  {'hook':15s} {'group':10s}  "
-            + "  ".join(n.center(w) for n, w in zip(names, widths))
-            + f"  {'unsharded':>10s}  {'grads':>10s}")
-    lines = [f"{schedule.impl or 'FSDP'}, rank {schedule.rank} of {schedule.world_size}: "
-             f"one training step, {len(schedule.events)} hooks, "
-             f"{len(schedule.collectives)} collectives", LEGEND, "", head]
+    head = (
+        f"{'#':>3s}  {'hook':15s} {'group':10s}  "
+        + "  ".join(n.center(w) for n, w in zip(names, widths))
+        + f"  {'unsharded':>10s}  {'grads':>10s}"
+    )
+    lines = [
+        f"{schedule.impl or 'FSDP'}, rank {schedule.rank} of {schedule.world_size}: "
+        f"one training step, {len(schedule.events)} hooks, "
+        f"{len(schedule.collectives)} collectives",
+        LEGEND,
+        "",
+        head,
+    ]
     phase = None
     for e in schedule.events:
         if e.phase != phase:
             phase = e.phase
             lines.append(f"{'-' * 8} {phase} {'-' * (len(head) - len(phase) - 10)}")
         letters = [schedule.group_state(e, g).center(w) for g, w in zip(schedule.groups, widths)]
-        lines.append(f"{e.index:3d}  {e.hook:15s} {name_of(e.group):10s}  " + "  ".join(letters)
-                     + f"  {human_bytes(e.unsharded_bytes):>10s}  {human_bytes(e.grad_bytes):>10s}")
+        lines.append(
+            f"{e.index:3d}  {e.hook:15s} {name_of(e.group):10s}  "
+            + "  ".join(letters)
+            + f"  {human_bytes(e.unsharded_bytes):>10s}  {human_bytes(e.grad_bytes):>10s}"
+        )
         if collectives:
             lines += _lines(schedule, e.collectives, compact)
     late = [c for c in schedule.collectives if c.event is None]

@@ -51,8 +51,13 @@ def _draw_rows(ax, schedule: Schedule) -> None:
     rows = {g: i for i, g in enumerate(schedule.groups)}
     for g, y in rows.items():
         ax.broken_barh(_spans(schedule, g, "U"), (y - 0.3, 0.6), color="tab:blue", alpha=0.25)
-        ax.broken_barh(_spans(schedule, g, "P"), (y - 0.3, 0.6), facecolor="none",
-                       edgecolor="grey", hatch="///")
+        ax.broken_barh(
+            _spans(schedule, g, "P"),
+            (y - 0.3, 0.6),
+            facecolor="none",
+            edgecolor="grey",
+            hatch="///",
+        )
     for e in schedule.events:
         if e.group in rows:
             ax.plot(e.tick, rows[e.group], marker="|", color="0.4", markersize=14)
@@ -61,8 +66,14 @@ def _draw_rows(ax, schedule: Schedule) -> None:
             continue
         marker, colour = STYLE.get(c.op, ("x", "black"))
         y = rows[c.group]
-        ax.plot(c.tick, y, marker=marker, markersize=8, color=colour,
-                markerfacecolor=colour if c.blocking else "white")
+        ax.plot(
+            c.tick,
+            y,
+            marker=marker,
+            markersize=8,
+            color=colour,
+            markerfacecolor=colour if c.blocking else "white",
+        )
         if not c.blocking and c.used_tick is not None:
             ax.plot([c.tick, c.used_tick], [y, y], linestyle=":", color=colour)
             ax.plot(c.used_tick, y, marker="o", markersize=5, color=colour)
@@ -79,21 +90,35 @@ def _draw_rows(ax, schedule: Schedule) -> None:
 def _draw_memory(ax, schedule: Schedule) -> None:
     ticks = [e.tick for e in schedule.events]
     kib = 1024.0
-    ax.step(ticks, [e.unsharded_bytes / kib for e in schedule.events], where="post",
-            color="tab:blue", label="unsharded parameters")
-    ax.step(ticks, [e.grad_bytes / kib for e in schedule.events], where="post",
-            color="tab:orange", label="gradient buffers")
+    ax.step(
+        ticks,
+        [e.unsharded_bytes / kib for e in schedule.events],
+        where="post",
+        color="tab:blue",
+        label="unsharded parameters",
+    )
+    ax.step(
+        ticks,
+        [e.grad_bytes / kib for e in schedule.events],
+        where="post",
+        color="tab:orange",
+        label="gradient buffers",
+    )
     ax.set_ylabel("KiB", fontsize=8)
-    ax.set_xlabel("time, counted in operators (each torch operator, collective and hook is one step)",
-                  fontsize=8)
+    ax.set_xlabel(
+        "time, counted in operators (each torch operator, collective and hook is one step)",
+        fontsize=8,
+    )
     ax.tick_params(labelsize=7)
 
 
 def _title(schedule: Schedule) -> str:
     gathers, reduces = len(schedule.calls("all_gather")), len(schedule.calls("reduce_scatter"))
     blocking = sum(c.blocking for c in schedule.collectives)
-    return (f"{schedule.impl or 'FSDP'} (rank {schedule.rank} of {schedule.world_size}): "
-            f"{gathers} all-gathers, {reduces} reduce-scatters, {blocking} of them blocking")
+    return (
+        f"{schedule.impl or 'FSDP'} (rank {schedule.rank} of {schedule.world_size}): "
+        f"{gathers} all-gathers, {reduces} reduce-scatters, {blocking} of them blocking"
+    )
 
 
 def _legend() -> list:
@@ -102,19 +127,35 @@ def _legend() -> list:
         Patch(facecolor="none", edgecolor="grey", hatch="///", label="post-forward piece"),
         Line2D([], [], marker="|", color="0.4", linestyle="none", markersize=10, label="hook ran"),
         Line2D([], [], marker="v", color="tab:blue", linestyle="none", label="all-gather issued"),
-        Line2D([], [], marker="^", color="tab:orange", linestyle="none",
-               label="reduce-scatter issued"),
-        Line2D([], [], marker="v", color="tab:blue", markerfacecolor="white", linestyle=":",
-               label="async: issued ... "),
-        Line2D([], [], marker="o", color="tab:blue", linestyle="none", markersize=5,
-               label="... result first read"),
+        Line2D(
+            [], [], marker="^", color="tab:orange", linestyle="none", label="reduce-scatter issued"
+        ),
+        Line2D(
+            [],
+            [],
+            marker="v",
+            color="tab:blue",
+            markerfacecolor="white",
+            linestyle=":",
+            label="async: issued ... ",
+        ),
+        Line2D(
+            [],
+            [],
+            marker="o",
+            color="tab:blue",
+            linestyle="none",
+            markersize=5,
+            label="... result first read",
+        ),
         Line2D([], [], color="tab:blue", label="bytes: unsharded parameters"),
         Line2D([], [], color="tab:orange", label="bytes: gradient buffers"),
     ]
 
 
-def plot_timeline(schedules: list[Schedule] | Schedule, path: str | None = None,
-                  width: float = 11.0):
+def plot_timeline(
+    schedules: list[Schedule] | Schedule, path: str | None = None, width: float = 11.0
+):
     """Draw one or more schedules, one above the other; save to ``path`` if given.
 
     Returns the matplotlib figure (a notebook shows it).

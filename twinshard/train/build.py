@@ -42,7 +42,8 @@ def build_model(cfg: TrainConfig, device: torch.device, mesh) -> torch.nn.Module
     if cfg.param_dtype != "fp32" or cfg.reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecision(
             param_dtype=DTYPES[cfg.param_dtype],
-            reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None)
+            reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
+        )
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffload(pin_memory=device.type == "cuda")
     for block in model.blocks:
@@ -55,9 +56,14 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module):
     """AdamW (weight decay on matrices only) and the warmup + cosine schedule."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
 
     def factor(step: int) -> float:  # multiplies --lr; a plain function, so not checkpointed
         if step < cfg.warmup:

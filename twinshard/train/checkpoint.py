@@ -72,8 +72,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """The complete checkpoints (``step_N`` with a manifest) under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -86,17 +89,25 @@ def resolve(path: Path) -> Path:
     directory or a ``checkpoints`` directory. Raises ``CheckpointError`` when there is none."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path} does not exist; pass a run directory (the --out of a "
-                              "training run) or one of its checkpoints/step_N directories")
-    if (path / MANIFEST).is_file() or _STEP_DIR.match(path.name) or path.name.startswith(PARTIAL_PREFIX):
+        raise CheckpointError(
+            f"{path} does not exist; pass a run directory (the --out of a "
+            "training run) or one of its checkpoints/step_N directories"
+        )
+    if (
+        (path / MANIFEST).is_file()
+        or _STEP_DIR.match(path.name)
+        or path.name.startswith(PARTIAL_PREFIX)
+    ):
         return path
     for root in (checkpoints_root(path), path):
         if found := complete_checkpoints(root):
             return found[-1]
     partial = [p.name for p in checkpoints_root(path).glob(PARTIAL_PREFIX + "*")]
     hint = f" (only the incomplete save(s) {', '.join(partial)})" if partial else ""
-    raise CheckpointError(f"no complete checkpoint in {path}{hint}; train without --resume "
-                          "to start a run, or pass the directory of a run that saved one")
+    raise CheckpointError(
+        f"no complete checkpoint in {path}{hint}; train without --resume "
+        "to start a run, or pass the directory of a run that saved one"
+    )
 
 
 def run_dir_of(checkpoint: Path) -> Path:
@@ -113,32 +124,43 @@ def read_manifest(checkpoint: Path) -> dict:
     checkpoint = Path(checkpoint)
     what = f"checkpoint {checkpoint}"
     if checkpoint.name.startswith(PARTIAL_PREFIX) or not (checkpoint / MANIFEST).is_file():
-        raise CheckpointError(f"{what} is incomplete (no {MANIFEST}; its save was probably "
-                              "interrupted); resume from the run directory to use the latest "
-                              "complete checkpoint instead")
+        raise CheckpointError(
+            f"{what} is incomplete (no {MANIFEST}; its save was probably "
+            "interrupted); resume from the run directory to use the latest "
+            "complete checkpoint instead"
+        )
     try:
         manifest = json.loads((checkpoint / MANIFEST).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{what} is corrupt: {MANIFEST} cannot be read ({e}); "
-                              "resume from an earlier checkpoint or start a new run") from e
+        raise CheckpointError(
+            f"{what} is corrupt: {MANIFEST} cannot be read ({e}); "
+            "resume from an earlier checkpoint or start a new run"
+        ) from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{what} is not a twinshard training checkpoint (format "
-                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-                              f"expected {FORMAT!r})")
+        raise CheckpointError(
+            f"{what} is not a twinshard training checkpoint (format "
+            f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+            f"expected {FORMAT!r})"
+        )
     for name, size in manifest.get("files", {}).items():
         f = checkpoint / name
         if not f.is_file():
-            raise CheckpointError(f"{what} is corrupt: file {name} is missing; resume from an "
-                                  "earlier checkpoint (pass its step_N directory) or start anew")
+            raise CheckpointError(
+                f"{what} is corrupt: file {name} is missing; resume from an "
+                "earlier checkpoint (pass its step_N directory) or start anew"
+            )
         if f.stat().st_size != size:
-            raise CheckpointError(f"{what} is corrupt: file {name} has {f.stat().st_size} bytes, "
-                                  f"the save wrote {size}; resume from an earlier checkpoint "
-                                  "(pass its step_N directory) or start anew")
+            raise CheckpointError(
+                f"{what} is corrupt: file {name} has {f.stat().st_size} bytes, "
+                f"the save wrote {size}; resume from an earlier checkpoint "
+                "(pass its step_N directory) or start anew"
+            )
     try:
         FileSystemReader(str(checkpoint)).read_metadata()
     except Exception as e:  # a pickle of DCP's own classes: any failure means unreadable
-        raise CheckpointError(f"{what} is corrupt: DCP's .metadata cannot be read "
-                              f"({type(e).__name__}: {e})") from e
+        raise CheckpointError(
+            f"{what} is corrupt: DCP's .metadata cannot be read ({type(e).__name__}: {e})"
+        ) from e
     return manifest
 
 
@@ -147,8 +169,9 @@ def validate(checkpoint: Path) -> dict:
     manifest = read_manifest(checkpoint)
     for key in ("step", "world_size", "model", "config", "samples"):
         if key not in manifest:
-            raise CheckpointError(f"checkpoint {checkpoint} is corrupt: its manifest has no "
-                                  f"'{key}'")
+            raise CheckpointError(
+                f"checkpoint {checkpoint} is corrupt: its manifest has no '{key}'"
+            )
     return manifest
 
 
@@ -181,7 +204,12 @@ class _Writer(FileSystemWriter):
 
 def _app_state(model, optimizer, scheduler, trainer: dict) -> dict:
     msd, osd = dsd.get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd, "scheduler": scheduler.state_dict(), "trainer": dict(trainer)}
+    return {
+        "model": msd,
+        "optim": osd,
+        "scheduler": scheduler.state_dict(),
+        "trainer": dict(trainer),
+    }
 
 
 def rng_state() -> dict:
@@ -199,8 +227,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler, trainer: dict,
-         manifest: dict, keep: int) -> Path:
+def save(
+    run_dir: Path, step: int, model, optimizer, scheduler, trainer: dict, manifest: dict, keep: int
+) -> Path:
     """Save a checkpoint of ``step`` atomically (collective: every rank calls it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     root = checkpoints_root(run_dir)
@@ -215,12 +244,17 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, trainer: dict,
         (partial / "rng").mkdir(parents=True)
     dist.barrier()
     crash = rank == 0 and os.environ.get(CRASH_ENV) == str(step)
-    dcp.save(_app_state(model, optimizer, scheduler, trainer), storage_writer=_Writer(partial, crash))
+    dcp.save(
+        _app_state(model, optimizer, scheduler, trainer), storage_writer=_Writer(partial, crash)
+    )
     torch.save(rng_state(), partial / "rng" / f"rank{rank:05d}.pt")
     dist.barrier()  # every rank's files are written
     if rank == 0:
-        files = {str(f.relative_to(partial)): f.stat().st_size
-                 for f in sorted(partial.rglob("*")) if f.is_file()}
+        files = {
+            str(f.relative_to(partial)): f.stat().st_size
+            for f in sorted(partial.rglob("*"))
+            if f.is_file()
+        }
         manifest = {"format": FORMAT, **manifest, "step": step, "world_size": world, "files": files}
         with open(partial / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
@@ -229,7 +263,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, trainer: dict,
         _fsync_dir(partial)
         os.rename(partial, final)  # the commit point
         _fsync_dir(root)
-        for old in complete_checkpoints(root)[:-max(1, keep)]:
+        for old in complete_checkpoints(root)[: -max(1, keep)]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()  # nobody reads or writes the next checkpoint before this one is in place
     return final
@@ -242,11 +276,14 @@ def load(checkpoint: Path, model, optimizer, scheduler) -> dict:
     try:
         dcp.load(state, checkpoint_id=str(checkpoint))
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
-        raise CheckpointError(f"checkpoint {checkpoint} could not be loaded: DCP says "
-                              f"{_cause(e)}; resume from an earlier checkpoint (pass its "
-                              "step_N directory) or start a new run") from e
-    dsd.set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        raise CheckpointError(
+            f"checkpoint {checkpoint} could not be loaded: DCP says "
+            f"{_cause(e)}; resume from an earlier checkpoint (pass its "
+            "step_N directory) or start a new run"
+        ) from e
+    dsd.set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     scheduler.load_state_dict(state["scheduler"])
     return state["trainer"]
 
@@ -256,8 +293,10 @@ def load_rng(checkpoint: Path, rank: int) -> dict:
     try:
         return torch.load(path, weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {checkpoint}: the RNG state of rank {rank} "
-                              f"({path.name}) cannot be read: {e}") from e
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: the RNG state of rank {rank} "
+            f"({path.name}) cannot be read: {e}"
+        ) from e
 
 
 def load_full_model(checkpoint: Path) -> tuple[dict, dict[str, torch.Tensor], dict]:
@@ -277,8 +316,9 @@ def load_full_model(checkpoint: Path) -> tuple[dict, dict[str, torch.Tensor], di
         try:
             dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
         except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"checkpoint {checkpoint} could not be read: DCP says "
-                                  f"{_cause(e)}") from e
+            raise CheckpointError(
+                f"checkpoint {checkpoint} could not be read: DCP says {_cause(e)}"
+            ) from e
     return manifest["model"], state["model"], manifest
 
 
@@ -291,5 +331,7 @@ def _cause(e: BaseException) -> str:
 
 
 def describe(manifest: dict[str, Any]) -> str:
-    return (f"step {manifest['step']} of {manifest['config'].get('steps')}, saved by "
-            f"{manifest['world_size']} rank(s)")
+    return (
+        f"step {manifest['step']} of {manifest['config'].get('steps')}, saved by "
+        f"{manifest['world_size']} rank(s)"
+    )

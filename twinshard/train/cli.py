@@ -76,18 +76,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if under_torchrun():
         if args.nproc is not None and args.nproc != int(os.environ["WORLD_SIZE"]):
-            print(f"twinshard train: --nproc {args.nproc} ignored: torchrun started "
-                  f"{os.environ['WORLD_SIZE']} ranks", file=sys.stderr)
+            print(
+                f"twinshard train: --nproc {args.nproc} ignored: torchrun started "
+                f"{os.environ['WORLD_SIZE']} ranks",
+                file=sys.stderr,
+            )
         return _run_torchrun(cfg)
     from twinshard.launch import LaunchError, launch
+
     try:
         launch(rank_main, cfg.nproc, cfg, timeout=RUN_TIMEOUT)
     except LaunchError as e:
         print(f"twinshard train: error: {_explain_launch_error(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\ntwinshard train: interrupted; continue with: twinshard train --resume {cfg.out}",
-              file=sys.stderr)
+        print(
+            f"\ntwinshard train: interrupted; continue with: twinshard train --resume {cfg.out}",
+            file=sys.stderr,
+        )
         return 130
     return 0
 

@@ -104,9 +104,11 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         base.update({k: v for k, v in saved.items() if k in DEFAULTS})
         for k, v in given.items():
             if k in FIXED and saved.get(k) != v:
-                raise TrainError(f"--{k.replace('_', '-')} {v} does not match the checkpoint "
-                                 f"({saved.get(k)}); a resumed run keeps it: leave it out, or "
-                                 "start a new run (without --resume) to change it")
+                raise TrainError(
+                    f"--{k.replace('_', '-')} {v} does not match the checkpoint "
+                    f"({saved.get(k)}); a resumed run keeps it: leave it out, or "
+                    "start a new run (without --resume) to change it"
+                )
             if k in saved and saved[k] != v:
                 notes.append(f"--{k.replace('_', '-')} changed on resume: {saved[k]} -> {v}")
     values = {**base, **given}
@@ -116,8 +118,13 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         values["min_lr"] = values["lr"] / 10
     if values["warmup"] is None:
         values["warmup"] = round(0.05 * values["steps"])
-    cfg = TrainConfig(**values, nproc=args.nproc or _default_nproc(), stop_at=args.stop_at,
-                      resume_from=str(resume_from) if resume_from else None, notes=notes)
+    cfg = TrainConfig(
+        **values,
+        nproc=args.nproc or _default_nproc(),
+        stop_at=args.stop_at,
+        resume_from=str(resume_from) if resume_from else None,
+        notes=notes,
+    )
     _check_numbers(cfg)
     cfg.model = _model_config(cfg)
     try:
@@ -140,11 +147,15 @@ def _find_resume(args) -> tuple[Path | None, dict | None]:
     elif args.out:
         where = Path(args.out)
     else:
-        saved = {p: ckpt.complete_checkpoints(ckpt.checkpoints_root(p)) for p in Path("runs").glob("*")}
+        saved = {
+            p: ckpt.complete_checkpoints(ckpt.checkpoints_root(p)) for p in Path("runs").glob("*")
+        }
         runs = [p for p, found in saved.items() if found]
         if not runs:
-            raise TrainError("--resume without a PATH looks for the newest run under runs/, and "
-                             "there is none with a checkpoint; pass the run directory: --resume DIR")
+            raise TrainError(
+                "--resume without a PATH looks for the newest run under runs/, and "
+                "there is none with a checkpoint; pass the run directory: --resume DIR"
+            )
         where = max(runs, key=lambda p: saved[p][-1].stat().st_mtime)  # newest checkpoint wins
     try:
         checkpoint = ckpt.resolve(where)
@@ -154,12 +165,25 @@ def _find_resume(args) -> tuple[Path | None, dict | None]:
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
-    positive = {"steps": cfg.steps, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
-                "seq_len": cfg.seq_len, "nproc": cfg.nproc, "keep": cfg.keep,
-                "log_every": cfg.log_every, "lr": cfg.lr}
-    nonneg = {"min_lr": cfg.min_lr, "warmup": cfg.warmup, "weight_decay": cfg.weight_decay,
-              "clip_norm": cfg.clip_norm, "checkpoint_every": cfg.checkpoint_every,
-              "sample_length": cfg.sample_length, "eval_batches": cfg.eval_batches}
+    positive = {
+        "steps": cfg.steps,
+        "batch_size": cfg.batch_size,
+        "grad_accum": cfg.grad_accum,
+        "seq_len": cfg.seq_len,
+        "nproc": cfg.nproc,
+        "keep": cfg.keep,
+        "log_every": cfg.log_every,
+        "lr": cfg.lr,
+    }
+    nonneg = {
+        "min_lr": cfg.min_lr,
+        "warmup": cfg.warmup,
+        "weight_decay": cfg.weight_decay,
+        "clip_norm": cfg.clip_norm,
+        "checkpoint_every": cfg.checkpoint_every,
+        "sample_length": cfg.sample_length,
+        "eval_batches": cfg.eval_batches,
+    }
     for name, v in positive.items():
         if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
             raise TrainError(f"--{name.replace('_', '-')} must be positive, got {v}")
@@ -167,27 +191,36 @@ def _check_numbers(cfg: TrainConfig) -> None:
         if not v >= 0 or (isinstance(v, float) and not math.isfinite(v)):
             raise TrainError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
     if cfg.min_lr > cfg.lr:
-        raise TrainError(f"--min-lr {cfg.min_lr:g} is above --lr {cfg.lr:g}; the cosine decays "
-                         "from --lr down to --min-lr")
+        raise TrainError(
+            f"--min-lr {cfg.min_lr:g} is above --lr {cfg.lr:g}; the cosine decays "
+            "from --lr down to --min-lr"
+        )
     world = _world_size(cfg)
     split = world * cfg.grad_accum
     if cfg.batch_size % split:
         near = max(split, round(cfg.batch_size / split) * split)
-        raise TrainError(f"--batch-size {cfg.batch_size} cannot be split evenly over {world} "
-                         f"rank(s) x {cfg.grad_accum} micro-batch(es); use a multiple of {split}, "
-                         f"e.g. --batch-size {near}")
+        raise TrainError(
+            f"--batch-size {cfg.batch_size} cannot be split evenly over {world} "
+            f"rank(s) x {cfg.grad_accum} micro-batch(es); use a multiple of {split}, "
+            f"e.g. --batch-size {near}"
+        )
     gpus = torch.cuda.device_count()
     if not under_torchrun() and gpus and cfg.nproc > gpus:
-        raise TrainError(f"--nproc {cfg.nproc} but only {gpus} GPU(s): NCCL needs one GPU per "
-                         f"rank; use --nproc {gpus} or fewer")
+        raise TrainError(
+            f"--nproc {cfg.nproc} but only {gpus} GPU(s): NCCL needs one GPU per "
+            f"rank; use --nproc {gpus} or fewer"
+        )
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise TrainError(f"--stop-at {cfg.stop_at} must be between 1 and --steps {cfg.steps}")
 
 
 def _model_config(cfg: TrainConfig) -> dict:
     preset = PRESETS[cfg.preset]
-    overrides = {k: v for k, v in (("dim", cfg.dim), ("n_layers", cfg.n_layers),
-                                   ("n_heads", cfg.n_heads)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("dim", cfg.dim), ("n_layers", cfg.n_layers), ("n_heads", cfg.n_heads))
+        if v is not None
+    }
     if "n_heads" in overrides and "n_kv_heads" in preset:
         overrides["n_kv_heads"] = None  # a preset's grouping may not divide the new head count
     max_len = max(preset.get("max_seq_len", LlamaConfig.max_seq_len), cfg.seq_len)
@@ -196,29 +229,40 @@ def _model_config(cfg: TrainConfig) -> dict:
     except ValueError as e:
         raise TrainError(f"model: {e}; change --dim / --n-heads") from e
     if model.vocab_size < 256:
-        raise TrainError(f"the model's vocabulary ({model.vocab_size}) is smaller than the 256 "
-                         "byte values the data uses")
+        raise TrainError(
+            f"the model's vocabulary ({model.vocab_size}) is smaller than the 256 "
+            "byte values the data uses"
+        )
     return dataclasses.asdict(model)
 
 
 def _check_fits_checkpoint(cfg: TrainConfig, manifest: dict) -> None:
     where = f"checkpoint {cfg.resume_from}"
     if manifest["model"] != cfg.model:
-        diff = ", ".join(f"{k} {manifest['model'].get(k)} vs {v}" for k, v in cfg.model.items()
-                         if manifest["model"].get(k) != v)
-        raise TrainError(f"{where} holds another model (preset {manifest['config'].get('preset')!r}, "
-                         f"this run asks for {cfg.preset!r}; checkpoint vs this run: {diff}); "
-                         "leave out --preset/--dim/--n-layers/--n-heads to continue it, or "
-                         "start a new run without --resume")
+        diff = ", ".join(
+            f"{k} {manifest['model'].get(k)} vs {v}"
+            for k, v in cfg.model.items()
+            if manifest["model"].get(k) != v
+        )
+        raise TrainError(
+            f"{where} holds another model (preset {manifest['config'].get('preset')!r}, "
+            f"this run asks for {cfg.preset!r}; checkpoint vs this run: {diff}); "
+            "leave out --preset/--dim/--n-layers/--n-heads to continue it, or "
+            "start a new run without --resume"
+        )
     if manifest.get("data_fingerprint") != cfg.data_fingerprint:
-        raise TrainError(f"{where} was trained on other data ({manifest['config'].get('data')}, "
-                         f"{manifest.get('data_fingerprint')}) than --data {cfg.data} "
-                         f"({cfg.data_fingerprint}); its data position would be meaningless. "
-                         "Pass the same data, or start a new run without --resume")
+        raise TrainError(
+            f"{where} was trained on other data ({manifest['config'].get('data')}, "
+            f"{manifest.get('data_fingerprint')}) than --data {cfg.data} "
+            f"({cfg.data_fingerprint}); its data position would be meaningless. "
+            "Pass the same data, or start a new run without --resume"
+        )
     step = manifest["step"]
     if step >= cfg.steps:
-        raise TrainError(f"{where} is already at step {step} of --steps {cfg.steps}; pass a "
-                         "larger --steps to train further")
+        raise TrainError(
+            f"{where} is already at step {step} of --steps {cfg.steps}; pass a "
+            "larger --steps to train further"
+        )
     if cfg.stop_at is not None and cfg.stop_at <= step:
         raise TrainError(f"--stop-at {cfg.stop_at} is not after the checkpoint's step {step}")
     if manifest["world_size"] != _world_size(cfg):
@@ -240,15 +284,23 @@ def _output_dir(args, cfg: TrainConfig, resume_from: Path | None) -> str | None:
     existing = ckpt.complete_checkpoints(ckpt.checkpoints_root(out))
     same_run = resume_from is not None and ckpt.run_dir_of(resume_from).resolve() == out.resolve()
     if same_run:
-        newer = [p.name for p in existing if p.resolve() != resume_from.resolve()
-                 and int(p.name.split("_")[1]) > int(ckpt.validate(resume_from)["step"])]
+        newer = [
+            p.name
+            for p in existing
+            if p.resolve() != resume_from.resolve()
+            and int(p.name.split("_")[1]) > int(ckpt.validate(resume_from)["step"])
+        ]
         if newer:
-            raise TrainError(f"resuming {resume_from} inside its own run would overwrite the newer "
-                             f"checkpoint(s) {', '.join(newer)}; resume the latest one "
-                             f"(--resume {out}) or write elsewhere with --out NEW_DIR")
+            raise TrainError(
+                f"resuming {resume_from} inside its own run would overwrite the newer "
+                f"checkpoint(s) {', '.join(newer)}; resume the latest one "
+                f"(--resume {out}) or write elsewhere with --out NEW_DIR"
+            )
     elif existing or (out / "train.log").exists():
-        raise TrainError(f"{out} already holds a training run; continue it with --resume {out}, "
-                         "or choose another --out (nothing was changed)")
+        raise TrainError(
+            f"{out} already holds a training run; continue it with --resume {out}, "
+            "or choose another --out (nothing was changed)"
+        )
     return str(out)
 
 
@@ -265,6 +317,7 @@ def fresh_run_name() -> Path:
 def load_impl(name: str):
     """(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy) of the implementation ``--impl``."""
     from twinshard import api
+
     if name == "optimized":
         import twinshard.optimized as module
     elif name == "reference":
@@ -273,5 +326,8 @@ def load_impl(name: str):
         import torch.distributed.fsdp as module
     else:
         raise TrainError(f"unknown --impl {name!r}; choose from {', '.join(IMPLS)}")
-    return (module.fully_shard, getattr(module, "MixedPrecisionPolicy", api.MixedPrecisionPolicy),
-            getattr(module, "CPUOffloadPolicy", api.CPUOffloadPolicy))
+    return (
+        module.fully_shard,
+        getattr(module, "MixedPrecisionPolicy", api.MixedPrecisionPolicy),
+        getattr(module, "CPUOffloadPolicy", api.CPUOffloadPolicy),
+    )

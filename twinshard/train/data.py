@@ -45,21 +45,79 @@ class DataError(ValueError):
 
 # --------------------------------------------------------------------------- built-in corpus
 # (singular, plural) forms; the generator picks one number per clause and keeps it throughout.
-_NOUNS = [("cat", "cats"), ("dog", "dogs"), ("bird", "birds"), ("fox", "foxes"),
-          ("child", "children"), ("mouse", "mice"), ("farmer", "farmers"), ("robot", "robots"),
-          ("teacher", "teachers"), ("horse", "horses"), ("sheep", "sheep"), ("wolf", "wolves")]
-_ADJECTIVES = ["small", "old", "red", "quick", "quiet", "happy", "tired", "brave", "grey",
-               "young", "clever", "hungry"]
-_TRANSITIVE = [("sees", "see"), ("chases", "chase"), ("finds", "find"), ("likes", "like"),
-               ("follows", "follow"), ("watches", "watch"), ("helps", "help"), ("hears", "hear")]
-_INTRANSITIVE = [("sleeps", "sleep"), ("runs", "run"), ("sings", "sing"), ("waits", "wait"),
-                 ("plays", "play"), ("rests", "rest")]
-_PLACES = ["the river", "the barn", "the old tree", "the hill", "the gate", "the house",
-           "the field", "the bridge"]
+_NOUNS = [
+    ("cat", "cats"),
+    ("dog", "dogs"),
+    ("bird", "birds"),
+    ("fox", "foxes"),
+    ("child", "children"),
+    ("mouse", "mice"),
+    ("farmer", "farmers"),
+    ("robot", "robots"),
+    ("teacher", "teachers"),
+    ("horse", "horses"),
+    ("sheep", "sheep"),
+    ("wolf", "wolves"),
+]
+_ADJECTIVES = [
+    "small",
+    "old",
+    "red",
+    "quick",
+    "quiet",
+    "happy",
+    "tired",
+    "brave",
+    "grey",
+    "young",
+    "clever",
+    "hungry",
+]
+_TRANSITIVE = [
+    ("sees", "see"),
+    ("chases", "chase"),
+    ("finds", "find"),
+    ("likes", "like"),
+    ("follows", "follow"),
+    ("watches", "watch"),
+    ("helps", "help"),
+    ("hears", "hear"),
+]
+_INTRANSITIVE = [
+    ("sleeps", "sleep"),
+    ("runs", "run"),
+    ("sings", "sing"),
+    ("waits", "wait"),
+    ("plays", "play"),
+    ("rests", "rest"),
+]
+_PLACES = [
+    "the river",
+    "the barn",
+    "the old tree",
+    "the hill",
+    "the gate",
+    "the house",
+    "the field",
+    "the bridge",
+]
 _PREPOSITIONS = ["near", "under", "behind", "beside", "over", "inside"]
 _FEELINGS = ["tired", "hungry", "happy", "cold", "afraid", "bored"]
-_NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
-                 "ten", "eleven", "twelve"]
+_NUMBER_WORDS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+]
 
 
 def _pick(rng: random.Random, items: list):
@@ -101,7 +159,7 @@ def _number_sentence(rng: random.Random) -> str:
         return f"{a} plus {b} is {a + b}."
     start = int(rng.random() * 8)
     stop = start + 2 + int(rng.random() * (len(_NUMBER_WORDS) - start - 2))
-    words = " ".join(_NUMBER_WORDS[start:stop + 1])
+    words = " ".join(_NUMBER_WORDS[start : stop + 1])
     return f"Count from {_NUMBER_WORDS[start]} to {_NUMBER_WORDS[stop]}: {words}."
 
 
@@ -111,8 +169,10 @@ def builtin_text(n_bytes: int, seed: int) -> bytes:
     parts: list[str] = []
     size = 0
     while size < n_bytes:
-        sentences = [_number_sentence(rng) if rng.random() < 0.25 else _story_sentence(rng)
-                     for _ in range(3 + int(rng.random() * 4))]
+        sentences = [
+            _number_sentence(rng) if rng.random() < 0.25 else _story_sentence(rng)
+            for _ in range(3 + int(rng.random() * 4))
+        ]
         paragraph = " ".join(sentences) + "\n"
         parts.append(paragraph)
         size += len(paragraph)
@@ -151,15 +211,19 @@ def load_corpus(data: str | None, seq_len: int) -> Corpus:
         val = np.frombuffer(builtin_text(BUILTIN_VAL_BYTES, seed=2), dtype=np.uint8)
         return Corpus(BUILTIN, f"builtin-v{BUILTIN_VERSION}", train, val)
     if not os.path.exists(data):
-        raise DataError(f"data file {data!r} does not exist; pass --data with the path of a "
-                        "text file, or leave --data out to use the built-in corpus")
+        raise DataError(
+            f"data file {data!r} does not exist; pass --data with the path of a "
+            "text file, or leave --data out to use the built-in corpus"
+        )
     if not os.path.isfile(data):
         raise DataError(f"--data {data!r} is not a regular file; pass the path of a text file")
     size = os.path.getsize(data)
     need = 2 * (seq_len + 1)
     if size < need:
-        raise DataError(f"data file {data!r} has {size} bytes, too few for --seq-len {seq_len}: "
-                        f"it needs at least {need}; use a longer file or a smaller --seq-len")
+        raise DataError(
+            f"data file {data!r} has {size} bytes, too few for --seq-len {seq_len}: "
+            f"it needs at least {need}; use a longer file or a smaller --seq-len"
+        )
     try:
         tokens = np.memmap(data, dtype=np.uint8, mode="r")  # (size,) read lazily
         fingerprint = _fingerprint_file(data, size)
@@ -169,7 +233,7 @@ def load_corpus(data: str | None, seq_len: int) -> Corpus:
     n_val = size // 20
     if size - n_val < 20 * (seq_len + 1) or n_val < 2 * seq_len:
         return Corpus(data, fingerprint, tokens, None)
-    return Corpus(data, fingerprint, tokens[:size - n_val], tokens[size - n_val:])
+    return Corpus(data, fingerprint, tokens[: size - n_val], tokens[size - n_val :])
 
 
 # --------------------------------------------------------------------------------- batches
@@ -197,7 +261,7 @@ class Windows:
         epoch, j = divmod(i, self.per_epoch)
         offset, a, b = self._epoch_plan(epoch)
         start = offset + ((a * j + b) % self.per_epoch) * self.seq_len
-        return self.tokens[start:start + self.seq_len + 1]
+        return self.tokens[start : start + self.seq_len + 1]
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``[first, first + count)`` as inputs and targets, each ``(count, seq_len)``."""
@@ -205,8 +269,9 @@ class Windows:
         rows = torch.from_numpy(rows.astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
-    def rank_batch(self, position: int, global_batch: int, rank: int,
-                   world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rank_batch(
+        self, position: int, global_batch: int, rank: int, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank ``rank``'s contiguous part of the global batch that starts at ``position``."""
         per_rank = global_batch // world
         return self.batch(position + rank * per_rank, per_rank)

@@ -35,8 +35,11 @@ CONFIG_KEY = "twinshard.model_config"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
-                   help="a run directory (its latest complete checkpoint) or one checkpoint")
+    p.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_DIR",
+        help="a run directory (its latest complete checkpoint) or one checkpoint",
+    )
     p.add_argument("out", metavar="OUT.safetensors", help="the file to write")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
@@ -47,8 +50,9 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> tuple[Path, dict
 
     out = Path(out)
     if out.exists() and not force:
-        raise ckpt.CheckpointError(f"{out} already exists; pass --force to replace it, or "
-                                   "choose another file name")
+        raise ckpt.CheckpointError(
+            f"{out} already exists; pass --force to replace it, or choose another file name"
+        )
     if not out.parent.is_dir():
         raise ckpt.CheckpointError(f"cannot write {out}: the directory {out.parent} does not exist")
     where = ckpt.resolve(Path(checkpoint))
@@ -60,8 +64,11 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> tuple[Path, dict
             t = t.clone()
         seen[t.data_ptr()] = name
         tensors[name] = t
-    metadata = {CONFIG_KEY: json.dumps(model_config), "twinshard.step": str(manifest["step"]),
-                "format": "pt"}
+    metadata = {
+        CONFIG_KEY: json.dumps(model_config),
+        "twinshard.step": str(manifest["step"]),
+        "format": "pt",
+    }
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         save_file(tensors, str(partial), metadata=metadata)
@@ -95,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     except ckpt.CheckpointError as e:
         print(f"twinshard export: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: the model of {where} ({ckpt.describe(manifest)}); load it with "
-          "twinshard.train.export.load_exported(path), or Llama(config).load_state_dict(...)")
+    print(
+        f"wrote {args.out}: the model of {where} ({ckpt.describe(manifest)}); load it with "
+        "twinshard.train.export.load_exported(path), or Llama(config).load_state_dict(...)"
+    )
     return 0

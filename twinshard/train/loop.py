@@ -58,7 +58,9 @@ def rank_main(cfg: TrainConfig) -> dict:
     dist.barrier()
     log = Reporter(rank == 0, run_dir)
     try:
-        return _train(cfg, rank, world, device, run_dir, log, init_device_mesh(device.type, (world,)))
+        return _train(
+            cfg, rank, world, device, run_dir, log, init_device_mesh(device.type, (world,))
+        )
     finally:
         log.close()
 
@@ -74,24 +76,32 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
         step, samples, losses, resumed = _resume(cfg, rank, world, model, opt, sched)
     else:
         seed_rank_rngs(cfg.seed, 0, rank)
-    log.info(f"twinshard train: {cfg.impl} fully_shard on {world} rank(s) ({dist.get_backend()}, "
-             f"{device.type}); preset {cfg.preset} ({n_params / 1e6:.2f}M parameters); data "
-             f"{corpus.name} ({len(corpus.train) / 1e6:.2f}M bytes); run directory {run_dir}")
+    log.info(
+        f"twinshard train: {cfg.impl} fully_shard on {world} rank(s) ({dist.get_backend()}, "
+        f"{device.type}); preset {cfg.preset} ({n_params / 1e6:.2f}M parameters); data "
+        f"{corpus.name} ({len(corpus.train) / 1e6:.2f}M bytes); run directory {run_dir}"
+    )
     if resumed:
         log.info(resumed)
     stop = cfg.stop_at or cfg.steps
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    log.info(f"steps {step} -> {stop} of {cfg.steps}; global batch {cfg.batch_size} x "
-             f"{cfg.seq_len} tokens ({cfg.batch_size // world // cfg.grad_accum} per micro-batch x "
-             f"{cfg.grad_accum} on each rank); lr {cfg.lr:g} (warmup {cfg.warmup}, cosine to "
-             f"{cfg.min_lr:g}); {cfg.param_dtype} params"
-             + (f", {cfg.reduce_dtype} reduce" if cfg.reduce_dtype else "")
-             + (", CPU offload" if cfg.cpu_offload else ""))
+    log.info(
+        f"steps {step} -> {stop} of {cfg.steps}; global batch {cfg.batch_size} x "
+        f"{cfg.seq_len} tokens ({cfg.batch_size // world // cfg.grad_accum} per micro-batch x "
+        f"{cfg.grad_accum} on each rank); lr {cfg.lr:g} (warmup {cfg.warmup}, cosine to "
+        f"{cfg.min_lr:g}); {cfg.param_dtype} params"
+        + (f", {cfg.reduce_dtype} reduce" if cfg.reduce_dtype else "")
+        + (", CPU offload" if cfg.cpu_offload else "")
+    )
     for note in cfg.notes:
         log.info(f"note: {note}")
-    manifest_base = {"model": cfg.model, "config": cfg.remembered(),
-                     "data_fingerprint": cfg.data_fingerprint, "impl": cfg.impl,
-                     "torch": torch.__version__}
+    manifest_base = {
+        "model": cfg.model,
+        "config": cfg.remembered(),
+        "data_fingerprint": cfg.data_fingerprint,
+        "impl": cfg.impl,
+        "torch": torch.__version__,
+    }
     t_start = time.perf_counter()
     train_time, last_ckpt = 0.0, None
     first_step = step
@@ -107,27 +117,51 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
         losses.append(loss)
         train_time += time.perf_counter() - t0
         rate = tokens_per_step * (step - first_step) / train_time
-        status = (f"step {step}/{cfg.steps}  loss {loss:.4f}  lr {lr:.2e}  "
-                  f"{rate / 1e3:.1f}k tok/s  mem {memory_mb(device):.0f} MB")
+        status = (
+            f"step {step}/{cfg.steps}  loss {loss:.4f}  lr {lr:.2e}  "
+            f"{rate / 1e3:.1f}k tok/s  mem {memory_mb(device):.0f} MB"
+        )
         log.bar(step, stop, status)
         if step % cfg.log_every == 0 or step == stop or step == first_step + 1:
             eta = (stop - step) * train_time / (step - first_step)
             log.info(f"{status}  eta {duration(eta)}")
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == stop:
             t_ck = time.perf_counter()
-            last_ckpt = ckpt.save(run_dir, step, model, opt, sched, {"step": step, "samples": samples},
-                                  {**manifest_base, "samples": samples, "losses": losses}, cfg.keep)
+            last_ckpt = ckpt.save(
+                run_dir,
+                step,
+                model,
+                opt,
+                sched,
+                {"step": step, "samples": samples},
+                {**manifest_base, "samples": samples, "losses": losses},
+                cfg.keep,
+            )
             log.info(f"checkpoint {last_ckpt} ({time.perf_counter() - t_ck:.1f}s)")
     val_loss = None
     if corpus.val is not None and cfg.eval_batches:
-        val_loss = evaluate(model, Windows(corpus.val, cfg.seq_len, cfg.seed), cfg, rank, world, device)
+        val_loss = evaluate(
+            model, Windows(corpus.val, cfg.seq_len, cfg.seed), cfg, rank, world, device
+        )
     sample = None
     if cfg.sample_length:
         sample = generate(model, b"The ", cfg.sample_length, cfg.seq_len, cfg.seed, device)
     elapsed = time.perf_counter() - t_start
     if rank == 0:
-        log_summary(cfg, log, run_dir, losses, val_loss, sample, elapsed, first_step, step,
-                    train_time, world, last_ckpt)
+        log_summary(
+            cfg,
+            log,
+            run_dir,
+            losses,
+            val_loss,
+            sample,
+            elapsed,
+            first_step,
+            step,
+            train_time,
+            world,
+            last_ckpt,
+        )
     return {"step": step, "losses": losses, "val_loss": val_loss, "checkpoint": str(last_ckpt)}
 
 
@@ -138,22 +172,38 @@ def _resume(cfg, rank, world, model, opt, sched) -> tuple[int, int, list, str]:
     manifest = ckpt.validate(where)
     trainer = ckpt.load(where, model, opt, sched)
     if trainer["step"] != manifest["step"] or trainer["samples"] != manifest["samples"]:
-        raise ckpt.CheckpointError(f"checkpoint {where} is inconsistent: its DCP data is at step "
-                                   f"{trainer['step']}, its manifest at {manifest['step']}")
+        raise ckpt.CheckpointError(
+            f"checkpoint {where} is inconsistent: its DCP data is at step "
+            f"{trainer['step']}, its manifest at {manifest['step']}"
+        )
     if manifest["world_size"] == world:
         ckpt.set_rng_state(ckpt.load_rng(where, rank))
         rng = "per-rank RNG states restored"
     else:
         seed_rank_rngs(cfg.seed, trainer["step"], rank)
-        rng = (f"per-rank RNG states cannot be resharded from {manifest['world_size']} to {world} "
-               f"ranks: re-derived from (seed {cfg.seed}, step {trainer['step']}, rank)")
-    history = list(manifest.get("losses", []))[:trainer["step"]]
-    return (trainer["step"], trainer["samples"], history,
-            f"resumed {where} ({ckpt.describe(manifest)}) on {world} rank(s); {rng}")
+        rng = (
+            f"per-rank RNG states cannot be resharded from {manifest['world_size']} to {world} "
+            f"ranks: re-derived from (seed {cfg.seed}, step {trainer['step']}, rank)"
+        )
+    history = list(manifest.get("losses", []))[: trainer["step"]]
+    return (
+        trainer["step"],
+        trainer["samples"],
+        history,
+        f"resumed {where} ({ckpt.describe(manifest)}) on {world} rank(s); {rng}",
+    )
 
 
-def train_step(model, opt, windows: Windows, position: int, cfg: TrainConfig,
-               rank: int, world: int, device: torch.device) -> torch.Tensor:
+def train_step(
+    model,
+    opt,
+    windows: Windows,
+    position: int,
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> torch.Tensor:
     """One optimizer step on the global batch at ``position``; returns this rank's mean loss."""
     x, y = windows.rank_batch(position, cfg.batch_size, rank, world)  # (B / W, T) each
     x, y = x.to(device), y.to(device)
@@ -184,8 +234,9 @@ def global_mean(value: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, windows: Windows, cfg: TrainConfig, rank: int, world: int,
-             device: torch.device) -> float:
+def evaluate(
+    model, windows: Windows, cfg: TrainConfig, rank: int, world: int, device: torch.device
+) -> float:
     """Mean loss over ``eval_batches`` global batches of held-out data."""
     total = torch.zeros((), device=device)
     for b in range(cfg.eval_batches):
@@ -195,8 +246,9 @@ def evaluate(model, windows: Windows, cfg: TrainConfig, rank: int, world: int,
 
 
 @torch.no_grad()
-def generate(model, prompt: bytes, length: int, seq_len: int, seed: int,
-             device: torch.device) -> str:
+def generate(
+    model, prompt: bytes, length: int, seq_len: int, seed: int, device: torch.device
+) -> str:
     """Sample ``length`` bytes after ``prompt``; rank 0 draws, every rank runs the model."""
     tokens = torch.tensor([list(prompt)], device=device)  # (1, t)
     gen = torch.Generator().manual_seed(seed)

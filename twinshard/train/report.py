@@ -33,6 +33,7 @@ def memory_mb(device: torch.device) -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -80,8 +81,7 @@ def duration(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
 
 
-def write_loss_curve(run_dir: Path, losses: list[float], val_loss: float | None,
-                     title: str) -> str:
+def write_loss_curve(run_dir: Path, losses: list[float], val_loss: float | None, title: str) -> str:
     """Write ``loss.csv`` and, when matplotlib is installed, ``loss.png``; say what was written."""
     with open(run_dir / "loss.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -89,11 +89,14 @@ def write_loss_curve(run_dir: Path, losses: list[float], val_loss: float | None,
         w.writerows((i + 1, f"{v:.6f}") for i, v in enumerate(losses))
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # files only, never a window
         import matplotlib.pyplot as plt
     except ImportError:
-        return (f"loss curve: {run_dir / 'loss.csv'} (matplotlib is not installed, so no "
-                "loss.png; pip install 'twinshard[train]' to get the plot)")
+        return (
+            f"loss curve: {run_dir / 'loss.csv'} (matplotlib is not installed, so no "
+            "loss.png; pip install 'twinshard[train]' to get the plot)"
+        )
     steps = np.arange(1, len(losses) + 1)
     # A centred moving average shows the trend through the noise without lagging behind it.
     half = max(1, len(losses) // 100)
@@ -115,23 +118,38 @@ def write_loss_curve(run_dir: Path, losses: list[float], val_loss: float | None,
     return f"loss plot: {run_dir / 'loss.png'} (and {run_dir / 'loss.csv'})"
 
 
-def log_summary(cfg: TrainConfig, log: Reporter, run_dir: Path, losses: list[float],
-                val_loss: float | None, sample: str | None, elapsed: float, first_step: int,
-                step: int, train_time: float, world: int, last_ckpt: Path | None) -> None:
+def log_summary(
+    cfg: TrainConfig,
+    log: Reporter,
+    run_dir: Path,
+    losses: list[float],
+    val_loss: float | None,
+    sample: str | None,
+    elapsed: float,
+    first_step: int,
+    step: int,
+    train_time: float,
+    world: int,
+    last_ckpt: Path | None,
+) -> None:
     """Write the loss curve and log the closing lines of a run (rank 0)."""
     k = max(1, min(5, len(losses) // 2))
     head, tail = sum(losses[:k]) / k, sum(losses[-k:]) / k
     rate = cfg.batch_size * cfg.seq_len * (step - first_step) / max(train_time, 1e-9)
-    title = (f"twinshard train: {cfg.preset}, {world} rank(s), {cfg.impl}, "
-             f"batch {cfg.batch_size}x{cfg.seq_len}")
+    title = (
+        f"twinshard train: {cfg.preset}, {world} rank(s), {cfg.impl}, "
+        f"batch {cfg.batch_size}x{cfg.seq_len}"
+    )
     curve = write_loss_curve(run_dir, losses, val_loss, title)
-    lines = [f"done: steps {first_step} -> {step} in {duration(elapsed)} on {world} rank(s); "
-             f"{rate / 1e3:.1f}k tokens/s",
-             f"loss {head:.3f} -> {tail:.3f} (mean of the first and last {k} steps)"
-             + (f"; validation loss {val_loss:.3f}" if val_loss is not None else "")
-             + f"; a uniform guess over bytes scores {math.log(256):.3f}",
-             curve,
-             f"checkpoint: {last_ckpt}"]
+    lines = [
+        f"done: steps {first_step} -> {step} in {duration(elapsed)} on {world} rank(s); "
+        f"{rate / 1e3:.1f}k tokens/s",
+        f"loss {head:.3f} -> {tail:.3f} (mean of the first and last {k} steps)"
+        + (f"; validation loss {val_loss:.3f}" if val_loss is not None else "")
+        + f"; a uniform guess over bytes scores {math.log(256):.3f}",
+        curve,
+        f"checkpoint: {last_ckpt}",
+    ]
     if step < cfg.steps:
         lines.append(f"continue with: twinshard train --resume {run_dir}")
     lines.append(f"export: twinshard export {run_dir} model.safetensors")

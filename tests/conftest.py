@@ -1,0 +1,22 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from train_support import run_train
+
+
+# One short training run (2 ranks, 40 steps, a checkpoint every 10), shared by the training
+# tests that read its log, checkpoints and export.
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("short") / "run"
+    assert (
+        run_train(
+            "--out", out, "--steps", 40, "--checkpoint-every", 10, "--keep", 2, "--sample-length", 8
+        )
+        == 0
+    )
+    return out
