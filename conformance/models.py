@@ -138,6 +138,24 @@ class UnusedMLP(MLPStack):
         self.unused_root = nn.Linear(7, 3)
 
 
+class SometimesMLP(MLPStack):
+    """The first and every second forward after it skip the last block (control flow that
+    changes between steps): an implementation that plans from the previous forward's order
+    must cope. The skipped block still moves (SGD momentum with zeroed, not freed, gradients),
+    so a gather prefetched for it and used a step later would hold stale weights."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        blocks = self.blocks[:-1] if self.calls % 2 else self.blocks
+        for block in blocks:
+            x = block(x)  # (..., dim)
+        return self.head(self.norm(x))  # (..., out_dim)
+
+
 class ScoreMLP(MLPStack):
     """Has a second entry point, ``score``, that FSDP must treat like forward."""
 

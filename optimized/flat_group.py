@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from twinshard.api import FSDPUsageError
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
 
@@ -44,13 +43,6 @@ class FlatParamGroup(ParamGroup):
         """Share ``comm`` (the root's) from now on."""
         self.comm = comm
 
-    def own_comm(self) -> CommContext:
-        """The shared context; a group used before any root forward (an explicit
-        ``unshard()``) makes one of its own, which the root replaces at its first forward."""
-        if self.comm is None:
-            self.comm = CommContext(self.device)
-        return self.comm
-
     # --- unshard: one all-gather, issued early ---------------------------------------------------
     @torch.no_grad()
     def unshard_async(self) -> None:
@@ -61,17 +53,11 @@ class FlatParamGroup(ParamGroup):
         params = [p for p in self.params if p.state is not ParamState.UNSHARDED]
         if not params:
             return
-        meshes = {id(p.all_gather_mesh(self.post_forward_info)) for p in params}
-        if len(meshes) > 1:
-            raise FSDPUsageError(
-                f"the parameters of the group of '{params[0].fqn}' are in different states "
-                "(some kept a post-forward piece, some not); call reshard() on the module "
-                "before unsharding it again"
-            )
+        # A group's parameters change state together, so they all gather over the same mesh.
         mesh = params[0].all_gather_mesh(self.post_forward_info)
         with torch.profiler.record_function("twinshard::unshard"):
             dtypes = [self.param_dtype(p) for p in params]
-            self.in_flight = all_gather(params, dtypes, mesh.shard_group, self.own_comm())
+            self.in_flight = all_gather(params, dtypes, mesh.shard_group, self.comm)
 
     @torch.no_grad()
     def wait_for_unshard(self) -> None:
@@ -95,7 +81,7 @@ class FlatParamGroup(ParamGroup):
     def reduce_grads_now(self) -> None:
         """Finish the previous group's reduction and issue this group's (replaces the
         reference's loop of blocking per-parameter reductions)."""
-        comm = self.own_comm()
+        comm = self.comm
         finish_reduce(comm)  # the previous group's gradients are added, its buffers freed
         comm.pending_reduce = reduce_scatter(
             self.params, self.info, self.all_reduce_grads, self.gradient_divisor(), comm

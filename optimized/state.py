@@ -76,8 +76,9 @@ class FSDPState(ReferenceState):
         if self.is_root:
             self.comm.forward_order = self.comm.current_order
             self.comm.backward_order = self.comm.current_post_order[::-1]
-            for group in self.comm.forward_order:  # a prefetch nobody used must not linger
-                if group.in_flight is not None and group is not self.group:
+            for state in self.all_states:  # a prefetch nobody used must not linger
+                group = state.group
+                if group is not None and group.in_flight is not None and group is not self.group:
                     group.reshard()
         return output
 

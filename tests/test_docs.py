@@ -324,7 +324,7 @@ def test_api_page_lists_fully_shard(browser):
 def test_home_page_renders(browser):
     shown = browser("/")
     assert shown["title"].startswith("twinshard")
-    assert "python3 -m pytest -q" in shown["text"]
+    assert "python3 -m coverage run -m pytest -q" in shown["text"]  # the README's test command
 
 
 def schedule_notebook() -> tuple[pathlib.Path, list[str]]:

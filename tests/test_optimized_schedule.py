@@ -166,3 +166,55 @@ def test_reference_does_everything_in_place():
         ("reshard", "blocks.0"),
     ]
     assert events == expected, "\n".join(map(str, events))
+
+
+def _skip_a_block_on_the_second_step():
+    import twinshard.optimized as O
+    from twinshard.models import MLPStack
+
+    torch.manual_seed(0)
+    model = MLPStack(dim=15, hidden=37, n_blocks=3)
+    for block in model.blocks:
+        O.fully_shard(block)
+    O.fully_shard(model)
+    x = torch.randn(4, 15)
+    model(x).sum().backward()  # the order is now root, blocks 0, 1, 2
+    last = model.blocks[2]
+    model.blocks = model.blocks[:2]  # the next forward ends after block 1
+    try:
+        out = model(x)
+    finally:
+        model.blocks.append(last)
+    # block 1 prefetched block 2 from the recorded order; nobody used it: the root's
+    # post-forward finished and freed it, so it is sharded again and nothing is in flight
+    from torch.distributed.tensor import DTensor
+
+    from twinshard.reference.state import get_state
+
+    left = get_state(last).group
+    return left.in_flight is None, isinstance(last.w1.weight, DTensor), out.shape
+
+
+def test_an_unused_prefetch_is_finished_and_freed_after_forward():
+    nothing_in_flight, sharded, shape = launch(_skip_a_block_on_the_second_step, 2)[0]
+    assert nothing_in_flight and sharded and tuple(shape) == (4, 15)
+
+
+def _unshard_a_module_without_parameters():
+    import torch.nn as nn
+
+    import twinshard.optimized as O
+
+    torch.manual_seed(0)
+    inner = nn.Linear(6, 6)
+    outer = nn.Sequential(inner)  # all its parameters belong to the sharded child
+    O.fully_shard(inner)
+    O.fully_shard(outer)
+    handle = outer.unshard(async_op=True)
+    handle.wait()
+    return outer.unshard(), type(handle).__name__, outer(torch.randn(2, 6)).shape
+
+
+def test_unshard_of_a_module_without_parameters_of_its_own():
+    blocking, handle, shape = launch(_unshard_a_module_without_parameters, 2)[0]
+    assert blocking is None and handle == "UnshardHandle" and tuple(shape) == (2, 6)

@@ -142,3 +142,12 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
             if e[0] == "record_event" and e[1] in ("reduce_scatter", "all_reduce")
         )
         assert ("wait_event", "default", log[last][2]) in log[last:end], log[last:end]
+
+
+def test_stand_in_events_answer_like_device_events(streams):
+    side = streams.new_stream("side")
+    event = side.record_event()
+    assert event.query() is True  # the CPU has run everything already
+    event.synchronize()
+    assert repr(side) == "StandInStream('side')" and event.stream == "side"
+    assert streams.new_stream("side").name == "side#2"  # names stay unique in the log

@@ -120,6 +120,14 @@ def case_unused(ctx):
 
 
 @case("training")
+def case_changing_forward(ctx):
+    """Every second step skips the last block: prefetch planned from the previous forward
+    must not leave a gather behind or use it stale."""
+    recipe = replace(M.mlp_recipe(ctx.world, steps=4), build=lambda: M.SometimesMLP())
+    return train_case(ctx, recipe)
+
+
+@case("training")
 def case_ignored_params(ctx):
     """ignored_params stay plain tensors that FSDP neither shards nor reduces; averaging their
     gradients by hand restores data-parallel training."""
