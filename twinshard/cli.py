@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "export": ("twinshard.train.export", "write a checkpoint as a single full state dict file"),
     "conform": ("twinshard.conformance.cli", "check an FSDP implementation against the truth"),
     "schedule": ("twinshard.schedule.cli", "draw one training step, hook by hook"),
+    "bench": ("twinshard.bench.cli", "plain, DDP, reference, optimized and torch side by side"),
 }
 
 

@@ -1,0 +1,160 @@
+"""Side by side: plain, DDP, twinshard.reference, twinshard.optimized and torch's fully_shard.
+
+    twinshard bench                                   # CPU, gloo, 2 ranks, 'small', all five
+    twinshard bench --backend simnet --world 8 --link 2 --json out.json --plot out.png
+    twinshard bench --backend fake --world 64 --hsdp 8 --preset small
+    twinshard bench hooks                             # CPU time per group and step, profiled
+    twinshard bench sweep --out benchmarks/results    # model size, groups, world size
+    twinshard bench --device cuda --world 1 --preset 1b --dtype bf16
+
+Backends: ``gloo`` and ``nccl`` start one process per rank; ``fake`` (PyTorch's fake process
+group: collectives do nothing) and ``simnet`` (a simulated network: collectives take latency +
+bytes / bandwidth of ``--link``) run one process as rank 0 of a world of ``--world`` ranks, with
+the shapes, memory and CPU work of that world. With ``simnet`` every implementation also runs on
+an instant network, which gives its compute time and so its overlap efficiency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+import torch
+
+from . import memmodel
+from .config import BACKENDS, DTYPES, IMPLS, SHARDED, RunConfig
+from .report import memory_table, meta, plot, table, write_json
+from .runner import compare
+from .stats import add_overlap, add_ratios, summarize
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "mode",
+        nargs="?",
+        default="compare",
+        choices=("compare", "hooks", "sweep"),
+        help="compare (default): the implementations side by side; hooks: CPU time per group "
+        "and step with tiny blocks, profiled; sweep: model size, groups and world size",
+    )
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of: %(default)s")
+    parser.add_argument("--preset", default="small", help="tiny, small, medium, 1b")
+    parser.add_argument("--layers", type=int, default=None, help="blocks (groups), overrides")
+    parser.add_argument("--dim", type=int, default=None, help="model width, overrides")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads, overrides")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size, overrides")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--per-rank", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None, help="gloo on cpu, nccl on cuda"
+    )
+    parser.add_argument("--world", "--nproc", type=int, default=2, help="world size")
+    parser.add_argument("--hsdp", type=int, default=1, help="replicas of a 2D (HSDP) mesh")
+    parser.add_argument("--link", default="ib", help="simnet: nvlink, ib, or GB/s")
+    parser.add_argument("--latency-us", type=float, default=None, help="simnet: link latency")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory step")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--json", default=None, help="write every number here")
+    parser.add_argument("--markdown", default=None, help="write the tables here")
+    parser.add_argument("--plot", default=None, help="draw the comparison into this PNG")
+    parser.add_argument("--profile", default=None, help="hooks: write cProfile files here")
+    parser.add_argument("--out", default="benchmarks/results", help="sweep: where plots go")
+    parser.add_argument("--points", default=None, help="sweep: a smaller sweep, e.g. 'quick'")
+
+
+def config_from(args) -> RunConfig:
+    names = {"layers": "n_layers", "dim": "dim", "heads": "n_heads", "vocab": "vocab_size"}
+    model = {key: getattr(args, flag) for flag, key in names.items() if getattr(args, flag)}
+    if "n_heads" in model and "n_kv_heads" not in model:
+        model["n_kv_heads"] = model["n_heads"]
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    same = "preset dtype seq per_rank warmup steps device world link latency_us profile".split()
+    return RunConfig(
+        model=model,
+        backend=backend,
+        replicas=args.hsdp,
+        memory=not args.no_memory,
+        **{name: getattr(args, name) for name in same},
+    )
+
+
+def side_by_side(base: RunConfig, impls: list[str], repeat: int, progress: bool = True) -> dict:
+    """Run ``impls`` on ``base`` and summarize: figures, ratios, overlap, memory model."""
+    configs = [replace(base, impl=i) for i in impls]
+    instant = []
+    if base.backend == "simnet" and base.link != "inf":
+        instant = [replace(c, link="inf", memory=False) for c in configs]
+    runs = compare(configs + instant, repeat, progress)
+    tokens = base.per_rank * base.seq * base.world
+    summary = {c.impl: summarize(r, tokens) for c, r in zip(configs, runs)}
+    add_ratios(summary)
+    if instant:
+        fast = {c.impl: summarize(r, tokens) for c, r in zip(instant, runs[len(configs) :])}
+        add_overlap(summary, fast)
+    if base.memory:
+        add_memory_model(summary, base)
+    return {"summary": summary, "runs": {c.impl: r for c, r in zip(configs, runs)}}
+
+
+def add_memory_model(summary: dict, base: RunConfig) -> None:
+    with torch.device("meta"):
+        from twinshard.models import Llama
+
+        groups = memmodel.groups_of(Llama(base.llama()))
+    low = DTYPES[base.dtype] is not None
+    pb, rb = (2, 4) if low else (4, 4)
+    for name, row in summary.items():
+        if name in SHARDED:
+            pred = memmodel.predict(groups, name, base.world // base.replicas, pb, rb)
+        else:
+            pred = memmodel.predict_replicated(groups, name, pb)
+        row["model"] = pred
+        row["model_total"] = sum(pred.values())
+
+
+def run(args) -> int:
+    if args.mode == "hooks":
+        from .hooks import run_hooks
+
+        return run_hooks(args)
+    if args.mode == "sweep":
+        from .sweep import run_sweep
+
+        return run_sweep(args)
+    base = config_from(args)
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown:
+        print(f"unknown implementation(s) {unknown}; use {', '.join(IMPLS)}", file=sys.stderr)
+        return 2
+    result = side_by_side(base, impls, args.repeat, not args.no_progress)
+    text = describe(base) + "\n\n" + table(result["summary"])
+    if base.memory:
+        text += "\n\nMemory at the peak (bytes alive by category; model = memmodel.predict)\n\n"
+        text += memory_table(result["summary"])
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        write_json(args.json, {"meta": meta(base.as_dict()), **result})
+    if args.plot:
+        plot(result["summary"], args.plot, describe(base))
+    return 0
+
+
+def describe(config: RunConfig) -> str:
+    cfg = config.llama()
+    mesh = f"{config.replicas}x{config.world // config.replicas}" if config.replicas > 1 else ""
+    link = f", link {config.link}" if config.backend == "simnet" else ""
+    return (
+        f"{config.backend} world {mesh or config.world}{link}, {config.device}, {config.dtype}; "
+        f"Llama {config.preset} (dim {cfg.dim}, {cfg.n_layers} blocks, vocab {cfg.vocab_size}), "
+        f"{config.per_rank} x {config.seq} tokens per rank, {config.steps} steps x repeats"
+    )

@@ -1,0 +1,131 @@
+"""What one benchmark run is: the implementation, the model, the world and the policies.
+
+``RunConfig`` is everything a process needs to build the model and train it (it travels to
+the ranks by pickle); ``build(config, device)`` returns the model, wrapped by the chosen
+implementation, and its optimizer. Five implementations are compared:
+
+    plain      the model without any wrapper: each rank trains a full replica on its own slice
+               and nothing is communicated (the compute floor)
+    ddp        torch's DistributedDataParallel (the data-parallel baseline)
+    reference  twinshard.reference.fully_shard (the readable spec)
+    optimized  twinshard.optimized.fully_shard (the fast path)
+    torch      torch.distributed.fsdp.fully_shard (FSDP2)
+
+Every block of ``model.blocks`` is one parameter group, then the root; all runs start from
+the same seed and see the same batches.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from twinshard.models import Llama, LlamaConfig
+
+IMPLS = {
+    "plain": None,
+    "ddp": None,
+    "reference": "twinshard.reference",
+    "optimized": "twinshard.optimized",
+    "torch": "torch.distributed.fsdp",
+}
+SHARDED = ("reference", "optimized", "torch")
+BACKENDS = ("gloo", "nccl", "fake", "simnet")  # the last two: one process stands in for W
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+@dataclass
+class RunConfig:
+    impl: str = "optimized"
+    preset: str = "small"
+    model: dict = field(default_factory=dict)  # LlamaConfig overrides (n_layers, dim, ...)
+    dtype: str = "fp32"  # fp32, or bf16 compute with fp32 reduction and fp32 master weights
+    seq: int = 128
+    per_rank: int = 4  # sequences per rank per step
+    warmup: int = 2
+    steps: int = 10
+    device: str = "cpu"
+    backend: str = "gloo"
+    world: int = 2  # world size; for fake and simnet, simulated by one process
+    replicas: int = 1  # HSDP: a (replicas, world // replicas) mesh; 1 is plain FSDP
+    link: str = "ib"  # simnet: nvlink, ib, or GB/s
+    latency_us: float | None = None  # simnet: overrides the link's latency
+    memory: bool = True  # one more (untimed) step that tracks memory by category
+    profile: str | None = None  # a directory: write a cProfile of the timed steps there
+
+    @property
+    def simulated(self) -> bool:
+        return self.backend in ("fake", "simnet")
+
+    @property
+    def nproc(self) -> int:
+        return 1 if self.simulated else self.world
+
+    def llama(self) -> LlamaConfig:
+        return LlamaConfig.preset(self.preset, **{"max_seq_len": max(self.seq, 16), **self.model})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def mesh_for(config: RunConfig, device: torch.device):
+    """None (each implementation's default 1D mesh), or the 2D HSDP mesh."""
+    if config.replicas == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (config.replicas, dist.get_world_size() // config.replicas)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def build(config: RunConfig, device: torch.device):
+    """The model of ``config``, wrapped by its implementation, and an SGD optimizer."""
+    torch.manual_seed(0)
+    model = Llama(config.llama())
+    low = DTYPES[config.dtype]
+    if config.impl in ("plain", "ddp"):
+        model = model.to(device)
+        if low is not None:
+            model = model.to(low)  # compute in bf16 like the sharded runs (no fp32 master)
+        if config.impl == "ddp":
+            model = _ddp(model, device, config.backend)
+    elif config.impl in SHARDED:
+        impl = importlib.import_module(IMPLS[config.impl])
+        kwargs = {"mesh": mesh_for(config, device)}
+        if low is not None:
+            kwargs["mp_policy"] = impl.MixedPrecisionPolicy(
+                param_dtype=low, reduce_dtype=torch.float32
+            )
+        if device.type != "cpu":
+            model = model.to(device)
+        for block in model.blocks:
+            impl.fully_shard(block, **kwargs)
+        impl.fully_shard(model, **kwargs)
+    else:
+        raise ValueError(f"unknown implementation {config.impl!r}; use one of {', '.join(IMPLS)}")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    return model, opt
+
+
+def _ddp(model, device, backend):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    if backend == "fake":
+        # The fake process group's all-reduce leaves the future empty; DDP wants the bucket.
+        def all_reduce(state, bucket):
+            work = dist.all_reduce(bucket.buffer(), async_op=True)
+            return work.get_future().then(lambda _: bucket.buffer())
+
+        ddp.register_comm_hook(None, all_reduce)
+    return ddp
+
+
+def forward_backward(model, tokens: torch.Tensor) -> torch.Tensor:
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss

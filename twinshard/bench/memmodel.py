@@ -1,0 +1,241 @@
+"""A memory model: the peak bytes per rank that FSDP itself holds, predicted from sizes alone.
+
+``predict(groups, impl, world, ...)`` replays one steady-state training step as the schedule
+of the implementation prescribes it, allocating and freeing what each hook allocates and
+frees, and returns the categories at the moment their sum is largest. The categories are
+those that ``probe.Probe`` measures, so the two can be compared (activations and temporaries
+of the model's own arithmetic are in neither):
+
+    sharded, optimizer   every rank's shards and SGD momentum: always there
+    sharded_grad         reduced gradients, created group by group as backward goes
+    unsharded            all-gathered weights: the root (kept from forward to the end of
+                         backward), the group computing, and for ``optimized`` the group after it
+    grad                 unsharded gradients written by autograd, until reduced
+    comm                 all-gather send/receive buffers and reduce-scatter buffers alive
+
+The schedules, per group g in the order forward runs them (the root first, then the blocks;
+backward runs the blocks in reverse and the root last, from the end-of-backward callback):
+
+    reference  all-gather straight into each parameter (no buffers); per parameter, a
+               reduce-scatter whose output becomes the sharded gradient.
+    optimized  copy-in (send, 1/S of the group) + all-gather (recv, the group); copy-out into
+               the parameters; the next group's all-gather is issued before this group computes
+               (one ahead in forward and backward); the last all-gather's send/recv stay held
+               until the next all-gather. The reduce-scatter packs the group's gradients
+               (packed, S x its block) into one buffer, keeps the gradients until the next
+               group's post-backward adds the result (out, 1/S) to the sharded gradients; packed
+               and out are held until the next reduce-scatter.
+    torch      all-gather in place into one output buffer (recv), copied out and dropped; the
+               next group's all-gather is issued in backward before this group computes; the
+               reduce-scatter input (packed) lives until the next reduce-scatter, its output
+               becomes the sharded gradients.
+
+Sizes: a parameter of (rows, *rest) is padded to S * chunk rows (chunk = ceil(rows / S));
+rank 0 keeps chunk rows. Compute dtype bytes ``pb``, reduction dtype bytes ``rb``, shards
+and momentum in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .probe import CATEGORIES
+
+
+@dataclass
+class Group:
+    """One parameter group's parameters, as shapes; ``late`` marks the parameters whose
+    gradient comes last in backward (the root's input embedding)."""
+
+    name: str
+    shapes: list
+    late: list | None = None
+
+
+def groups_of(model: torch.nn.Module) -> list[Group]:
+    """The root group (parameters outside ``model.blocks``) and one group per block, from a
+    model built on any device (the meta device will do)."""
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    root, late = [], []
+    for name, p in model.named_parameters():
+        if id(p) not in in_blocks:
+            root.append(tuple(p.shape))
+            late.append(isinstance(_owner(model, name), torch.nn.Embedding))
+    blocks = [
+        Group(f"blocks.{i}", [tuple(p.shape) for p in b.parameters()])
+        for i, b in enumerate(model.blocks)
+    ]
+    return [Group("root", root, late)] + blocks
+
+
+def _owner(model, name):
+    return model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+
+
+class _Sizes:
+    def __init__(self, group: Group, S: int, pb: int, rb: int):
+        chunks = [(math.ceil(s[0] / S), math.prod(s[1:])) for s in group.shapes]
+        self.block = sum(c * rest for c, rest in chunks)  # per-rank numel, padded
+        self.sharded = self.block * 4
+        self.unsharded = S * self.block * pb
+        self.send = self.block * pb
+        self.packed = S * self.block * rb
+        self.out = self.block * rb
+        late = group.late or [False] * len(group.shapes)
+        numel = [math.prod(s) for s in group.shapes]
+        self.grad_late = sum(n for n, x in zip(numel, late) if x) * pb
+        self.grad = sum(numel) * pb - self.grad_late  # the early ones (all, for a block)
+        self.per_param_out = max((c * rest * rb for c, rest in chunks), default=0)
+
+
+class _Timeline:
+    def __init__(self, persistent: dict):
+        self.alive: dict = {}
+        self.persistent = persistent
+        self.peak_total, self.peak = -1, {}
+
+    def alloc(self, key, category: str, nbytes: int) -> None:
+        self.alive[key] = (category, nbytes)
+        now = dict(self.persistent)
+        for cat, n in self.alive.values():
+            now[cat] = now.get(cat, 0) + n
+        total = sum(now.values())
+        if total > self.peak_total:
+            self.peak_total, self.peak = total, now
+
+    def free(self, *keys) -> None:
+        for key in keys:
+            self.alive.pop(key, None)
+
+
+def predict(groups: list[Group], impl: str, world: int, pb: int = 4, rb: int | None = None) -> dict:
+    """Peak bytes by category of one steady-state step on rank 0 (see the module docstring)."""
+    rb = rb or pb
+    sizes = [_Sizes(g, world, pb, rb) for g in groups]
+    sharded = sum(s.sharded for s in sizes)
+    t = _Timeline({"sharded": sharded, "optimizer": sharded})
+    step = {"reference": _reference, "optimized": _optimized, "torch": _torch}.get(impl)
+    if step is None:
+        raise ValueError(f"no memory model for {impl!r}")
+    step(t, sizes, world > 1)
+    return {c: t.peak.get(c, 0) for c in CATEGORIES}
+
+
+def _reference(t: _Timeline, sizes: list, _) -> None:
+    root, blocks = sizes[0], sizes[1:]
+    t.alloc("U0", "unsharded", root.unsharded)
+    for i, b in enumerate(blocks, 1):
+        t.alloc(f"U{i}", "unsharded", b.unsharded)
+        t.free(f"U{i}")
+    t.alloc("G0", "grad", root.grad)
+    for i in range(len(blocks), 0, -1):
+        b = blocks[i - 1]
+        t.alloc(f"U{i}", "unsharded", b.unsharded)
+        t.alloc(f"G{i}", "grad", b.grad)
+        t.alloc(f"out{i}", "comm", b.per_param_out)  # one parameter's block at a time
+        t.alloc(f"SG{i}", "sharded_grad", b.sharded)
+        t.free(f"out{i}", f"G{i}", f"U{i}")
+    t.alloc("G0late", "grad", root.grad_late)
+    t.alloc("out0", "comm", root.per_param_out)
+    t.alloc("SG0", "sharded_grad", root.sharded)
+
+
+def _optimized(t: _Timeline, sizes: list, _) -> None:
+    root, blocks = sizes[0], sizes[1:]
+    n = len(blocks)
+
+    def gather(i):  # release the held send/recv, issue group i's all-gather
+        t.free("held_send", "held_recv")
+        t.alloc("send", "comm", sizes[i].send)
+        t.alloc("recv", "comm", sizes[i].unsharded)
+
+    def copy_out(i):
+        t.alloc(f"U{i}", "unsharded", sizes[i].unsharded)
+        t.alive["held_send"], t.alive["held_recv"] = t.alive.pop("send"), t.alive.pop("recv")
+
+    def reduce(i, prev):
+        if prev is not None:  # finish the previous group's reduction
+            t.alloc(f"SG{prev}", "sharded_grad", sizes[prev].sharded)
+            t.free(f"G{prev}", f"G{prev}late")
+        t.free("rs_packed", "rs_out")  # held since the reduction before
+        t.alloc("rs_packed", "comm", sizes[i].packed)
+        t.alloc("rs_out", "comm", sizes[i].out)
+
+    # carried over from the last step: block 1's gather buffers, the root's reduction buffers
+    t.alive["held_send"] = ("comm", blocks[0].send if n else root.send)
+    t.alive["held_recv"] = ("comm", blocks[0].unsharded if n else root.unsharded)
+    t.alive["rs_packed"], t.alive["rs_out"] = ("comm", root.packed), ("comm", root.out)
+    gather(0)
+    copy_out(0)
+    for i in range(1, n + 1):
+        gather(i)
+        copy_out(i)
+        t.free(f"U{i}")
+    if n:
+        gather(n)  # the root's pre-backward prefetches the last block
+    t.alloc("G0", "grad", root.grad)
+    prev = None
+    for i in range(n, 0, -1):
+        copy_out(i)
+        if i > 1:
+            gather(i - 1)
+        t.alloc(f"G{i}", "grad", sizes[i].grad)
+        reduce(i, prev)
+        t.free(f"U{i}")
+        prev = i
+    t.alloc("G0late", "grad", root.grad_late)
+    reduce(0, prev)
+    t.free("U0")
+    t.alloc("SG0", "sharded_grad", root.sharded)
+    t.free("G0", "G0late")
+
+
+def _torch(t: _Timeline, sizes: list, _) -> None:
+    root, blocks = sizes[0], sizes[1:]
+    n = len(blocks)
+    t.alive["rs_packed"] = ("comm", root.packed)  # the root's, from the last step
+
+    def unshard(i):
+        t.alloc("recv", "comm", sizes[i].unsharded)
+        t.alloc(f"U{i}", "unsharded", sizes[i].unsharded)
+        t.free("recv")
+
+    unshard(0)
+    for i in range(1, n + 1):
+        unshard(i)
+        t.free(f"U{i}")
+    t.alloc("G0", "grad", root.grad)
+    for i in range(n, 0, -1):
+        unshard(i)
+        t.alloc(f"G{i}", "grad", sizes[i].grad)
+        t.free("rs_packed")
+        t.alloc("rs_packed", "comm", sizes[i].packed)
+        t.free(f"G{i}")
+        t.alloc(f"SG{i}", "sharded_grad", sizes[i].sharded)
+        t.free(f"U{i}")
+    t.alloc("G0late", "grad", root.grad_late)
+    t.free("rs_packed")
+    t.alloc("rs_packed", "comm", root.packed)
+    t.free("G0", "G0late")
+    t.alloc("SG0", "sharded_grad", root.sharded)
+    t.free("U0")
+
+
+def tracked(categories: dict) -> int:
+    """The bytes FSDP adds on top of the persistent state: unsharded, grad, comm, sharded
+    gradients."""
+    return sum(categories.get(c, 0) for c in ("unsharded", "grad", "comm", "sharded_grad"))
+
+
+def predict_replicated(groups: list[Group], impl: str, pb: int = 4) -> dict:
+    """``plain`` (parameters, gradients, momentum) and ``ddp`` (plus its gradient buckets, one
+    flat copy of every gradient)."""
+    numel = sum(math.prod(s) for g in groups for s in g.shapes)
+    out = dict.fromkeys(CATEGORIES, 0)
+    out.update(params=numel * pb, grad=numel * pb, optimizer=numel * pb)
+    if impl == "ddp":
+        out["comm"] = numel * pb
+    return out

@@ -1,0 +1,193 @@
+"""Running the implementations: one training run in one process, and many side by side.
+
+``run_rank(config)`` is what every rank executes: build the model, warm up, time
+``config.steps`` steps (wall clock, and CPU time of the whole process), then one untimed step
+under ``probe.Probe`` for memory by category and the collectives. With a simulated world
+(``fake``, ``simnet``) it first joins that world as rank 0 of ``config.world``.
+
+``run(config)`` starts the processes: ``twinshard.launch`` for real ranks (gloo, nccl), one
+freshly spawned process for a simulated world. Every run gets processes of its own, so no
+implementation's memory or allocator state is left to the next one.
+
+``compare(configs, repeat)`` interleaves: repetition 1 runs every configuration once, then
+repetition 2 again, starting one further along the list each time, so that a slow spell of a
+shared machine hits all implementations alike rather than one of them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from .config import RunConfig, build, forward_backward
+from .probe import Probe, sharded_modules
+from .progress import Progress
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _join_simulated_world(config: RunConfig) -> None:
+    if config.backend == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=config.world)
+    else:
+        from . import simnet
+
+        simnet.init(config.world, simnet.parse_link(config.link, config.latency_us))
+
+
+def _batches(config: RunConfig, vocab: int, count: int, rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randint(0, vocab, (config.per_rank, config.seq + 1), generator=g)] * count
+
+
+def _comm_of_step(calls: list) -> dict:
+    """Simulated communication of one step: its total time, the first all-gather and the last
+    reduce-scatter (which nothing can hide), and the count and bytes by op."""
+    first = next((c for c in calls if c.op == "all_gather"), None)
+    last = next((c for c in reversed(calls) if c.op == "reduce_scatter"), None)
+    return {
+        "comm_s": sum(c.end - c.start for c in calls),
+        "first_all_gather_s": (first.end - first.start) if first else 0.0,
+        "last_reduce_scatter_s": (last.end - last.start) if last else 0.0,
+        "count": len(calls),
+    }
+
+
+def run_rank(config: RunConfig) -> dict:
+    """One implementation on this rank: step times, memory, collectives (see the module doc)."""
+    if config.simulated:
+        torch.set_num_threads(int(os.environ.get("TWINSHARD_THREADS", "1") or "0") or 1)
+        _join_simulated_world(config)
+    net = None
+    if config.backend == "simnet":
+        from . import simnet
+
+        net = simnet.network()
+    cuda = config.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rss0 = _rss_bytes()
+    model, opt = build(config, device)
+    vocab = config.llama().vocab_size
+    batches = [b.to(device) for b in _batches(config, vocab, 1, dist.get_rank())]
+    wall, cpu, comm = [], [], []
+    profiler = None
+    for step in range(config.warmup + config.steps):
+        timed = step >= config.warmup
+        if timed and config.profile and profiler is None:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        n0 = len(net.calls) if net else 0
+        sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = forward_backward(model, batches[0])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        t1, c1 = time.perf_counter(), time.process_time()
+        if timed:
+            wall.append(t1 - t0)
+            cpu.append(c1 - c0)
+            if net:
+                comm.append(_comm_of_step(net.calls[n0:]))
+    if profiler is not None:
+        profiler.disable()
+        os.makedirs(config.profile, exist_ok=True)
+        profiler.dump_stats(os.path.join(config.profile, f"{config.impl}.prof"))
+    result = {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "loss": loss.item(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "tokens_per_step": config.per_rank * config.seq * dist.get_world_size(),
+        "comm": comm,
+        "rss_growth": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0,
+    }
+    if cuda:
+        result["accelerator_peak"] = torch.cuda.max_memory_allocated()
+    if config.memory:
+        result.update(_measure_memory(model, opt, batches[0], net))
+    return result
+
+
+def _measure_memory(model, opt, tokens, net) -> dict:
+    """One more step under the probe: bytes by category at the peak, and the collectives."""
+    probe = Probe(model, opt, sharded_modules(model))
+    if net is not None:
+        net.observer = probe.saw_collective
+    with probe:
+        forward_backward(model, tokens)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if net is not None:
+        net.observer = None
+    ops: dict[str, list[int]] = {}
+    for op, nbytes in probe.collectives:
+        entry = ops.setdefault(op, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+    return {
+        "memory": probe.peak,
+        "memory_total": probe.peak_total,
+        "heap_peak": probe.heap_peak,
+        "collectives": {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()},
+    }
+
+
+def run(config: RunConfig, timeout: float = 1800) -> dict:
+    """Run ``config`` in processes of its own; the ranks' results combined (rank 0's memory,
+    each step as slow as its slowest rank)."""
+    if config.simulated:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
+            return pool.submit(run_rank, config).result(timeout)
+    from twinshard.launch import launch
+
+    results = launch(run_rank, config.nproc, config, backend=config.backend, timeout=timeout)
+    first = dict(results[0])
+    for key in ("wall_s", "cpu_s"):
+        first[key] = [max(steps) for steps in zip(*(r[key] for r in results))]
+    return first
+
+
+def compare(configs: list[RunConfig], repeat: int, progress: bool = True) -> list[list[dict]]:
+    """Every configuration ``repeat`` times, interleaved; ``out[i]`` holds config i's runs."""
+    out: list[list[dict]] = [[] for _ in configs]
+    bar = Progress(len(configs) * repeat, "bench", enabled=progress)
+    for rep in range(repeat):
+        order = [(rep + k) % len(configs) for k in range(len(configs))]
+        for i in order:
+            start = time.monotonic()
+            out[i].append(run(configs[i]))
+            bar.advance(f"{label(configs[i])} #{rep + 1} ({time.monotonic() - start:.0f}s)")
+    bar.close()
+    return out
+
+
+def label(config: RunConfig) -> str:
+    extra = f" @{config.link}" if config.backend == "simnet" else ""
+    return config.impl + extra
+
+
+def with_link(config: RunConfig, link: str) -> RunConfig:
+    return replace(config, link=link)
+
+
+def median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")

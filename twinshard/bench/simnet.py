@@ -1,0 +1,280 @@
+"""A simulated network: one process stands in for rank 0 of a world of W ranks.
+
+``init(world_size, link)`` starts ``torch.distributed`` with the ``"simnet"`` backend, a
+process group written in Python (registered with ``torch.distributed.Backend.register_backend``,
+as PyTorch's fake process group is). Every collective returns a work handle at once and
+completes on a background thread after the time the chosen link would need for it:
+
+    seconds = latency + wire bytes / bandwidth
+
+where the wire bytes are what one rank sends in a ring algorithm over a group of S ranks:
+(S - 1) / S of the gathered output for an all-gather, of the input for a reduce-scatter,
+twice that for an all-reduce, the whole tensor for a broadcast (nothing when S = 1). The
+collectives of one process group run one after the other on its own wire (like the
+collectives of one NCCL communicator), so a late one waits for those issued before it.
+
+So shapes, memory and CPU work are those of world size W, and communication takes the time
+it would take on the link. Values are those of a world where every rank holds this rank's
+data: an all-gather repeats the input S times, a reduce-scatter returns S times this rank's
+block (the sum of S equal blocks), an all-reduce multiplies by S. Training therefore sees
+gradients of the right scale, and no uninitialized memory (whose NaNs or denormals could slow
+the arithmetic down) reaches the model, unlike with the fake process group.
+
+``network().calls`` logs every collective (op, dtype, numel, bytes on the wire, simulated
+start and end), which is how the benchmark counts them: a Python process group is called
+directly by ``torch.distributed``, so the dispatcher (and ``conformance.trace``) never sees it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+BACKEND = "simnet"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One rank's connection: latency per collective and bandwidth in bytes per second."""
+
+    name: str
+    latency_s: float
+    bandwidth: float  # bytes/s that one rank sends (NCCL's "bus bandwidth")
+
+    def seconds(self, wire_bytes: float) -> float:
+        return self.latency_s + wire_bytes / self.bandwidth
+
+
+# Typical bus bandwidths that NCCL reaches for large messages: NVLink within an H100 node,
+# and one 400 Gb/s InfiniBand NIC per GPU across nodes.
+LINKS = {
+    "nvlink": Link("nvlink", 10e-6, 350e9),
+    "ib": Link("ib", 20e-6, 45e9),
+}
+
+
+def parse_link(text: str, latency_us: float | None = None) -> Link:
+    """``nvlink``, ``ib``, ``inf`` (instant), or a bandwidth in GB/s (e.g. ``"2"``, with 20 us
+    of latency); ``latency_us`` overrides the latency."""
+    if text in LINKS:
+        link = LINKS[text]
+    elif text == "inf":
+        link = Link("instant", 0.0, float("inf"))  # communication takes no time at all
+    else:
+        try:
+            gbps = float(text)
+        except ValueError:
+            raise ValueError(f"--link: use {' or '.join(LINKS)} or a bandwidth in GB/s") from None
+        if gbps <= 0:
+            raise ValueError(f"--link: the bandwidth must be positive, got {text}")
+        link = Link(f"{text} GB/s", 20e-6, gbps * 1e9)
+    if latency_us is not None:
+        link = Link(link.name, latency_us * 1e-6, link.bandwidth)
+    return link
+
+
+def wire_bytes(op: str, nbytes: int, size: int) -> float:
+    """Bytes one rank sends for ``op`` over ``size`` ranks (ring algorithms)."""
+    if size <= 1:
+        return 0.0
+    share = (size - 1) / size
+    return {"all_gather": share, "reduce_scatter": share, "all_reduce": 2 * share}.get(op, 1.0) * (
+        nbytes
+    )
+
+
+@dataclass
+class Call:
+    op: str
+    dtype: torch.dtype
+    numel: int  # of the larger side, as in conformance.trace
+    group_size: int
+    wire_bytes: float
+    issued: float  # time.perf_counter() when issued
+    start: float  # when the wire was free for it
+    end: float  # when it completes
+
+
+@dataclass
+class Network:
+    """The link, the log of collectives, and one wire per process group."""
+
+    link: Link
+    calls: list = field(default_factory=list)
+    fill: bool = True  # write the values described in the module docstring
+    observer: Any = None  # called with (op, tensors) at every collective (bench.probe)
+
+    def seconds(self, op: str, nbytes: int, size: int) -> float:
+        return self.link.seconds(wire_bytes(op, nbytes, size)) if size > 1 else 0.0
+
+
+_NETWORK: Network | None = None
+
+
+def network() -> Network:
+    if _NETWORK is None:
+        raise RuntimeError("the simulated network is not running: call simnet.init first")
+    return _NETWORK
+
+
+class _Wire:
+    """One process group's collectives, completed in order by a daemon thread."""
+
+    def __init__(self):
+        self.free_at = 0.0
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="simnet-wire").start()
+
+    def submit(self, end: float, fill, future: Future, result) -> None:
+        self.jobs.put((end, fill, future, result))
+
+    def _run(self) -> None:
+        while True:
+            end, fill, future, result = self.jobs.get()
+            if fill is not None:
+                with torch.no_grad():
+                    fill()
+            delay = end - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            future.set_result(result)
+
+
+class SimProcessGroup(dist.ProcessGroup):
+    """A process group of ``size`` ranks of which this process is ``rank``; see the module
+    docstring for what each collective does and how long it takes."""
+
+    def __init__(self, rank: int, size: int, name: str):
+        super().__init__(rank, size)
+        self._rank, self._size, self._name = rank, size, name
+        self._wire = _Wire()
+
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def group_name(self) -> str:  # torch registers the name on C++ groups only
+        return self._name
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _issue(self, op: str, tensors: list, fill, result) -> dist.Work:
+        net = network()
+        big = max(tensors, key=lambda t: t.numel())
+        nbytes = big.numel() * big.element_size()
+        now = time.perf_counter()
+        start = max(now, self._wire.free_at)
+        end = start + net.seconds(op, nbytes, self._size)
+        self._wire.free_at = end
+        wire = wire_bytes(op, nbytes, self._size)
+        net.calls.append(Call(op, big.dtype, big.numel(), self._size, wire, now, start, end))
+        if net.observer is not None:
+            net.observer(op, tensors)
+        future = Future()
+        self._wire.submit(end, fill if net.fill else None, future, result)
+        return _create_work_from_future(future)
+
+    def _factor(self, opts) -> int:
+        summed = getattr(opts, "reduceOp", dist.ReduceOp.SUM) == dist.ReduceOp.SUM
+        return self._size if summed else 1
+
+    # --- all-gather -------------------------------------------------------------------------
+    def all_gather_single(self, output, input, opts=None):
+        def fill():
+            src = input.reshape(1, -1)
+            if src.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+                src = src.clone()  # gathered in place (torch's fully_shard): input is a slot
+            output.view(self._size, -1).copy_(src)
+
+        return self._issue("all_gather", [output, input], fill, [output])
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs[:-1], inputs[:-1]):
+            self.all_gather_single(o, i, opts)
+        return self.all_gather_single(outputs[-1], inputs[-1], opts)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        outs = [o for lst in output_lists for o in lst]
+
+        def fill():
+            for lst, i in zip(output_lists, inputs):
+                for o in lst:
+                    o.copy_(i)
+
+        return self._issue("all_gather", outs + list(inputs), fill, output_lists)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self.allgather(output_lists, inputs, opts)
+
+    # --- reduce-scatter ---------------------------------------------------------------------
+    def reduce_scatter_single(self, output, input, opts=None):
+        k = self._factor(opts)
+
+        def fill():
+            block = input.reshape(self._size, -1)[self._rank]  # this rank's block
+            output.view(-1).copy_(block).mul_(k)
+
+        return self._issue("reduce_scatter", [output, input], fill, [output])
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs[:-1], inputs[:-1]):
+            self.reduce_scatter_single(o, i, opts)
+        return self.reduce_scatter_single(outputs[-1], inputs[-1], opts)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        k = self._factor(opts)
+
+        def fill():
+            for o, lst in zip(outputs, input_lists):
+                o.copy_(lst[self._rank]).mul_(k)
+
+        ins = [i for lst in input_lists for i in lst]
+        return self._issue("reduce_scatter", list(outputs) + ins, fill, outputs)
+
+    # --- all-reduce, broadcast, barrier -------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        k = self._factor(opts)
+
+        def fill():
+            for t in tensors:
+                if k != 1:
+                    t.mul_(k)
+
+        return self._issue("all_reduce", list(tensors), fill, list(tensors))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        return self._issue("broadcast", list(tensors), None, list(tensors))
+
+    def barrier(self, opts=None):
+        return self._issue("barrier", [torch.zeros(1)], None, [])
+
+
+def _create(opts, backend_opts) -> SimProcessGroup:
+    return SimProcessGroup(opts.group_rank, opts.group_size, opts.group_id)
+
+
+def register() -> None:
+    """Make ``"simnet"`` a backend name for ``init_process_group`` (once per process)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+def init(world_size: int, link: Link, fill: bool = True) -> Network:
+    """Start ``torch.distributed`` as rank 0 of ``world_size`` ranks on the simulated link."""
+    global _NETWORK
+    register()
+    _NETWORK = Network(link, fill=fill)
+    dist.init_process_group(BACKEND, rank=0, world_size=world_size, store=dist.HashStore())
+    return _NETWORK

@@ -1,0 +1,111 @@
+"""From raw runs to the numbers a reader compares: medians, spread, ratios, overlap.
+
+Step times of all timed steps of all repetitions are pooled: the median is the figure, the
+quartiles are the spread of single steps, and the lowest and highest repetition medians show
+how much a whole run moved (on a shared machine, usually more than single steps do).
+
+Overlap efficiency (simulated network). For one implementation, with ``compute`` its step
+time on an instant network (its arithmetic and its own CPU work), ``comm`` the time of all of
+its collectives one after the other on the link, and ``first`` / ``last`` its first
+all-gather and its last reduce-scatter (nothing can hide those):
+
+    serial     = compute + comm                          nothing overlaps
+    ideal      = max(compute, comm) + first + last       everything else overlaps
+    efficiency = (serial - measured) / (serial - ideal)  0: serial, 1: ideal
+
+A blocking implementation (the reference) measures ``serial``: about 0.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from . import memmodel
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile)."""
+    values = sorted(values)
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+def overlap_efficiency(
+    compute: float, comm: float, measured: float, first: float, last: float
+) -> float | None:
+    """See the module docstring; None when there is nothing to overlap (serial <= ideal)."""
+    serial = compute + comm
+    ideal = max(compute, comm) + first + last
+    if serial - ideal <= 0:
+        return None
+    return (serial - measured) / (serial - ideal)
+
+
+def summarize(runs: list[dict], tokens_per_step: int) -> dict:
+    """One configuration's repetitions -> its figures."""
+    wall = [s for r in runs for s in r["wall_s"]]
+    cpu = [s for r in runs for s in r["cpu_s"]]
+    q1, med, q3 = quantiles(wall)
+    reps = [statistics.median(r["wall_s"]) for r in runs]
+    out = {
+        "step_s": med,
+        "step_q1_s": q1,
+        "step_q3_s": q3,
+        "rep_min_s": min(reps),
+        "rep_max_s": max(reps),
+        "cpu_s": statistics.median(cpu),
+        "tokens_per_s": tokens_per_step / med,
+        "steps": len(wall),
+        "loss": runs[-1]["loss"],
+        "params": runs[-1]["params"],
+        "rss_growth": statistics.median(r["rss_growth"] for r in runs),
+    }
+    last = runs[-1]
+    if "memory" in last:
+        out["memory"] = last["memory"]
+        out["memory_total"] = last["memory_total"]
+        out["tracked"] = memmodel.tracked(last["memory"])
+        out["heap_peak"] = statistics.median(r["heap_peak"] for r in runs)
+        out["collectives"] = last["collectives"]
+    if "accelerator_peak" in last:
+        out["accelerator_peak"] = statistics.median(r["accelerator_peak"] for r in runs)
+    comm = [c for r in runs for c in r.get("comm", [])]
+    if comm:
+        for key in ("comm_s", "first_all_gather_s", "last_reduce_scatter_s"):
+            out[key] = statistics.median(c[key] for c in comm)
+    return out
+
+
+def add_ratios(summary: dict) -> None:
+    """Step time and memory as ratios to DDP and to torch's fully_shard, where they ran."""
+    for base in ("ddp", "torch"):
+        if base not in summary:
+            continue
+        for row in summary.values():
+            row[f"step_vs_{base}"] = row["step_s"] / summary[base]["step_s"]
+            a, b = row.get("memory_total"), summary[base].get("memory_total")
+            if a and b:
+                row[f"memory_vs_{base}"] = a / b
+
+
+def add_overlap(summary: dict, instant: dict) -> None:
+    """Overlap efficiency of each implementation; ``instant`` holds the same runs on an
+    instant network (their compute)."""
+    for name, row in summary.items():
+        if name not in instant or "comm_s" not in row:
+            continue
+        row["compute_s"] = instant[name]["step_s"]
+        row["overlap_efficiency"] = overlap_efficiency(
+            row["compute_s"],
+            row["comm_s"],
+            row["step_s"],
+            row["first_all_gather_s"],
+            row["last_reduce_scatter_s"],
+        )
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}x"
