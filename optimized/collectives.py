@@ -77,7 +77,12 @@ def all_gather(
         ranks = dist.get_world_size(group)
         recv = send.new_empty(ranks * send.numel())
         pending = comm.issue(
-            all_gather_into, recv, send, group=group, stream=comm.all_gather_stream
+            all_gather_into,
+            recv,
+            send,
+            group=group,
+            stream=comm.all_gather_stream,
+            about=params,
         )
     return AllGatherResult(pending, send, recv, ranks, params, dtypes)
 
@@ -118,6 +123,7 @@ def reduce_scatter(
             packed,
             group=info.shard_group,
             stream=comm.reduce_scatter_stream,
+            about=params,
         )
         kept = False
         if info.replicate_group is not None:  # see [Note: HSDP after the reduce-scatter]
@@ -129,7 +135,11 @@ def reduce_scatter(
     if info.replicate_group is not None and all_reduce:
         comm.all_reduce_stream.wait_stream(comm.reduce_scatter_stream)
         pending = comm.issue(
-            dist.all_reduce, out, group=info.replicate_group, stream=comm.all_reduce_stream
+            dist.all_reduce,
+            out,
+            group=info.replicate_group,
+            stream=comm.all_reduce_stream,
+            about=params,
         )
     return ReduceScatterResult(pending, grads, packed, out, params, divide_by, kept)
 

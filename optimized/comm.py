@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from twinshard.guard import check_collective
+
 from .streams import streams_for
 
 
@@ -78,8 +80,10 @@ class CommContext:
     def current_stream(self):
         return self.streams.current()
 
-    def issue(self, collective, *args, stream, **kwargs) -> Pending:
-        """Run ``collective(*args, **kwargs)`` on ``stream`` and say how to wait for it."""
+    def issue(self, collective, *args, stream, about=(), **kwargs) -> Pending:
+        """Run ``collective(*args, **kwargs)`` on ``stream`` and say how to wait for it.
+        ``about``: the parameters it carries, named by the guard's checks in debug mode."""
+        check_collective(collective, args[-1], kwargs.get("group"), about)
         with self.on(stream):
             work = collective(*args, async_op=self.async_op, **kwargs)
             return Pending(work, stream.record_event())

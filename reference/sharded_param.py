@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from twinshard.api import CPUOffloadPolicy, FSDPUsageError
+from twinshard.guard import check_collective
 
 from .collectives import all_gather_rows, all_reduce_sum, pad_rows, padded_rows, reduce_scatter_rows
 from .mesh import MeshInfo
@@ -139,6 +140,7 @@ class ShardedParam:
             return
         group = self.all_gather_mesh(post_forward).shard_group
         block = self.all_gather_input(dtype)  # (chunk, *rest), or (S*chunk/N, *rest)
+        check_collective("all_gather", block, group, self.fqn)  # debug mode: do the ranks agree?
         all_gather_rows(self.all_gather_output(dtype), block, group)  # (S * chunk, *rest)
         self.finish_unshard()
 
@@ -224,11 +226,13 @@ class ShardedParam:
         grad = self.reduce_scatter_input()  # (S * chunk, *rest)
         if grad is None:
             return
+        check_collective("reduce_scatter", grad, self.info.shard_group, self.fqn)
         block = reduce_scatter_rows(grad, self.info.shard_group)  # (chunk, *rest) summed
         if self.info.replicate_group is not None:
             block = self.combine_partial_sum(block, all_reduce)
             if block is None:
                 return  # summed over the shard group only, for now
+            check_collective("all_reduce", block, self.info.replicate_group, self.fqn)
             all_reduce_sum(block, self.info.replicate_group)
         self.accumulate_grad(block / divide_by)  # the sum over ranks becomes their mean
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from twinshard.api import FSDPUsageError, MixedPrecisionPolicy, map_tensors, tensors_in
+from twinshard.guard import check_model, forward_started
 
 from .mixed_precision import cast_inputs, cast_output
 from .param_group import ParamGroup, TrainingState
@@ -63,6 +64,7 @@ class FSDPState:
         if self.is_root is not None:
             return
         self.is_root, self.root = True, self
+        named = {id(m): n for n, m in self.module.named_modules()}  # module -> its full name
         for name, module in self.module.named_modules():
             state = get_state(module)
             if state is None:
@@ -77,11 +79,13 @@ class FSDPState:
                 state.is_root, state.root = False, self
             self.all_states.append(state)
             if state.group is not None:
-                for p in state.group.params:  # full names for error messages
-                    p.fqn = f"{name}.{p.owners[0][1]}".lstrip(".")
+                for p in state.group.params:  # full names, from the module that holds it
+                    owner, attr = p.owners[0]
+                    p.fqn = f"{named[id(owner)]}.{attr}".lstrip(".")
         if self.auto_reshard_after_forward and self.group is not None:
             # The root's parameters are the first ones backward needs: keep them.
             self.group.post_forward_info = None
+        check_model(self.module, self.all_states)  # do all ranks hold the same model?
 
     # --- forward: pre and post ------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -89,6 +93,7 @@ class FSDPState:
         if self.group is not None and self.group.state is TrainingState.PRE_BACKWARD:
             self.group.unshard()  # forward recomputed in backward (activation checkpointing)
             return cast_inputs(self.mp, args, kwargs)
+        forward_started(self)  # the root counts steps, for the guard's messages
         if self.is_root and self.group is not None and self.group.device.type != "cpu":
             to_device = lambda t: t.to(self.group.device)  # noqa: E731
             args, kwargs = map_tensors(to_device, args), map_tensors(to_device, kwargs)
