@@ -38,25 +38,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compare (default): the implementations side by side; hooks: CPU time per group "
         "and step with tiny blocks, profiled; sweep: model size, groups and world size",
     )
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of: %(default)s")
-    parser.add_argument("--preset", default="small", help="tiny, small, medium, 1b")
+    parser.add_argument("--impls", default=None, help=f"comma-separated, of: {','.join(IMPLS)}")
+    parser.add_argument("--preset", default=None, help="tiny, small, medium, 1b")
     parser.add_argument("--layers", type=int, default=None, help="blocks (groups), overrides")
     parser.add_argument("--dim", type=int, default=None, help="model width, overrides")
     parser.add_argument("--heads", type=int, default=None, help="attention heads, overrides")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary size, overrides")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--per-rank", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence")
+    parser.add_argument("--per-rank", type=int, default=None, help="sequences per rank per step")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--backend", choices=BACKENDS, default=None, help="gloo on cpu, nccl on cuda"
     )
-    parser.add_argument("--world", "--nproc", type=int, default=2, help="world size")
+    parser.add_argument("--world", "--nproc", type=int, default=None, help="world size")
     parser.add_argument("--hsdp", type=int, default=1, help="replicas of a 2D (HSDP) mesh")
     parser.add_argument("--link", default="ib", help="simnet: nvlink, ib, or GB/s")
     parser.add_argument("--latency-us", type=float, default=None, help="simnet: link latency")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory step")
     parser.add_argument("--no-progress", action="store_true")
@@ -66,6 +66,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None, help="hooks: write cProfile files here")
     parser.add_argument("--out", default="benchmarks/results", help="sweep: where plots go")
     parser.add_argument("--points", default=None, help="sweep: a smaller sweep, e.g. 'quick'")
+
+
+# What each mode runs unless told otherwise (see the module docstring).
+DEFAULTS = {
+    "compare": dict(impls=",".join(IMPLS), preset="small", world=2, seq=128, per_rank=4, steps=10),
+    # tiny blocks, so that compute is negligible and the hooks' own CPU time shows
+    "hooks": dict(
+        impls="plain,reference,optimized,torch",
+        preset="tiny",
+        layers=64,
+        dim=32,
+        heads=2,
+        vocab=128,
+        backend="fake",
+        world=8,
+        seq=8,
+        per_rank=1,
+        steps=40,
+    ),
+}
+
+
+def resolve(args) -> None:
+    """Fill what the command line left open with the defaults of ``args.mode``."""
+    for name, value in DEFAULTS.get(args.mode, DEFAULTS["compare"]).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def config_from(args) -> RunConfig:
@@ -84,11 +111,14 @@ def config_from(args) -> RunConfig:
     )
 
 
-def side_by_side(base: RunConfig, impls: list[str], repeat: int, progress: bool = True) -> dict:
-    """Run ``impls`` on ``base`` and summarize: figures, ratios, overlap, memory model."""
+def side_by_side(
+    base: RunConfig, impls: list[str], repeat: int, progress: bool = True, overlap: bool = True
+) -> dict:
+    """Run ``impls`` on ``base`` and summarize: figures, ratios, overlap (``simnet``: the same
+    runs on an instant network too), memory model."""
     configs = [replace(base, impl=i) for i in impls]
     instant = []
-    if base.backend == "simnet" and base.link != "inf":
+    if overlap and base.backend == "simnet" and base.link != "inf":
         instant = [replace(c, link="inf", memory=False) for c in configs]
     runs = compare(configs + instant, repeat, progress)
     tokens = base.per_rank * base.seq * base.world
@@ -127,6 +157,7 @@ def run(args) -> int:
         from .sweep import run_sweep
 
         return run_sweep(args)
+    resolve(args)
     base = config_from(args)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     unknown = [i for i in impls if i not in IMPLS]

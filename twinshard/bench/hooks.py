@@ -1,0 +1,146 @@
+"""Hook overhead: the CPU time each implementation spends per parameter group and step.
+
+With PyTorch's fake process group (collectives do nothing) and tiny blocks (compute is next
+to nothing), a training step costs what the implementation's hooks, bookkeeping and
+collective calls cost on the CPU. ``twinshard bench hooks`` measures, per implementation,
+
+    overhead per group = (CPU time of a step - CPU time of the plain model's step) / groups
+
+with groups = blocks + the root, on world size 8 and 64 blocks by default, from interleaved
+repetitions of many steps (CPU time of the process, which a busy machine disturbs less than
+wall time). Then it runs each implementation once more under ``cProfile`` and splits that
+time by where it is spent (the table of categories below, and the functions that cost most).
+cProfile adds a fixed cost to every Python call, so its shares are approximate; the totals
+above are measured without it.
+"""
+
+from __future__ import annotations
+
+import os
+import pstats
+import tempfile
+from dataclasses import replace
+
+from .report import meta, write_json
+
+# where a function lives (a fragment of its file path) -> the category it counts in
+CATEGORIES = [
+    ("/reference/", "twinshard.reference"),
+    ("/optimized/", "twinshard.optimized"),
+    ("twinshard/api.py", "twinshard.api"),
+    ("torch/distributed/fsdp/", "torch fsdp"),
+    ("torch/distributed/tensor/", "DTensor"),
+    ("torch/distributed/", "torch.distributed (c10d Python)"),
+    ("torch/nn/modules/module.py", "nn.Module call and hooks"),
+    ("torch/autograd/", "autograd Python"),
+    ("torch/utils/hooks.py", "autograd Python"),
+    ("torch/_ops.py", "dispatcher Python"),
+    ("torch/utils/_pytree.py", "pytree"),
+    ("torch/optim/", "optimizer"),
+    ("twinshard/models.py", "model"),
+    ("torch/nn/", "model"),
+    ("torch/", "other torch Python"),
+]
+
+
+def category(filename: str, funcname: str) -> str:
+    if filename == "~":  # a builtin: torch's C++ ops show up as methods of torch._C objects
+        return "C++ ops and builtins"
+    for fragment, name in CATEGORIES:
+        if fragment in filename:
+            return name
+    return "other Python"
+
+
+def breakdown(path: str, per: float) -> tuple[dict, list]:
+    """(microseconds by category, the 12 costliest functions) from a cProfile file, each
+    divided by ``per`` (steps x groups)."""
+    stats = pstats.Stats(path).stats
+    cats: dict[str, float] = {}
+    rows = []
+    for (filename, line, func), (_, calls, tottime, _cumtime, _) in stats.items():
+        cat = category(filename, func)
+        cats[cat] = cats.get(cat, 0.0) + tottime * 1e6 / per
+        short = filename.split("site-packages/")[-1].split("/work/main/")[-1]
+        rows.append((tottime * 1e6 / per, calls / per, f"{short}:{line}({func})", cat))
+    rows.sort(reverse=True)
+    return dict(sorted(cats.items(), key=lambda kv: -kv[1])), rows[:12]
+
+
+def run_hooks(args) -> int:
+    from .cli import config_from, resolve, side_by_side
+
+    args.mode = "hooks"
+    resolve(args)
+    base = replace(config_from(args), memory=False, profile=None)
+    impls = [i for i in args.impls.split(",") if i]
+    groups = base.llama().n_layers + 1
+    result = side_by_side(base, impls, args.repeat, not args.no_progress)
+    summary = result["summary"]
+    floor = summary.get("plain", {}).get("cpu_s", 0.0)
+    for row in summary.values():
+        row["overhead_per_group_s"] = (row["cpu_s"] - floor) / groups
+    profile_dir = args.profile or tempfile.mkdtemp(prefix="twinshard-hooks-")
+    profiles = {}
+    for impl in impls:
+        from .runner import run
+
+        run(replace(base, impl=impl, profile=profile_dir))
+        cats, top = breakdown(os.path.join(profile_dir, f"{impl}.prof"), base.steps * groups)
+        profiles[impl] = {"categories": cats, "top": top}
+    text = overhead_table(summary, base, groups) + "\n\n" + profile_tables(profiles)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        payload = {"meta": meta(base.as_dict()), **result, "profiles": profiles}
+        write_json(args.json, payload)
+    return 0
+
+
+def overhead_table(summary: dict, base, groups: int) -> str:
+    torch_row = summary.get("torch")
+    lines = [
+        f"{base.backend} world {base.world}, {groups - 1} blocks + root = {groups} groups, "
+        f"dim {base.llama().dim}, {base.per_rank} x {base.seq} tokens; CPU time per step",
+        "",
+        "| impl | CPU ms/step | wall ms/step | overhead us/group | vs torch |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in summary.items():
+        per = r["overhead_per_group_s"]
+        ratio = (
+            f"{per / torch_row['overhead_per_group_s']:.2f}x"
+            if torch_row and name != "plain" and torch_row["overhead_per_group_s"] > 0
+            else "-"
+        )
+        lines.append(
+            f"| {name} | {r['cpu_s'] * 1e3:.2f} | {r['step_s'] * 1e3:.2f} | "
+            f"{per * 1e6:.0f} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def profile_tables(profiles: dict) -> str:
+    names = list(profiles)
+    cats = sorted(
+        {c for p in profiles.values() for c in p["categories"]},
+        key=lambda c: -max(p["categories"].get(c, 0.0) for p in profiles.values()),
+    )
+    lines = [
+        "cProfile, microseconds per group and step (self time, by where the code lives)",
+        "",
+        "| where | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for c in cats:
+        cells = [f"{profiles[n]['categories'].get(c, 0.0):.1f}" for n in names]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    totals = [f"{sum(profiles[n]['categories'].values()):.1f}" for n in names]
+    lines.append("| total (profiled) | " + " | ".join(totals) + " |")
+    for n in names:
+        lines += ["", f"{n}: the costliest functions (us and calls per group and step)", ""]
+        lines += ["| us | calls | function |", "|---|---|---|"]
+        lines += [f"| {us:.1f} | {calls:.1f} | `{fn}` |" for us, calls, fn, _ in profiles[n]["top"]]
+    return "\n".join(lines)

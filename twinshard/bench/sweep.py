@@ -1,0 +1,120 @@
+"""How cost grows: one command sweeps model size, number of groups and world size.
+
+``twinshard bench sweep`` varies one thing at a time around a small base model on the
+simulated network (``simnet``, one process as rank 0 of the world) and measures, for plain,
+reference, optimized and torch's fully_shard:
+
+- step time (wall clock, median of the timed steps of every repetition);
+- overhead per group: (CPU time of the step - the plain model's) / groups;
+- peak memory that FSDP holds (``probe``: shards, optimizer state, unsharded weights,
+  gradients and communication buffers at the peak), and the memory model's prediction.
+
+It writes ``sweep.json`` and three plots into ``--out``, one per swept quantity, each with the
+three measurements side by side: ``sweep-model-size.png``, ``sweep-groups.png``,
+``sweep-world-size.png``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from .config import RunConfig
+from .report import meta, write_json
+
+IMPLS = ["plain", "reference", "optimized", "torch"]
+BASE = dict(dim=64, n_layers=4, world=8)
+POINTS = {
+    "full": {"model size": [64, 128, 256], "groups": [2, 8, 32], "world size": [2, 8, 64]},
+    "quick": {"model size": [32, 64], "groups": [1, 2], "world size": [2, 4]},
+}
+FILES = {
+    "model size": "sweep-model-size.png",
+    "groups": "sweep-groups.png",
+    "world size": "sweep-world-size.png",
+}
+
+
+def point(base: RunConfig, axis: str, value: int) -> RunConfig:
+    """``base`` with ``axis`` set to ``value`` (model size is the width)."""
+    dim, layers, world = BASE["dim"], BASE["n_layers"], BASE["world"]
+    if axis == "model size":
+        dim = value
+    elif axis == "groups":
+        layers = value
+    else:
+        world = value
+    model = dict(base.model, dim=dim, n_layers=layers, n_heads=max(2, dim // 32))
+    model["n_kv_heads"] = model["n_heads"]
+    return replace(base, model=model, world=world)
+
+
+def run_sweep(args) -> int:
+    from .cli import config_from, side_by_side
+
+    for name, value in dict(
+        preset="tiny", seq=32, per_rank=2, steps=8, world=8, impls=",".join(IMPLS)
+    ).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.backend = args.backend or "simnet"
+    base = config_from(args)
+    impls = [i for i in args.impls.split(",") if i]
+    points = POINTS[args.points or "full"]
+    results: dict = {}
+    for axis, values in points.items():
+        results[axis] = []
+        for value in values:
+            config = point(base, axis, value)
+            out = side_by_side(config, impls, args.repeat, not args.no_progress, overlap=False)
+            summary = out["summary"]
+            groups = config.llama().n_layers + 1
+            floor = summary.get("plain", {}).get("cpu_s", 0.0)
+            for row in summary.values():
+                row["overhead_per_group_s"] = (row["cpu_s"] - floor) / groups
+            results[axis].append({"value": value, "config": config.as_dict(), "summary": summary})
+            print(f"{axis} = {value}: " + _line(summary), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, "sweep.json"), {"meta": meta(base.as_dict()), **results})
+    for axis, rows in results.items():
+        plot_axis(axis, rows, impls, os.path.join(args.out, FILES[axis]), base)
+    return 0
+
+
+def _line(summary: dict) -> str:
+    return ", ".join(
+        f"{n} {r['step_s'] * 1e3:.1f} ms / {r.get('memory_total', 0) / 2**20:.2f} MB"
+        for n, r in summary.items()
+    )
+
+
+def plot_axis(axis: str, rows: list, impls: list, path: str, base: RunConfig) -> None:
+    """Step time, overhead per group and peak memory against ``axis``, one line per impl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["value"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+    panels = [
+        ("step time (ms)", lambda s: s["step_s"] * 1e3),
+        ("overhead per group (us CPU)", lambda s: s["overhead_per_group_s"] * 1e6),
+        ("peak FSDP memory (MB)", lambda s: s.get("memory_total", 0) / 2**20),
+    ]
+    for ax, (title, value) in zip(axes, panels):
+        for impl in impls:
+            ys = [value(r["summary"][impl]) for r in rows if impl in r["summary"]]
+            ax.plot(xs[: len(ys)], ys, marker="o", label=impl)
+            if title.startswith("peak") and impl != "plain":
+                model = [r["summary"][impl].get("model_total", 0) / 2**20 for r in rows]
+                ax.plot(xs, model, linestyle=":", color=ax.lines[-1].get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(axis + (" (width)" if axis == "model size" else ""))
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=7)
+    link = f", link {base.link}" if base.backend == "simnet" else ""
+    fig.suptitle(f"{base.backend}{link}; dotted: memory model", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
