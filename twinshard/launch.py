@@ -7,19 +7,24 @@ The parent gets the values as a list ordered by rank. The parent never joins a g
 even with one rank, and refuses to run if it has initialized ``torch.distributed``
 itself (a forked child would inherit that group).
 
-Why it cannot hang. Each rank has a one-way pipe to the parent, which waits on all
-the pipes and process sentinels at once, so it wakes as soon as a rank reports or
-dies. It never joins a process that may still be writing, and reads a result of any
-size while it is written. Results go through plain ``pickle``, so tensors are copied
-into the message, not shared through memory that vanishes with the child. When a
-rank raises or dies, the parent waits a moment for its peers' reports, then
-terminates the rest (SIGTERM, then SIGKILL), since they may be blocked in a
-collective that will never finish, and raises ``LaunchError`` naming the rank, with
-the exception type and the child's traceback, or the exit code of a rank that died
-without a report. Peers that failed only because it vanished ("connection closed by
-peer") are listed after it. A wall-clock deadline covers the rest: the ranks get
-``timeout`` + 60 s to start and join the group, then ``fn`` gets ``timeout`` seconds
-and a little slack, so a collective's own timeout (also ``timeout``) can fire first.
+Why it cannot hang. Each rank has a one-way pipe to the parent, which waits on all of
+them (``twinshard.supervise``). Results go through plain ``pickle``, so tensors are copied
+into the message, not shared through memory that vanishes with the child. When a rank
+raises or dies, the parent terminates the rest, since they may be blocked in a collective
+that will never finish, and raises ``LaunchError`` naming the rank, with the exception
+type and the child's traceback, or the exit code of a rank that died without a report.
+A wall-clock deadline covers the rest: the ranks get ``timeout`` + 60 s to start and join
+the group, then ``fn`` gets ``timeout`` seconds and a little slack, so a collective's own
+timeout (also ``timeout``) can fire first. With ``hang_timeout``, a watchdog
+(``twinshard.watchdog``) stops a run in which no rank made progress for that long, dumps
+every rank's Python stack and raises ``HangError`` naming the stalled rank.
+
+One run, one owner. The parent binds the rendezvous store's port itself and holds it until
+the run ends (a port taken between choosing and binding is replaced by another), so no other
+process can take it from the ranks. Each rank asks the kernel to kill it when the parent
+dies (``PR_SET_PDEATHSIG`` on Linux), so SIGKILL or SIGTERM to the parent leaves no rank
+behind. With ``forward_signals=True``, SIGINT and SIGTERM are passed on to the ranks instead,
+which decide how to stop; a second one stops them at once.
 
 Fork or spawn. ``spawn`` starts a fresh interpreter that imports ``fn`` by module and
 name. It is the safer choice, but it cannot run a lambda, a closure, a nested
@@ -36,47 +41,29 @@ Each child calls ``torch.set_num_threads(1)``, since a few ranks share a few cor
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
+import shutil
+import signal
 import socket
 import sys
-import time
+import tempfile
 import traceback
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing.connection import wait
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["LaunchError", "RankInfo", "get_rank_info", "launch"]
+from . import watchdog
+from .supervise import HangError, LaunchError, Watch, collect, forwarding, stop
 
-_STARTUP_MARGIN = 60.0  # extra seconds for the ranks to start and join the group
-_EXIT_GRACE = 10.0  # how long a rank that has reported gets to exit by itself
-_KILL_GRACE = 2.0  # how long to wait after SIGTERM before SIGKILL
-_POLL = 0.5  # the longest the parent sleeps between checks
-_DRAIN = 1.0  # after a failure, how long to wait for the other ranks' reports
-# First lines of errors that a rank gets because a peer died, not because of its own bug.
-_KNOCK_ON = (
-    "closed by peer",
-    "reset by peer",
-    "broken pipe",
-    "remote worker",
-    "connection refused",
-)
+__all__ = ["HangError", "LaunchError", "RankInfo", "get_rank_info", "launch"]
 
-
-class LaunchError(RuntimeError):
-    """A rank raised, died or missed the deadline. ``ranks``: the ranks that failed
-    first (the likely cause); ``failures``: every failed rank -> what happened."""
-
-    def __init__(self, message: str, ranks: list[int], failures: dict[int, str]):
-        super().__init__(message)
-        self.ranks = list(ranks)
-        self.failures = dict(failures)
+_PORT_TRIES = 10  # ports tried for the store before giving up
 
 
 class RankInfo(NamedTuple):
@@ -156,13 +143,57 @@ def _pick_start_method(fn: Callable, args: tuple, kwargs: dict, start_method: st
     return start_method or "spawn"
 
 
-def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, conn) -> None:
+class _Setup(NamedTuple):
+    """What a rank gets from the parent besides ``fn`` and its arguments."""
+
+    rank: int
+    world_size: int
+    port: int  # of the parent's store
+    backend: str
+    timeout: float
+    env: dict
+    parent_pid: int | None  # None: a fork server started the rank, not the launcher
+    hang_timeout: float | None
+    stack_dir: str | None
+
+
+def _host_store(timeout: float) -> dist.TCPStore:
+    """The rendezvous store, served by this process on a port it holds for the whole run."""
+    for attempt in range(_PORT_TRIES):
+        try:
+            return dist.TCPStore(
+                "127.0.0.1",
+                _free_port(),
+                None,
+                True,
+                timeout=timedelta(seconds=timeout),
+                wait_for_workers=False,
+            )
+        except dist.DistNetworkError as e:  # taken since _free_port chose it: choose again
+            if "EADDRINUSE" not in str(e) or attempt == _PORT_TRIES - 1:
+                raise
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Have the kernel SIGKILL this rank when the launcher dies, however it dies."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)  # the launcher died before the line above took effect
+
+
+def _worker(fn, args, kwargs, setup: _Setup, conn) -> None:
     global _RANK_INFO
+    rank, world_size, backend, timeout = setup.rank, setup.world_size, setup.backend, setup.timeout
     try:
-        os.environ.update(env)
+        _die_with_parent(setup.parent_pid)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a fork copies the parent's
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.environ.update(setup.env)
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            MASTER_PORT=str(setup.port),
             RANK=str(rank),
             LOCAL_RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -175,11 +206,25 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, con
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
         _RANK_INFO = RankInfo(rank, rank, world_size, backend, device)
+        store = dist.TCPStore(
+            "127.0.0.1", setup.port, None, False, timeout=timedelta(seconds=timeout)
+        )
+        if setup.hang_timeout:
+            stacks = open(os.path.join(setup.stack_dir, f"rank{rank}.txt"), "w")
+            watched = dist.PrefixStore(watchdog.PREFIX, store)
+            watchdog.start_rank(watched, rank, setup.hang_timeout, stacks)
+            watchdog.progress("joining the process group")
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
         )
         conn.send_bytes(pickle.dumps(("ready",)))
+        watchdog.progress("running")
         result = fn(*args, **kwargs)
+        watchdog.progress("returned")
         conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
         kind = f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins.")
@@ -202,101 +247,6 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, timeout, env, con
         os._exit(0)
 
 
-def _stop(procs: list) -> None:
-    """Terminate every live process, then kill what is left."""
-    for signal_them in (mp.Process.terminate, mp.Process.kill):
-        live = [p for p in procs if p.is_alive()]
-        for p in live:
-            signal_them(p)
-        end = time.monotonic() + _KILL_GRACE
-        for p in live:
-            p.join(max(0.0, end - time.monotonic()))
-
-
-def _error(headline: str, failures: dict[int, str]) -> LaunchError:
-    def knock_on(text: str) -> bool:
-        return any(k in text.split("\n", 1)[0].lower() for k in _KNOCK_ON)
-
-    first = [r for r, text in failures.items() if not knock_on(text)] or list(failures)
-    later = [r for r in failures if r not in first]
-    message = f"{headline}: rank(s) {', '.join(map(str, first))}"
-    if later:
-        message += f"; then rank(s) {', '.join(map(str, later))}, probably as a consequence"
-    message += "".join(f"\n\n--- rank {r} ---\n{failures[r]}" for r in first + later)
-    return LaunchError(message, first, failures)
-
-
-def _collect(procs: list, conns: list, timeout: float) -> list:
-    """Read every rank's reports until all have returned, one fails or time runs out."""
-    n, ready, results, failures = len(procs), set(), {}, {}
-
-    def poll(rank: int) -> None:
-        conn, proc = conns[rank], procs[rank]
-        while rank not in results and rank not in failures:
-            if not conn.poll():
-                if proc.exitcode is not None and not conn.poll():  # died without a report
-                    failures[rank] = (
-                        f"exited without reporting a result (exit code {proc.exitcode})"
-                    )
-                return
-            try:
-                msg = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                proc.join(_KILL_GRACE)
-                failures[rank] = f"exited without reporting a result (exit code {proc.exitcode})"
-            except Exception as e:
-                failures[rank] = f"its result could not be unpickled: {type(e).__name__}: {e}"
-            else:
-                if msg[0] == "ready":
-                    ready.add(rank)
-                elif msg[0] == "ok":
-                    results[rank] = msg[1]
-                else:
-                    failures[rank] = f"{msg[1]}: {msg[2]}\n\n{msg[3].rstrip()}"
-
-    def wait_and_poll(until: float) -> list[int]:
-        pending = [r for r in range(n) if r not in results and r not in failures]
-        wait(
-            [conns[r] for r in pending] + [procs[r].sentinel for r in pending],
-            timeout=max(0.0, min(_POLL, until - time.monotonic())),
-        )
-        for r in pending:
-            poll(r)
-        return [r for r in pending if r not in results and r not in failures]
-
-    deadline, all_ready = time.monotonic() + timeout + _STARTUP_MARGIN, False
-    while not failures and (pending := wait_and_poll(deadline)):
-        if not all_ready and len(ready) == n:
-            all_ready, deadline = True, time.monotonic() + timeout + min(5.0, 0.1 * timeout)
-        if time.monotonic() >= deadline and not failures:
-            late = {
-                r: "had not finished " + ("fn" if r in ready else "starting up") for r in pending
-            }
-            raise _error(f"deadline of {timeout}s exceeded", late)
-    if failures:  # peers of a failed rank often fail a moment later: collect them briefly
-        end = time.monotonic() + _DRAIN
-        while wait_and_poll(end) and time.monotonic() < end:
-            pass
-        raise _error("launch failed", failures)
-
-    end = time.monotonic() + _EXIT_GRACE  # all returned: let them tear down and exit
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    if stuck := [r for r, p in enumerate(procs) if p.is_alive()]:
-        warnings.warn(
-            f"rank(s) {stuck} returned but did not exit within {_EXIT_GRACE}s; killing them",
-            stacklevel=2,
-        )
-    bad = {
-        r: f"returned a result but then exited with code {p.exitcode}"
-        for r, p in enumerate(procs)
-        if p.exitcode not in (0, None)
-    }
-    if bad:
-        raise _error("launch failed during teardown", bad)
-    return [results[r] for r in range(n)]
-
-
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -305,6 +255,8 @@ def launch(
     timeout: float = 300.0,
     start_method: str | None = None,
     env: dict[str, str] | None = None,
+    hang_timeout: float | None = None,
+    forward_signals: bool = False,
     **kwargs: Any,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return the results by rank.
@@ -312,13 +264,20 @@ def launch(
     ``backend``: default "nccl" (one GPU per rank) if there are enough GPUs, else "gloo".
     ``timeout``: seconds, for the process group and as the deadline for ``fn``.
     ``start_method``: None picks fork or spawn (see the module docstring).
-    ``env``: extra environment variables for the children. Raises ``ValueError`` for
-    bad arguments, ``TypeError`` if ``fn`` cannot be spawned, ``LaunchError`` if a rank fails.
+    ``env``: extra environment variables for the children.
+    ``hang_timeout``: seconds without progress on any rank before the watchdog stops the run
+    and raises ``HangError`` (a ``LaunchError``); None: no watchdog. ``fn`` may call
+    ``twinshard.watchdog.progress("...")``; collectives count as progress by themselves.
+    ``forward_signals``: pass SIGINT and SIGTERM on to the ranks (see the module docstring).
+    Raises ``ValueError`` for bad arguments, ``TypeError`` if ``fn`` cannot be spawned,
+    ``LaunchError`` if a rank fails.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
+    if hang_timeout is not None and not hang_timeout > 0:
+        raise ValueError(f"hang_timeout must be positive or None, got {hang_timeout!r}")
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build of torch")
     if dist.is_initialized():
@@ -326,24 +285,35 @@ def launch(
             "launch() must be called from a process that has not initialized torch.distributed"
         )
     backend = _resolve_backend(backend, nprocs)
-    ctx = mp.get_context(_pick_start_method(fn, args, kwargs, start_method))
+    method = _pick_start_method(fn, args, kwargs, start_method)
+    ctx = mp.get_context(method)
     env = {str(k): str(v) for k, v in (env or {}).items()}
-    port = _free_port()
+    store = _host_store(timeout)
+    stack_dir = tempfile.mkdtemp(prefix="twinshard-stacks-") if hang_timeout else None
+    parent = None if method == "forkserver" else os.getpid()
     procs, conns = [], []
     try:
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
+            setup = _Setup(
+                rank, nprocs, store.port, backend, timeout, env, parent, hang_timeout, stack_dir
+            )
             p = ctx.Process(
-                target=_worker,
-                name=f"twinshard-rank{rank}",
-                args=(fn, args, kwargs, rank, nprocs, port, backend, timeout, env, writer),
+                target=_worker, name=f"twinshard-rank{rank}", args=(fn, args, kwargs, setup, writer)
             )
             p.start()
             writer.close()  # keep only the child's copy, so its death reads as EOF
             procs.append(p)
             conns.append(reader)
-        return _collect(procs, conns, timeout)
+        watch = None
+        if hang_timeout:
+            watched = dist.PrefixStore(watchdog.PREFIX, store)
+            watch = Watch(watched, procs, hang_timeout, stack_dir)
+        with forwarding(procs, forward_signals):
+            return collect(procs, conns, timeout, watch)
     finally:
-        _stop(procs)
+        stop(procs, gently=not forward_signals)  # forwarded SIGTERM means "finish the step"
         for c in conns:
             c.close()
+        if stack_dir:
+            shutil.rmtree(stack_dir, ignore_errors=True)
