@@ -89,8 +89,15 @@ def _slice(batch: tuple, rank: int, world: int) -> tuple:
     return tuple(out)
 
 
-def run_plain(recipe: Recipe, low: torch.dtype | None = None, world: int = 1) -> Trace:
-    """The truth: the unsharded model on the global batch.
+def run_plain(
+    recipe: Recipe,
+    low: torch.dtype | None = None,
+    world: int = 1,
+    model: nn.Module | None = None,
+    opt: torch.optim.Optimizer | None = None,
+) -> Trace:
+    """The truth: the unsharded model on the global batch (or continue training a given plain
+    ``model`` with its optimizer).
 
     With ``low``, the same computation as a data-parallel mixed-precision run instead: each of
     ``world`` slices of the batch runs through a ``low`` copy of the model, and the gradients
@@ -98,8 +105,8 @@ def run_plain(recipe: Recipe, low: torch.dtype | None = None, world: int = 1) ->
     the error that low precision alone causes.
     """
     with paused():  # the truth uses no streams: nothing to check, and checks cost time
-        model = seeded(recipe.build).to(DEVICE)
-        trace = _train(recipe, model, model, rank=0, world=1, low=low, low_world=world)
+        model = seeded(recipe.build).to(DEVICE) if model is None else model
+        trace = _train(recipe, model, model, rank=0, world=1, low=low, opt=opt, low_world=world)
     trace.model = model
     return trace
 

@@ -161,3 +161,83 @@ class ScoreMLP(MLPStack):
 
     def score(self, x, y):
         return (self.forward(x) - y).pow(2).mean()
+
+
+class Expert2Block(nn.Module):
+    """Two experts; each row goes to the one its route flag names. An expert that no row of
+    this batch goes to is not called at all, so on a rank whose rows all go to the other one
+    its parameters get no gradient (routing in a mixture of experts)."""
+
+    def __init__(self, dim: int = 15):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+
+    def forward(self, h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(h)  # (B, dim)
+        for flag, expert in enumerate(self.experts):
+            rows = route == flag  # (B,)
+            if rows.any():
+                out = out.index_put((rows,), expert(h[rows]))
+        return h + out
+
+
+class RoutedMLP(nn.Module):
+    """Blocks of two experts, then a head; the last input column is each row's route."""
+
+    def __init__(self, dim: int = 15, n_blocks: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Expert2Block(dim) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, route = x[:, :-1], x[:, -1].long()  # (B, dim), (B,)
+        for block in self.blocks:
+            h = block(h, route)
+        return self.head(h)
+
+
+def routed_recipe(world: int, wrap=None, **kwargs) -> Recipe:
+    """Rank r's rows all take route r % 2: at world size >= 2 each expert is used on some
+    ranks only, while the plain model on the global batch uses both."""
+    per_rank = GLOBAL_BATCH // world
+
+    def data(i: int) -> tuple:
+        g = torch.Generator().manual_seed(4321 + i)
+        x = torch.randn(GLOBAL_BATCH, 16, generator=g)  # (B, dim + 1)
+        x[:, -1] = (torch.arange(GLOBAL_BATCH) // per_rank % 2).float()  # the route column
+        return x, torch.randn(GLOBAL_BATCH, 15, generator=g)
+
+    settings = dict(build=lambda: RoutedMLP(), wrap=wrap or shard_blocks, data=data, loss=mse)
+    return Recipe(**{**settings, **kwargs})
+
+
+class SequentialList(nn.ModuleList):
+    """A ``ModuleList`` that defines ``forward``: it runs its modules in order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self:
+            x = module(x)
+        return x
+
+
+class ListMLP(MLPStack):
+    """``MLPStack`` whose blocks are called through a ``SequentialList``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = SequentialList(self.blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(x)))  # (..., dim)
+
+
+class Float8ScaleMLP(MLPStack):
+    """Each block scales its input by a frozen float8 vector, beside its float32 weights:
+    a group whose parameters have two dtypes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for block in self.blocks:
+            scale = (1 + 0.1 * torch.randn(15)).to(torch.float8_e4m3fn)
+            block.scale = nn.Parameter(scale, requires_grad=False)
+            block.register_forward_pre_hook(lambda m, args: (args[0] * m.scale.float(),))

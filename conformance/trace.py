@@ -87,8 +87,10 @@ def compare_ranks(calls: list[Call]) -> str | None:
 
 
 def totals(calls: list[Call], op: str) -> tuple[int, int, set]:
-    """(count, total numel, dtypes) of one kind of collective."""
-    mine = [c for c in calls if c.op == op]
+    """(count, total numel, dtypes) of one kind of collective, parameters and gradients only:
+    collectives of integers are bookkeeping (such as twinshard's count of which parameters got
+    gradients), not part of the schedule."""
+    mine = [c for c in calls if c.op == op and c.dtype not in (torch.int32, torch.int64)]
     return len(mine), sum(c.numel for c in mine), {c.dtype for c in mine}
 
 

@@ -19,7 +19,7 @@ from twinshard.api import (
     UnshardHandle,
 )
 
-from .fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method
+from .fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method, share_comm_ctx
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -30,4 +30,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

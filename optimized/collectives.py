@@ -21,6 +21,13 @@ unsharded tensor viewed as (ranks, chunk * rest). Gradients go the other way. Ev
 takes the same values through the same sums as in the reference; only how many messages carry
 them changes, so in fp32 at world size <= 2 the results are bitwise equal.
 
+[Note: mixed dtypes in one group]
+A group may hold parameters of several dtypes (a frozen float8 weight beside float32 ones). A
+flat buffer has one dtype, and float8 has no type promotion, so such a group is gathered as
+bytes: each block is viewed as uint8, gathered, and each parameter's output is viewed as uint8
+for the copy-out. No value is converted, so the result is the same as gathering each dtype on
+its own. Reductions need arithmetic, so those are grouped by dtype instead (``flat_group.py``).
+
 [Note: HSDP after the reduce-scatter]
 The partial sum of earlier backwards (``set_requires_all_reduce(False)``) is added on the
 reduce-scatter stream, right after the reduce-scatter: the stream that allocated those
@@ -50,6 +57,7 @@ class AllGatherResult(NamedTuple):
     ranks: int
     params: list  # the ShardedParams in ``send``, in order
     dtypes: list  # their all-gather (compute) dtypes
+    as_bytes: bool  # mixed dtypes, gathered as uint8; see [Note: mixed dtypes in one group]
 
 
 class ReduceScatterResult(NamedTuple):
@@ -58,33 +66,43 @@ class ReduceScatterResult(NamedTuple):
     packed: torch.Tensor  # (S * per-rank numel,) the gradients, rank-major
     out: torch.Tensor  # (per-rank numel,) this rank's reduced block of every gradient
     params: list  # the ShardedParams in ``out``, in order
+    used: list  # per param: whether this rank had a gradient (else it sent zeros)
+    add: list  # per param: whether to add its block to the sharded gradient
     divide_by: float
     kept_partial: bool  # HSDP without all-reduce: the sums wait in the params; add nothing
 
 
 @torch.no_grad()
 def all_gather(
-    params: list, dtypes: list, group: dist.ProcessGroup, comm: CommContext
+    params: list, dtypes: list, group: dist.ProcessGroup, comm: CommContext, custom=None
 ) -> AllGatherResult:
     """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over
-    ``group``. Replaces the reference's ``ShardedParam.unshard`` loop of one blocking
-    all-gather per parameter; see [Note: one flat buffer per group]."""
+    ``group`` (with the user's ``custom`` all-gather if one was set: it allocates the output
+    and is called once for the whole group). Replaces the reference's ``ShardedParam.unshard``
+    loop of one blocking all-gather per parameter; see [Note: one flat buffer per group]."""
     comm.before_all_gather()
+    as_bytes = len(set(dtypes)) > 1 or any(d.itemsize == 1 and d.is_floating_point for d in dtypes)
     with comm.on(comm.copy_in_stream):
-        send = torch.cat([p.all_gather_input(d).reshape(-1) for p, d in zip(params, dtypes)])
+        pieces = [p.all_gather_input(d).reshape(-1) for p, d in zip(params, dtypes)]
+        send = torch.cat([x.view(torch.uint8) for x in pieces] if as_bytes else pieces)
+    ranks = dist.get_world_size(group)
+    if ranks == 1:  # one rank: nothing to exchange, the copy-out reads the input itself
+        pending = comm.done_on(comm.copy_in_stream)
+        return AllGatherResult(pending, send, send, 1, params, dtypes, as_bytes)
     comm.all_gather_stream.wait_stream(comm.copy_in_stream)
     with comm.on(comm.all_gather_stream):
-        ranks = dist.get_world_size(group)
-        recv = send.new_empty(ranks * send.numel())
+        size, dtype = (ranks * send.numel(),), send.dtype
+        recv = custom.allocate(size, dtype=dtype, device=send.device) if custom else None
+        recv = send.new_empty(size) if recv is None else recv
         pending = comm.issue(
-            all_gather_into,
+            custom or all_gather_into,
             recv,
             send,
             group=group,
             stream=comm.all_gather_stream,
             about=params,
         )
-    return AllGatherResult(pending, send, recv, ranks, params, dtypes)
+    return AllGatherResult(pending, send, recv, ranks, params, dtypes, as_bytes)
 
 
 @torch.no_grad()
@@ -94,6 +112,8 @@ def copy_out(result: AllGatherResult, comm: CommContext) -> None:
     comm.wait(result.pending)
     ranks = result.ranks
     outs = [p.all_gather_output(d).view(ranks, -1) for p, d in zip(result.params, result.dtypes)]
+    if result.as_bytes:
+        outs = [o.view(torch.uint8) for o in outs]  # (ranks, bytes per rank)
     recv = result.recv.view(ranks, -1)  # (ranks, per-rank numel)
     torch.split_with_sizes_copy(recv, [o.shape[1] for o in outs], dim=1, out=outs)
     for p in result.params:
@@ -103,28 +123,48 @@ def copy_out(result: AllGatherResult, comm: CommContext) -> None:
 
 @torch.no_grad()
 def reduce_scatter(
-    params: list, info, all_reduce: bool, divide_by: float, comm: CommContext
+    params: list,
+    dtype: torch.dtype,
+    info,
+    all_reduce: bool,
+    divide_by: float,
+    comm: CommContext,
+    custom=None,
+    keep_unused: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> ReduceScatterResult | None:
-    """Pack the waiting gradients of ``params`` into one buffer and reduce-scatter it; for
-    HSDP add the partial sums and all-reduce across replicas. Replaces the reference's
-    ``ShardedParam.reduce_grad`` loop of blocking per-parameter reductions."""
-    taken = [(p, g) for p in params if (g := p.reduce_scatter_input()) is not None]
+    """Pack the waiting gradients of ``params`` (all of reduce dtype ``dtype``; zeros for a
+    trainable parameter this rank did not use) into one buffer and reduce-scatter it, with the
+    user's ``custom`` reduce-scatter if one was set; for HSDP add the partial sums and
+    all-reduce across replicas. Replaces the reference's ``ShardedParam.reduce_grad`` loop of
+    blocking per-parameter reductions. ``group``: another process group over the shard
+    ranks for the reduce-scatter (``set_separate_reduce_scatter_group``)."""
+    used = [p.has_grad_to_reduce for p in params]
+    taken = [
+        (p, g, u) for p, u in zip(params, used) if (g := p.reduce_scatter_input(dtype)) is not None
+    ]
     if not taken:
         return None
-    params, grads = [p for p, _ in taken], [g for _, g in taken]
+    params, grads, used = (list(x) for x in zip(*taken))
     S = info.shard_size
     comm.before_reduce_scatter()
     with comm.on(comm.reduce_scatter_stream):
         packed = torch.cat([g.view(S, -1) for g in grads], dim=1).view(-1)  # (S * per-rank,)
-        out = packed.new_empty(packed.numel() // S)  # (per-rank numel,)
-        pending = comm.issue(
-            reduce_scatter_into,
-            out,
-            packed,
-            group=info.shard_group,
-            stream=comm.reduce_scatter_stream,
-            about=params,
-        )
+        if S == 1:  # one rank in the shard group: the sum is the input itself
+            out, pending = packed, comm.done_on(comm.reduce_scatter_stream)
+        else:
+            size = (packed.numel() // S,)  # (per-rank numel,)
+            out = custom.allocate(size, dtype=dtype, device=packed.device) if custom else None
+            out = packed.new_empty(size) if out is None else out
+            pending = comm.issue(
+                custom or reduce_scatter_into,
+                out,
+                packed,
+                group=group or info.shard_group,
+                op=dist.ReduceOp.SUM,
+                stream=comm.reduce_scatter_stream,
+                about=params,
+            )
         kept = False
         if info.replicate_group is not None:  # see [Note: HSDP after the reduce-scatter]
             comm.wait(pending, comm.reduce_scatter_stream)
@@ -132,7 +172,7 @@ def reduce_scatter(
             for p, block in zip(params, blocks):
                 p.combine_partial_sum(block.view(p.block_shape), all_reduce)
             kept = not all_reduce
-    if info.replicate_group is not None and all_reduce:
+    if info.replicate_group is not None and all_reduce and info.replicate_size > 1:
         comm.all_reduce_stream.wait_stream(comm.reduce_scatter_stream)
         pending = comm.issue(
             dist.all_reduce,
@@ -141,20 +181,25 @@ def reduce_scatter(
             stream=comm.all_reduce_stream,
             about=params,
         )
-    return ReduceScatterResult(pending, grads, packed, out, params, divide_by, kept)
+    add = [u or keep_unused for u in used]
+    return ReduceScatterResult(pending, grads, packed, out, params, used, add, divide_by, kept)
 
 
 @torch.no_grad()
-def accumulate(result: ReduceScatterResult, comm: CommContext) -> None:
-    """Wait for a reduction and add each parameter's block to its sharded gradient
-    (replaces the end of ``ShardedParam.reduce_grad``: one division for the whole group)."""
+def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> None:
+    """Wait for a reduction, run the user's all-reduce ``hook`` on it (once for the group's
+    flat buffer), and add each parameter's block to its sharded gradient (replaces the end of
+    ``ShardedParam.reduce_grad``: one division for the whole group)."""
     comm.wait(result.pending)
     comm.streams.release(result.grads, "release of the unreduced gradients")
     if result.kept_partial:
         comm.hold("reduce_scatter", result.packed)  # ``out`` lives on in the partial sums
         return
+    if hook is not None:
+        hook(result.out)  # in place, before the division, as torch's FSDP2 calls it
     reduced = result.out / result.divide_by  # (per-rank numel,) the mean over ranks
     comm.hold("reduce_scatter", result.packed, result.out)
     blocks = reduced.split([p.block_shape.numel() for p in result.params])
-    for p, block in zip(result.params, blocks):
-        p.accumulate_grad(block.view(p.block_shape))
+    for p, block, add in zip(result.params, blocks, result.add):
+        if add:
+            p.accumulate_grad(block.view(p.block_shape))

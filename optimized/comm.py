@@ -55,7 +55,7 @@ class CommContext:
     backward_order: list = field(default_factory=list)  # reverse of the order they finished
     current_order: list = field(default_factory=list)  # being recorded by this forward
     current_post_order: list = field(default_factory=list)  # likewise, as they finish
-    pending_reduce: Any = None  # the last ReduceScatterResult, finished by the next one
+    pending_reduce: list = field(default_factory=list)  # (ReduceScatterResult, hook) in flight
     held: dict = field(default_factory=dict)  # "all_gather" / "reduce_scatter" -> [Held]
     post_optim_event: Any = None  # set_post_optim_event: the next all-gather waits on it
 
@@ -87,6 +87,16 @@ class CommContext:
         with self.on(stream):
             work = collective(*args, async_op=self.async_op, **kwargs)
             return Pending(work, stream.record_event())
+
+    def discard_pending(self) -> None:
+        """After an aborted iteration: wait for the reductions in flight and drop them."""
+        for result, _ in self.pending_reduce:
+            self.wait(result.pending)
+        self.pending_reduce = []
+
+    def done_on(self, stream) -> Pending:
+        """What was just queued on ``stream`` (no collective: a group of one rank)."""
+        return Pending(None, stream.record_event())
 
     def wait(self, pending: Pending, stream=None) -> None:
         """Make ``stream`` (default: the current one) wait for ``pending``."""

@@ -23,12 +23,16 @@ backward continues into earlier layers.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
 
 from .collectives import AllGatherResult, accumulate, all_gather, copy_out, reduce_scatter
 from .comm import CommContext
+
+# Separate reduce-scatter process groups, one per set of shard ranks.
+SEPARATE_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 
 class FlatParamGroup(ParamGroup):
@@ -38,10 +42,29 @@ class FlatParamGroup(ParamGroup):
         super().__init__(*args, **kwargs)
         self.comm: CommContext | None = None  # the root's, shared; set at its first forward
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
+        self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
 
     def use_comm(self, comm: CommContext) -> None:
         """Share ``comm`` (the root's) from now on."""
         self.comm = comm
+
+    def own_comm(self) -> CommContext:
+        """The shared context; before the root's first forward (an explicit ``unshard()``) a
+        context of the group's own, which the root's first forward replaces."""
+        if self.comm is None:
+            self.comm = CommContext(self.device)
+        return self.comm
+
+    def use_separate_reduce_scatter_group(self, enable: bool) -> None:
+        """Reduce-scatter on a process group of its own, over the same ranks as the shard group
+        (one per set of ranks, shared by the groups on them), or on the shard group again."""
+        if not enable:
+            self.reduce_scatter_group = None
+            return
+        ranks = tuple(dist.get_process_group_ranks(self.info.shard_group))
+        if ranks not in SEPARATE_GROUPS:
+            SEPARATE_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        self.reduce_scatter_group = SEPARATE_GROUPS[ranks]
 
     # --- unshard: one all-gather, issued early ---------------------------------------------------
     @torch.no_grad()
@@ -57,7 +80,9 @@ class FlatParamGroup(ParamGroup):
         mesh = params[0].all_gather_mesh(self.post_forward_info)
         with torch.profiler.record_function("twinshard::unshard"):
             dtypes = [self.param_dtype(p) for p in params]
-            self.in_flight = all_gather(params, dtypes, mesh.shard_group, self.comm)
+            self.in_flight = all_gather(
+                params, dtypes, mesh.shard_group, self.own_comm(), self.comms.all_gather
+            )
 
     @torch.no_grad()
     def wait_for_unshard(self) -> None:
@@ -79,18 +104,34 @@ class FlatParamGroup(ParamGroup):
 
     # --- reduce: one reduce-scatter, finished one group later ---------------------------------------
     def reduce_grads_now(self) -> None:
-        """Finish the previous group's reduction and issue this group's (replaces the
-        reference's loop of blocking per-parameter reductions)."""
-        comm = self.comm
+        """Finish the previous group's reduction and issue this group's: one reduce-scatter
+        per reduce dtype, usually one in all (replaces the reference's loop of blocking
+        per-parameter reductions)."""
+        comm = self.own_comm()
         finish_reduce(comm)  # the previous group's gradients are added, its buffers freed
-        comm.pending_reduce = reduce_scatter(
-            self.params, self.info, self.all_reduce_grads, self.gradient_divisor(), comm
-        )
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in self.params:
+            by_dtype.setdefault(self.reduce_dtype(p), []).append(p)
+        for dtype, params in by_dtype.items():
+            result = reduce_scatter(
+                params,
+                dtype,
+                self.info,
+                self.all_reduce_grads,
+                self.gradient_divisor(),
+                comm,
+                self.comms.reduce_scatter,
+                self.reduce_unused,
+                self.reduce_scatter_group,
+            )
+            if result is not None:
+                self.usage.update(zip(result.params, result.used))
+                comm.pending_reduce.append((result, self.comms.all_reduce_hook))
 
 
 def finish_reduce(comm: CommContext) -> None:
-    """Add the gradients of the reduction in flight, if any, to the sharded gradients."""
-    result, comm.pending_reduce = comm.pending_reduce, None
-    if result is not None:
+    """Add the gradients of the reductions in flight, if any, to the sharded gradients."""
+    pending, comm.pending_reduce = comm.pending_reduce, []
+    for result, hook in pending:
         with torch.profiler.record_function("twinshard::accumulate"):
-            accumulate(result, comm)
+            accumulate(result, comm, hook)

@@ -9,13 +9,22 @@ asynchronous ``unshard``.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
-from twinshard.api import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, check_fsdp_modules
-from twinshard.reference.fully_shard import FSDPModule as ReferenceModule
-from twinshard.reference.fully_shard import register_fsdp_forward_method, shard_module
+from twinshard.api import (
+    FSDPUsageError,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    check_fsdp_modules,
+)
+from twinshard.reference.fsdp_module import FSDPModule as ReferenceModule
+from twinshard.reference.fsdp_module import register_fsdp_forward_method, states_below
+from twinshard.reference.fully_shard import shard_module
 from twinshard.reference.state import get_state
 
+from .comm import CommContext
 from .flat_group import FlatParamGroup
 from .state import FSDPState
 
@@ -58,8 +67,7 @@ class FSDPModule(ReferenceModule):
     """The reference's methods, with an asynchronous ``unshard`` and real prefetch lists."""
 
     def _fsdp_unshard(self, wait: bool):
-        state = get_state(self)
-        state.lazy_init()
+        state = get_state(self)  # no lazy init: an unshard must not make a child a root
         if state.group is None:
             return None if wait else UnshardHandle()
         state.group.unshard_async()
@@ -83,5 +91,33 @@ class FSDPModule(ReferenceModule):
         state.lazy_init()
         state.comm.set_post_optim_event(event)
 
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
+        super().set_separate_reduce_scatter_group(enable, recurse=recurse)  # checks the flag
+        for state in states_below(self, recurse):
+            if state.group is not None:
+                state.group.use_separate_reduce_scatter_group(enable)
 
-__all__ = ["FSDPModule", "fully_shard", "register_fsdp_forward_method"]  # the last one is shared
+
+def share_comm_ctx(modules: list) -> None:
+    """Let several roots (the stages of a pipeline) share one communication context: the same
+    side streams, so memory is not split between stream pools. Call it before their first
+    forward, or after: the roots' subtrees switch to the shared context either way."""
+    states = [get_state(m) for m in modules]
+    if any(s is None for s in states):
+        bad = next(m for m, s in zip(modules, states) if s is None)
+        raise FSDPUsageError(
+            f"share_comm_ctx expects modules that fully_shard was applied to; "
+            f"{type(bad).__name__} is not one"
+        )
+    if not states:
+        return
+    shared = next((s.comm for s in states if s.comm is not None), None)
+    if shared is None:
+        device = next((s.group.device for s in states if s.group is not None), None)
+        shared = CommContext(device if device is not None else torch.device("cpu"))
+    for state in states:
+        for s in state.all_states or [state]:
+            s.use_comm(shared)
+
+
+__all__ = ["FSDPModule", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]

@@ -43,7 +43,7 @@ class FSDPState(ReferenceState):
         device = next(
             (s.group.device for s in self.all_states if s.group is not None), torch.device("cpu")
         )
-        self.comm = CommContext(device)
+        self.comm = self.comm or CommContext(device)  # set already by share_comm_ctx
         for state in self.all_states:
             state.use_comm(self.comm)
 
@@ -54,6 +54,7 @@ class FSDPState(ReferenceState):
             self.group.use_comm(comm)
 
     # --- forward ----------------------------------------------------------------------------
+    @torch.compiler.disable
     def pre_forward(self, module, args, kwargs):
         self.lazy_init()
         if self.is_root and (
@@ -67,6 +68,7 @@ class FSDPState(ReferenceState):
             self.prefetch(self.forward_hint, self.comm.forward_order)
         return args, kwargs
 
+    @torch.compiler.disable
     def post_forward(self, module, args, output):
         if self.group is not None and self.group.state is TrainingState.FORWARD:
             finished = self.comm.current_post_order
@@ -83,20 +85,29 @@ class FSDPState(ReferenceState):
         return output
 
     # --- backward ---------------------------------------------------------------------------
+    @torch.compiler.disable
     def pre_backward(self, grad: torch.Tensor) -> None:
         super().pre_backward(grad)
         if self.group is not None:
-            self.prefetch(self.backward_hint, self.comm.backward_order)
+            self.prefetch(self.backward_hint, self.comm.backward_order, backward=True)
 
+    def reset(self) -> None:
+        super().reset()
+        if self.is_root and self.comm is not None:
+            self.comm.discard_pending()  # the failed iteration's reductions are dropped
+
+    @torch.compiler.disable
     def final_callback(self) -> None:
         finish_reduce(self.comm)  # the last group's reduce-scatter
         super().final_callback()
         finish_reduce(self.comm)  # groups whose post-backward ran only just now
 
     # --- prefetch ---------------------------------------------------------------------------
-    def prefetch(self, hint: list | None, order: list) -> None:
+    def prefetch(self, hint: list | None, order: list, backward: bool = False) -> None:
         """Issue the all-gathers of the groups that run next; see [Note: implicit prefetch]."""
         for group in self.prefetch_targets(hint, order):
+            if backward and not group.unshard_in_backward:
+                continue  # set_unshard_in_backward(False): backward does not need them
             if isinstance(group, FlatParamGroup) and group is not self.group:
                 group.unshard_async()
 

@@ -25,7 +25,8 @@ from twinshard.api import (
     UnshardHandle,
 )
 
-from .fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method
+from .fsdp_module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
+from .fully_shard import fully_shard
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -36,4 +37,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

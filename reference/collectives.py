@@ -36,22 +36,60 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, zeros], dim=0)  # (rows, *rest)
 
 
-def all_gather_rows(out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Fill ``out`` (S * chunk, *rest) with every rank's ``block`` (chunk, *rest), in rank order."""
+def all_gather_rows(
+    out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup, comm=None
+) -> None:
+    """Fill ``out`` (S * chunk, *rest) with every rank's ``block`` (chunk, *rest), in rank order.
+
+    ``comm``: the user's all-gather (``set_custom_all_gather``), called instead of torch's."""
+    if dist.get_world_size(group) == 1:
+        out.copy_(block)  # one rank: nothing to exchange
+        return
+    if block.element_size() == 1 and block.is_floating_point():  # float8: gloo has no such
+        out, block = out.view(torch.uint8), block.view(torch.uint8)  # dtype; send the bytes
     with torch.profiler.record_function("twinshard::all_gather"):
-        _all_gather(out, block.contiguous(), group=group)
+        if comm is None:
+            _all_gather(out, block.contiguous(), group=group)
+        else:  # the keywords of torch's AllGather interface
+            _wait(comm(output_tensor=out, input_tensor=block.contiguous(), group=group))
 
 
-def reduce_scatter_rows(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum ``full`` (S * chunk, *rest) over the group and return this rank's block (chunk, *rest)."""
+def reduce_scatter_rows(full: torch.Tensor, group: dist.ProcessGroup, comm=None) -> torch.Tensor:
+    """Sum ``full`` (S * chunk, *rest) over the group and return this rank's block (chunk, *rest).
+
+    ``comm``: the user's reduce-scatter (``set_custom_reduce_scatter``); it also allocates."""
     size = dist.get_world_size(group)
-    out = full.new_empty((full.shape[0] // size, *full.shape[1:]))  # (chunk, *rest)
+    if size == 1:
+        return full  # one rank: the sum is the gradient itself
+    shape = (full.shape[0] // size, *full.shape[1:])  # (chunk, *rest)
+    if comm is None:
+        out = full.new_empty(shape)
+    else:
+        out = comm.allocate(shape, dtype=full.dtype, device=full.device)
     with torch.profiler.record_function("twinshard::reduce_scatter"):
-        _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        if comm is None:
+            _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        else:  # the keywords of torch's ReduceScatter interface
+            _wait(
+                comm(
+                    output_tensor=out,
+                    input_tensor=full.contiguous(),
+                    group=group,
+                    op=dist.ReduceOp.SUM,
+                )
+            )
     return out
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Sum ``tensor`` in place over ``group`` (HSDP replicas)."""
+    if dist.get_world_size(group) == 1:
+        return
     with torch.profiler.record_function("twinshard::all_reduce"):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def _wait(work) -> None:
+    # A user's collective may hand back a work handle even when asked to block.
+    if work is not None:
+        work.wait()

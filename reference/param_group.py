@@ -18,7 +18,7 @@ from enum import Enum, auto
 import torch
 import torch.nn as nn
 
-from twinshard.api import MixedPrecisionPolicy
+from twinshard.api import CommHooks, MixedPrecisionPolicy
 
 from .mesh import MeshInfo
 from .sharded_param import ShardedParam
@@ -51,7 +51,11 @@ class ParamGroup:
         self.reduce_grads = True  # set_requires_gradient_sync
         self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
         self.reshard_after_backward = True  # set_reshard_after_backward
+        self.unshard_in_backward = True  # set_unshard_in_backward
+        self.reduce_unused = False  # set_reduce_scatter_unused_params
         self.divide_factor: float | None = None  # set_gradient_divide_factor
+        self.comms = CommHooks()  # set_custom_all_gather, set_custom_reduce_scatter, ...
+        self.usage: dict[ShardedParam, bool] = {}  # this backward: which params had gradients
 
     # --- dtypes -------------------------------------------------------------------------------
     def param_dtype(self, p: ShardedParam) -> torch.dtype:
@@ -73,7 +77,7 @@ class ParamGroup:
         """All-gather every parameter of the group (a no-op for those already unsharded)."""
         with torch.profiler.record_function("twinshard::unshard"):
             for p in self.params:
-                p.unshard(self.param_dtype(p), self.post_forward_info)
+                p.unshard(self.param_dtype(p), self.post_forward_info, self.comms.all_gather)
 
     @torch.no_grad()
     def reshard(self, after_forward: bool = False) -> None:
@@ -97,8 +101,9 @@ class ParamGroup:
         if self.state is TrainingState.PRE_BACKWARD:
             return  # one output's hook already did it
         self.state = TrainingState.PRE_BACKWARD
-        with torch.profiler.record_function("twinshard::pre_backward"):
-            self.unshard()
+        if self.unshard_in_backward:
+            with torch.profiler.record_function("twinshard::pre_backward"):
+                self.unshard()
 
     @torch.no_grad()
     def post_backward(self) -> None:
@@ -113,10 +118,29 @@ class ParamGroup:
                 self.reshard()
 
     def reduce_grads_now(self) -> None:
-        """Reduce-scatter (and for HSDP all-reduce) each waiting gradient, one by one."""
+        """Reduce-scatter (and for HSDP all-reduce) each waiting gradient, one by one. Every
+        trainable parameter takes part, with zeros where this rank computed no gradient, so
+        that all ranks issue the same collectives (see ``usage.py``)."""
         divide_by = self.gradient_divisor()
         for p in self.params:
-            p.reduce_grad(divide_by, self.all_reduce_grads)
+            used = p.reduce_grad(
+                self.reduce_dtype(p),
+                divide_by,
+                self.all_reduce_grads,
+                self.comms,
+                self.reduce_unused,
+            )
+            if used is not None:
+                self.usage[p] = used
+
+    def reset(self) -> None:
+        """After an aborted iteration: free the unsharded parameters, drop every gradient not
+        yet reduced, and go back to idle."""
+        self.reshard()
+        for p in self.params:
+            p.discard_grads()
+        self.usage.clear()
+        self.state = TrainingState.IDLE
 
     def finish_backward(self) -> None:
         """End of the whole backward: groups whose inputs needed no gradient never got their

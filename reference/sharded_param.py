@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from twinshard.api import CPUOffloadPolicy, FSDPUsageError
+from twinshard.api import CommHooks, CPUOffloadPolicy, FSDPUsageError
 from twinshard.guard import check_collective
 
 from .collectives import all_gather_rows, all_reduce_sum, pad_rows, padded_rows, reduce_scatter_rows
@@ -134,14 +134,15 @@ class ShardedParam:
             )
 
     # --- unshard and reshard ----------------------------------------------------------------
-    def unshard(self, dtype: torch.dtype, post_forward: MeshInfo | None) -> None:
-        """All-gather the whole parameter into the unsharded tensor and put it on the module."""
+    def unshard(self, dtype: torch.dtype, post_forward: MeshInfo | None, comm=None) -> None:
+        """All-gather the whole parameter into the unsharded tensor and put it on the module
+        (with ``comm``, the user's all-gather, if one was set)."""
         if self.state is ParamState.UNSHARDED:
             return
         group = self.all_gather_mesh(post_forward).shard_group
         block = self.all_gather_input(dtype)  # (chunk, *rest), or (S*chunk/N, *rest)
         check_collective("all_gather", block, group, self.fqn)  # debug mode: do the ranks agree?
-        all_gather_rows(self.all_gather_output(dtype), block, group)  # (S * chunk, *rest)
+        all_gather_rows(self.all_gather_output(dtype), block, group, comm)  # (S * chunk, *rest)
         self.finish_unshard()
 
     def all_gather_mesh(self, post_forward: MeshInfo | None) -> MeshInfo:
@@ -220,27 +221,48 @@ class ShardedParam:
         else:
             self.grad_to_reduce += grad
 
-    def reduce_grad(self, divide_by: float, all_reduce: bool) -> None:
+    def reduce_grad(
+        self, dtype: torch.dtype, divide_by: float, all_reduce: bool, comms: CommHooks, keep_unused
+    ) -> bool | None:
         """Reduce-scatter the waiting gradient (and all-reduce it across HSDP replicas), then
-        add this rank's block to the sharded ``DTensor`` gradient."""
-        grad = self.reduce_scatter_input()  # (S * chunk, *rest)
+        add this rank's block to the sharded ``DTensor`` gradient. Returns whether this rank had
+        a gradient (None for a frozen parameter, which takes no part)."""
+        used = self.has_grad_to_reduce
+        grad = self.reduce_scatter_input(dtype)  # (S * chunk, *rest), zeros if unused here
         if grad is None:
-            return
+            return None
         check_collective("reduce_scatter", grad, self.info.shard_group, self.fqn)
-        block = reduce_scatter_rows(grad, self.info.shard_group)  # (chunk, *rest) summed
-        if self.info.replicate_group is not None:
+        block = reduce_scatter_rows(grad, self.info.shard_group, comms.reduce_scatter)
+        if self.info.replicate_group is not None:  # block: (chunk, *rest) summed
             block = self.combine_partial_sum(block, all_reduce)
             if block is None:
-                return  # summed over the shard group only, for now
+                return used  # summed over the shard group only, for now
             check_collective("all_reduce", block, self.info.replicate_group, self.fqn)
             all_reduce_sum(block, self.info.replicate_group)
-        self.accumulate_grad(block / divide_by)  # the sum over ranks becomes their mean
+        if comms.all_reduce_hook is not None:
+            comms.all_reduce_hook(block)  # the user's hook, in place, once per parameter here
+        if used or keep_unused:
+            self.accumulate_grad(block / divide_by)  # the sum over ranks becomes their mean
+        return used
 
-    def reduce_scatter_input(self) -> torch.Tensor | None:
-        """Hand over the waiting gradient, padded to (S * chunk, *rest); None if there is none."""
+    @property
+    def has_grad_to_reduce(self) -> bool:
+        """Whether a gradient from this rank's backward waits to be reduced."""
+        return self.grad_to_reduce is not None
+
+    def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Hand over the waiting gradient, padded to (S * chunk, *rest). A trainable parameter
+        with no gradient here hands over zeros of ``dtype`` (every rank must send the same
+        amount, whichever parameters it used); a frozen one hands over None."""
+        rows = self.info.shard_size * self.chunk
         if self.grad_to_reduce is None:
-            return None
-        grad = pad_rows(self.grad_to_reduce, self.info.shard_size * self.chunk)  # (S*chunk, *rest)
+            if (
+                not self.sharded_param.requires_grad
+                or self.info.shard_size * self.info.replicate_size == 1
+            ):
+                return None  # frozen, or alone: nothing to keep in step with
+            return torch.zeros((rows, *self.shape[1:]), dtype=dtype, device=self.device)
+        grad = pad_rows(self.grad_to_reduce, rows)  # (S * chunk, *rest)
         self.grad_to_reduce = None
         return grad
 
@@ -265,3 +287,14 @@ class ShardedParam:
             self.sharded_param.grad = self._as_dtensor(block.contiguous())  # (<= chunk, *rest)
         else:
             self.sharded_param.grad.to_local().add_(block)
+        # Autograd never accumulates into the sharded parameter, so it never runs the hooks
+        # registered with register_post_accumulate_grad_hook: run them here, as torch's FSDP2
+        # does (an optimizer stepped inside backward relies on them).
+        for hook in (self.sharded_param._post_accumulate_grad_hooks or {}).values():
+            hook(self.sharded_param)
+
+    def discard_grads(self) -> None:
+        """Drop every gradient not yet reduced (after an aborted iteration)."""
+        self.grad_to_reduce = self.partial_sum = None
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None

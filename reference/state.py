@@ -15,6 +15,10 @@ it completes whatever post_backward did not run and returns every group to idle.
 
 The first module to run forward is the root. At that moment every ``fully_shard`` call has
 been made, so the root looks at its whole subtree once ("lazy init").
+
+Every hook is marked ``torch.compiler.disable``: a compiled module (``block.compile()``) runs its
+hooks inside the compiled call, and the collectives and storage tricks of FSDP must run as
+written, outside the graph, with the compiled forward and backward seeing plain tensors.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from twinshard.guard import check_model, forward_started
 
 from .mixed_precision import cast_inputs, cast_output
 from .param_group import ParamGroup, TrainingState
+from .usage import check_usage
 
 
 def get_state(module: nn.Module) -> FSDPState | None:
@@ -41,12 +46,14 @@ class FSDPState:
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         group: ParamGroup | None,
         mp: MixedPrecisionPolicy,
         auto_reshard_after_forward: bool,
     ):
-        self.module = module
+        self.modules = modules  # one, or several sharded as one group (fully_shard([a, b]))
+        self.module = modules[0]
+        self.modules_to_run: set[int] = set()  # this forward: modules not finished yet
         self.group = group  # None when every parameter belongs to sharded children
         self.mp = mp
         self.auto_reshard_after_forward = auto_reshard_after_forward
@@ -55,8 +62,9 @@ class FSDPState:
         self.all_states: list[FSDPState] = []  # root only: every state in its subtree
         self.callback_queued = False  # root only
         self.is_last_backward = True  # root only; the reference finishes every backward
-        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self.post_forward, prepend=False)
+        for module in modules:
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward, prepend=False)
 
     # --- lazy init -------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -64,11 +72,13 @@ class FSDPState:
         if self.is_root is not None:
             return
         self.is_root, self.root = True, self
-        named = {id(m): n for n, m in self.module.named_modules()}  # module -> its full name
-        for name, module in self.module.named_modules():
+        named = {id(m): (n, m) for top in self.modules for n, m in top.named_modules()}
+        for name, module in named.values():
             state = get_state(module)
             if state is None:
                 continue
+            if state in self.all_states:
+                continue  # a state of several modules (a list) is met once per module
             if state is not self:
                 if state.is_root is not None:
                     raise FSDPUsageError(
@@ -81,13 +91,14 @@ class FSDPState:
             if state.group is not None:
                 for p in state.group.params:  # full names, from the module that holds it
                     owner, attr = p.owners[0]
-                    p.fqn = f"{named[id(owner)]}.{attr}".lstrip(".")
+                    p.fqn = f"{named[id(owner)][0]}.{attr}".lstrip(".")
         if self.auto_reshard_after_forward and self.group is not None:
             # The root's parameters are the first ones backward needs: keep them.
             self.group.post_forward_info = None
         check_model(self.module, self.all_states)  # do all ranks hold the same model?
 
     # --- forward: pre and post ------------------------------------------------------------------
+    @torch.compiler.disable
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.lazy_init()
         if self.group is not None and self.group.state is TrainingState.PRE_BACKWARD:
@@ -98,26 +109,47 @@ class FSDPState:
             to_device = lambda t: t.to(self.group.device)  # noqa: E731
             args, kwargs = map_tensors(to_device, args), map_tensors(to_device, kwargs)
         args, kwargs = cast_inputs(self.mp, args, kwargs)
+        if not self.modules_to_run:  # the first of the group's modules to start forward
+            self.modules_to_run = {id(m) for m in self.modules}
         if self.group is not None:
             self.group.pre_forward()
             args, kwargs = self._plant_post_backward(args, kwargs)
         return args, kwargs
 
+    @torch.compiler.disable
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.group is not None and self.group.state is TrainingState.PRE_BACKWARD:
             return cast_output(self.mp, output)  # recomputation: backward will reshard
+        output = self._plant_pre_backward(output)
+        self.modules_to_run.discard(id(module))
+        if self.modules_to_run:
+            return cast_output(self.mp, output)  # other modules of the group still to run
         if self.group is not None:
             self.group.post_forward()
-        output = self._plant_pre_backward(output)
+        if self.is_root:  # groups whose modules did not all run forward are finished here
+            for state in self.all_states:
+                if state.modules_to_run:
+                    state.modules_to_run.clear()
+                    if state.group is not None:
+                        state.group.post_forward()
         return cast_output(self.mp, output)
 
+    def reset(self) -> None:
+        """After an aborted iteration: nothing half-done is left, every group is idle."""
+        self.modules_to_run.clear()
+        self.callback_queued = False
+        if self.group is not None:
+            self.group.reset()
+
     # --- backward: pre and post -----------------------------------------------------------------
+    @torch.compiler.disable
     def pre_backward(self, grad: torch.Tensor) -> None:
         """Tensor hook on an output: backward is about to enter this module."""
         self.root.queue_final_callback()
         if self.group is not None:
             self.group.pre_backward()
 
+    @torch.compiler.disable
     def post_backward(self) -> None:
         """Backward has left this module: reduce its gradients."""
         if self.group is not None:
@@ -147,13 +179,15 @@ class FSDPState:
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self.final_callback)
 
+    @torch.compiler.disable
     def final_callback(self) -> None:
         """Runs once autograd has finished the whole backward."""
-        with torch.profiler.record_function("twinshard::final_callback"):
-            for state in self.all_states:
-                if state.group is not None:
-                    state.group.finish_backward()
         self.callback_queued = False
+        with torch.profiler.record_function("twinshard::final_callback"):
+            groups = [state.group for state in self.all_states if state.group is not None]
+            for group in groups:
+                group.finish_backward()
+            check_usage(groups)
 
 
 class PostBackwardMarker(torch.autograd.Function):

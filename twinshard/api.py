@@ -6,8 +6,10 @@ types and a user can swap ``torch.distributed.fsdp.fully_shard`` for either one 
 
 - ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``: user-facing settings.
   twinshard's implementations also accept torch's own policy objects (same fields).
-- ``FSDPModule``: the methods that ``fully_shard`` adds to a module. An implementation subclasses
-  it and fills in the abstract methods; the docstrings here are the specification.
+- ``FSDPModule`` (written in ``twinshard/fsdp_module.py``, exported here): the methods that
+  ``fully_shard`` adds to a module. An implementation subclasses it and fills in the abstract
+  methods; the docstrings there are the specification. ``CommHooks``: the communication a user
+  swapped in with ``set_custom_all_gather`` and its siblings.
 - ``UnshardHandle``: what ``FSDPModule.unshard(async_op=True)`` returns.
 - ``FSDPUsageError``: raised for misuse; it names the module or parameter and says what to do.
 """
@@ -25,7 +27,8 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
-    "FSDPModule",
+    "FSDPModule",  # noqa: F822 - defined in twinshard/fsdp_module.py, see __getattr__ below
+    "CommHooks",  # noqa: F822
     "UnshardHandle",
     "FSDPUsageError",
     "as_mp_policy",
@@ -118,118 +121,11 @@ class UnshardHandle:
         """Block until the unshard has finished (no-op when it already has)."""
 
 
-class FSDPModule:
-    """Methods that ``fully_shard`` adds to a module.
-
-    ``fully_shard(module)`` changes ``type(module)`` to a new class that derives from an
-    implementation's ``FSDPModule`` (itself a subclass of this one) and from the module's
-    original class, so ``isinstance(module, twinshard.api.FSDPModule)`` holds for every
-    implementation and the module keeps its own methods.
-    """
-
-    # --- communication on demand ---------------------------------------------------------
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters so they are unsharded.
-
-        With ``async_op=False`` the parameters are ready on return and ``None`` is returned.
-        With ``async_op=True`` an ``UnshardHandle`` is returned; call its ``wait()`` before
-        using the parameters. The next forward uses the unsharded parameters as they are.
-        """
-        return self._fsdp_unshard(wait=not async_op)
-
-    def _fsdp_unshard(self, wait: bool) -> UnshardHandle | None:
-        """Implementation hook of ``unshard``: return ``None`` when ``wait`` else a handle."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement this FSDPModule method"
-        )
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters and register the sharded ones on the module again."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement this FSDPModule method"
-        )
-
-    # --- gradient synchronization ---------------------------------------------------------
-    def set_requires_gradient_sync(
-        self, requires_gradient_sync: bool, *, recurse: bool = True
-    ) -> None:
-        """Whether backward reduces gradients across data-parallel ranks.
-
-        ``False`` accumulates unsharded gradients locally (gradient accumulation without
-        communication); the next backward with ``True`` reduces the sum. With ``recurse`` the
-        setting applies to every FSDP module in this module's subtree.
-        """
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement this FSDPModule method"
-        )
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP only: whether backward all-reduces gradient shards across replicas.
-
-        ``False`` still reduce-scatters within the shard group and keeps a partial sum;
-        the next backward with ``True`` all-reduces everything accumulated.
-        """
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement this FSDPModule method"
-        )
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Change ``reshard_after_forward`` at run time (a bool)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement this FSDPModule method"
-        )
-
-    def set_reshard_after_backward(
-        self, reshard_after_backward: bool, *, recurse: bool = True
-    ) -> None:
-        """Whether parameters are freed after backward. ``False`` keeps them unsharded
-        (useful between gradient-accumulation micro-batches); they are resharded by an explicit
-        ``reshard()`` or a later backward with ``True``."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement this FSDPModule method"
-        )
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last one before the optimizer step, so that
-        an implementation can finish all outstanding gradient work at its end."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement this FSDPModule method"
-        )
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement this FSDPModule method"
-        )
-
-    # --- scheduling hints -----------------------------------------------------------------
-    def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
-        """Modules whose all-gather is issued right after this module's, in forward.
-
-        An implementation without overlap accepts and checks the list and otherwise ignores it:
-        the reference is single-stream, so issuing an all-gather early would not overlap
-        anything. The optimized implementation overrides this.
-        """
-        self._fsdp_forward_hint = check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
-
-    def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
-        """Modules whose all-gather is issued right after this module's, in backward.
-
-        Accepted and checked, and otherwise ignored by an implementation without overlap
-        (see ``set_modules_to_forward_prefetch``).
-        """
-        self._fsdp_backward_hint = check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
-
-    def set_post_optim_event(self, event: Any) -> None:
-        """Let the next forward's first all-gather wait on ``event`` (recorded after the
-        optimizer step) instead of on the whole current stream. A single-stream implementation
-        has nothing to overlap and ignores it."""
-        self._fsdp_post_optim_event = event
-
-
 def check_fsdp_modules(modules: Iterable[Any], where: str) -> list:
     """The modules of a prefetch list, checked: each must be one that fully_shard was applied
     to. ``where`` names the method in the error."""
+    from twinshard.fsdp_module import FSDPModule
+
     modules = list(modules)
     for m in modules:
         if not isinstance(m, FSDPModule):
@@ -269,5 +165,19 @@ def map_tensors(fn, obj: Any) -> Any:
 
 
 def is_container_without_forward(module: nn.Module) -> bool:
-    """``ModuleList``/``ModuleDict`` hold modules but cannot be called."""
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    """``ModuleList``/``ModuleDict`` hold modules but cannot be called (unless a subclass
+    defines ``forward``)."""
+    containers = (nn.ModuleList, nn.ModuleDict)
+    return isinstance(module, containers) and any(
+        type(module).forward is c.forward for c in containers if isinstance(module, c)
+    )
+
+
+def __getattr__(name: str) -> Any:
+    """``FSDPModule`` and ``CommHooks`` live in ``twinshard/fsdp_module.py`` (which uses the
+    names above); they are part of this interface and load on first use."""
+    if name in ("FSDPModule", "CommHooks"):
+        from twinshard import fsdp_module
+
+        return getattr(fsdp_module, name)
+    raise AttributeError(f"module 'twinshard.api' has no attribute {name!r}")

@@ -18,7 +18,7 @@ from .state_dict import sources
 
 
 @contextlib.contextmanager
-def _expect_error(checker: Checker, what: str, *words: str):
+def expect_error(checker: Checker, what: str, *words: str):
     checker.count += 1
     try:
         yield
@@ -41,28 +41,28 @@ def case_errors(ctx):
     """Misuse gives a clear error that names the module or parameter."""
     checker = Checker("fp32")
     impl, mesh = ctx.impl, ctx.mesh
-    with _expect_error(checker, "ModuleList", "ModuleList"):
+    with expect_error(checker, "ModuleList", "ModuleList"):
         impl.fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=mesh)
-    with _expect_error(checker, "3D mesh", "mesh"):
+    with expect_error(checker, "3D mesh", "mesh"):
         impl.fully_shard(nn.Linear(3, 3), mesh=init_device_mesh(ctx.device_type, (1, 1, ctx.world)))
-    with _expect_error(checker, "reshard_after_forward='yes'", "reshard_after_forward"):
+    with expect_error(checker, "reshard_after_forward='yes'", "reshard_after_forward"):
         impl.fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward="yes")
-    with _expect_error(checker, "reshard_after_forward=0", "reshard_after_forward"):
+    with expect_error(checker, "reshard_after_forward=0", "reshard_after_forward"):
         impl.fully_shard(nn.Linear(3, 3), mesh=mesh, reshard_after_forward=0)
     twice = nn.Linear(3, 3)
     impl.fully_shard(twice, mesh=mesh)
-    with _expect_error(checker, "applied twice"):
+    with expect_error(checker, "applied twice"):
         impl.fully_shard(twice, mesh=mesh)
-    with _expect_error(checker, "deepcopy", "deepcopy"):
+    with expect_error(checker, "deepcopy", "deepcopy"):
         copy.deepcopy(twice)
     with torch.device("meta"):
         on_meta = M.MLPStack()
     M.shard_blocks(impl, on_meta, mesh)
-    with _expect_error(checker, "parameters left on meta", "meta"):
+    with expect_error(checker, "parameters left on meta", "meta"):
         on_meta(torch.randn(2, 15))
     tied = M.Llama(M.llama_config(tie=True))
     impl.fully_shard(tied.tok_embeddings, mesh=mesh)
-    with _expect_error(
+    with expect_error(
         checker, "tied parameters split across groups", ("output.weight", "tok_embeddings.weight")
     ):
         impl.fully_shard(tied, mesh=mesh)
@@ -79,6 +79,6 @@ def case_child_forward_first(ctx):
             model = M.MLPStack()
             M.shard_blocks(impl, model, ctx.mesh)
             model.blocks[0](torch.randn(2, 15))
-            with _expect_error(checker, f"{label}: child before root", "root"):
+            with expect_error(checker, f"{label}: child before root", "root"):
                 model(torch.randn(2, 15))
     return checker

@@ -20,7 +20,7 @@ from ..stream_check import paused
 from .core import Context, case
 
 
-def _dsd():
+def dsd():
     from torch.distributed.checkpoint import state_dict as dsd
 
     return dsd
@@ -67,14 +67,14 @@ def case_sharded_state_dict(ctx):
 def case_full_state_dict(ctx):
     """get/set_model_state_dict with full_state_dict, cpu_offload and broadcast_from_rank0;
     the optimizer state round-trips and training continues identically."""
-    dsd = _dsd()
+    sd = dsd()
     checker = Checker("fp32")
     recipe = M.mlp_recipe(ctx.world, steps=2)
     truth = run_plain(recipe)
     trace, model = run_sharded(recipe, ctx.impl, ctx.mesh)
-    full_opts = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = dsd.get_model_state_dict(model, options=full_opts)
-    osd = dsd.get_optimizer_state_dict(model, trace.optimizer, options=full_opts)
+    full_opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = sd.get_model_state_dict(model, options=full_opts)
+    osd = sd.get_optimizer_state_dict(model, trace.optimizer, options=full_opts)
     if ctx.rank == 0:
         plain_sd = truth.model.state_dict()
         for name in plain_sd:
@@ -86,11 +86,11 @@ def case_full_state_dict(ctx):
     torch.manual_seed(7)  # a different init, overwritten by the load
     fresh = recipe.build()
     recipe.wrap(ctx.impl, fresh, ctx.mesh)
-    load_opts = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    dsd.set_model_state_dict(fresh, full if ctx.rank == 0 else {}, options=load_opts)
+    load_opts = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    sd.set_model_state_dict(fresh, full if ctx.rank == 0 else {}, options=load_opts)
     _close_to_full(checker, "loaded", fresh, dict(truth.model.named_parameters()))
     fresh_opt = make_optimizer(recipe, fresh)
-    dsd.set_optimizer_state_dict(fresh, fresh_opt, osd if ctx.rank == 0 else {}, options=load_opts)
+    sd.set_optimizer_state_dict(fresh, fresh_opt, osd if ctx.rank == 0 else {}, options=load_opts)
     more = replace(recipe, steps=1, start=2)
     a, _ = run_sharded(more, ctx.impl, ctx.mesh, model=model, opt=trace.optimizer)
     b, _ = run_sharded(more, ctx.impl, ctx.mesh, model=fresh, opt=fresh_opt)
@@ -104,7 +104,7 @@ def _ckpt_dir(ctx: Context, source: str) -> str:
 
 
 def _dcp_state(model, opt):
-    msd, osd = _dsd().get_state_dict(model, opt)
+    msd, osd = dsd().get_state_dict(model, opt)
     return {"model": msd, "optim": osd}
 
 
@@ -173,7 +173,7 @@ def _load_and_continue(recipe, impl, ctx: Context, path: str):
     opt = make_optimizer(recipe, model)
     state = _dcp_state(model, opt)
     dcp.load(state, checkpoint_id=path)
-    _dsd().set_state_dict(
+    dsd().set_state_dict(
         model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     run, _ = run_sharded(replace(recipe, steps=2, start=2), impl, ctx.mesh, model=model, opt=opt)
@@ -183,11 +183,11 @@ def _load_and_continue(recipe, impl, ctx: Context, path: str):
 @case("state_dict")
 def case_meta_init(ctx):
     """Build on the meta device, shard, to_empty, load the full state dict from rank 0, train."""
-    dsd = _dsd()
+    sd = dsd()
     recipe = M.mlp_recipe(ctx.world)
     truth = run_plain(recipe)
     initial = run_plain(replace(recipe, steps=0)).model.state_dict()
-    opts = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    opts = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     checker = Checker("fp32")
     for label, impl, checks in sources(ctx):
         with checks:
@@ -196,7 +196,7 @@ def case_meta_init(ctx):
             recipe.wrap(impl, model, ctx.mesh)
             model.to_empty(device=ctx.device)
             # set_model_state_dict writes into the dict it is given: hand it a copy each time
-            dsd.set_model_state_dict(model, dict(initial) if ctx.rank == 0 else {}, options=opts)
+            sd.set_model_state_dict(model, dict(initial) if ctx.rank == 0 else {}, options=opts)
             run, _ = run_sharded(recipe, impl, ctx.mesh, model=model)
         compare(checker, f"{label} meta init", run, truth)
     return checker

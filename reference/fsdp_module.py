@@ -1,0 +1,192 @@
+"""The methods ``fully_shard`` adds to a module (``FSDPModule``), for the reference.
+
+Each method is documented once, on ``twinshard.api.FSDPModule``; here it only reaches the
+module's parameter group, or with ``recurse`` every group below it. The settings that exist to
+tune an overlapped implementation (lists of modules to gather early, the post-optimizer event,
+a separate reduce-scatter group, symmetric memory, ...) are accepted and checked by
+``twinshard.api`` and change nothing here: one stream has nothing to overlap.
+
+A sharded module is also an instance of torch's own ``FSDPModule``, so that libraries that
+detect FSDP2 with ``isinstance`` find it, and torch's ``register_fsdp_forward_method`` works on
+it through ``_get_fsdp_state`` (the one torch method that reaches into an implementation).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.nn as nn
+
+from twinshard.api import FSDPModule as FSDPModuleContract
+from twinshard.api import FSDPUsageError, UnshardHandle
+
+from .param_group import ParamGroup
+from .state import FSDPState, get_state
+
+
+def states_below(module: nn.Module, recurse: bool) -> list[FSDPState]:
+    """The FSDP states of ``module`` and, with ``recurse``, of every module below it."""
+    modules = module.modules() if recurse else [module]
+    return list({id(s): s for m in modules if (s := get_state(m)) is not None}.values())
+
+
+def groups_below(module: nn.Module, recurse: bool) -> list[ParamGroup]:
+    return [s.group for s in states_below(module, recurse) if s.group is not None]
+
+
+class FSDPModule(FSDPModuleContract):
+    """The reference's FSDPModule; each method is documented on ``twinshard.api.FSDPModule``."""
+
+    def _fsdp_unshard(self, wait: bool) -> UnshardHandle | None:
+        # No lazy init here: an unshard before the first forward must not make a child a root.
+        if (group := get_state(self).group) is not None:
+            group.unshard()  # blocking: the handle below is already complete
+        return None if wait else UnshardHandle()
+
+    def reshard(self) -> None:
+        if (group := get_state(self).group) is not None:
+            group.reshard()
+
+    # --- gradient synchronization ------------------------------------------------------------
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        for group in groups_below(self, recurse):
+            group.reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        for group in groups_below(self, recurse):
+            group.all_reduce_grads = requires_all_reduce
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        for group in groups_below(self, recurse):
+            group.reduce_unused = bool(reduce_scatter_unused_params)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        if not factor > 0:
+            raise FSDPUsageError(f"gradient divide factor must be positive, got {factor!r}")
+        if (group := get_state(self).group) is not None:
+            group.divide_factor = float(factor)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        # The reference finishes all gradient work inside every backward, so this only records it.
+        get_state(self).is_last_backward = is_last_backward
+
+    # --- when parameters are freed and gathered ------------------------------------------------
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise FSDPUsageError(
+                f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}"
+            )
+        for state in states_below(self, recurse):
+            state.auto_reshard_after_forward = False
+            if state.group is not None:
+                state.group.post_forward_info = state.group.info if reshard_after_forward else None
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        for group in groups_below(self, recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        if (group := get_state(self).group) is not None:
+            group.unshard_in_backward = bool(unshard_in_backward)
+
+    def reset_iter_state(self) -> None:
+        state = get_state(self)
+        if state.is_root is False:
+            raise FSDPUsageError(
+                f"reset_iter_state must be called on the root module, not on this "
+                f"{type(self).__name__}, which runs inside another sharded module"
+            )
+        for s in state.all_states or [state]:
+            s.reset()
+
+    # --- communication hooks (called once per parameter in the reference) ------------------------
+    def set_custom_all_gather(self, comm) -> None:
+        if (group := get_state(self).group) is not None:
+            group.comms.all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        if (group := get_state(self).group) is not None:
+            group.comms.reduce_scatter = comm
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        if (group := get_state(self).group) is not None:
+            if stream is not None and group.info.replicate_group is not None:
+                raise FSDPUsageError("set_all_reduce_hook: stream cannot be set with HSDP")
+            group.comms.all_reduce_hook = hook
+
+    # --- torch's FSDP2 and nn.Module --------------------------------------------------------------
+    def _get_fsdp_state(self):
+        """What torch's ``register_fsdp_forward_method`` asks for: the hooks of this module."""
+        return TorchStateView(get_state(self))
+
+    def _apply(self, *args, **kwargs):
+        # ``to``, ``to_empty``, ``float``...: convert the sharded parameters, registered again
+        # first; they are adopted at the next unshard (ShardedParam.refresh).
+        self.reshard()
+        return nn.Module._apply(self, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        raise FSDPUsageError(
+            f"cannot deepcopy the sharded {type(self).__name__}: its parameters are split over "
+            "ranks; copy the unsharded model before fully_shard, or use its state_dict"
+        )
+
+
+class TorchStateView:
+    """The two methods of torch's FSDP state that torch's ``register_fsdp_forward_method``
+    calls, answered by ours."""
+
+    def __init__(self, state: FSDPState):
+        self._pre_forward = state.pre_forward  # (module, args, kwargs) -> (args, kwargs)
+        self._post_forward = state.post_forward  # (module, args, output) -> output
+
+
+@functools.cache
+def fsdp_class(methods: type, cls: type) -> type:
+    """``FSDP<Name>``: the module's own class with the FSDPModule ``methods`` mixed in.
+
+    ``_orig_cls_mro_index`` tells torch's ``FSDPModule.__new__`` where the original class sits
+    in the MRO, so that a slice of a sharded container builds the original class again."""
+    index = type("probe", (methods, cls), {}).__mro__.index(cls)  # the same in the new class
+    return type(f"FSDP{cls.__name__}", (methods, cls), {"_orig_cls_mro_index": index})
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` run the same hooks as ``module(...)`` does, so a
+    method other than ``forward`` (e.g. ``generate``) sees unsharded parameters."""
+    state = get_state(module)
+    if state is None:
+        raise FSDPUsageError(
+            f"register_fsdp_forward_method: fully_shard was not applied to "
+            f"this {type(module).__name__}"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise FSDPUsageError(f"{type(module).__name__} has no method '{method_name}'")
+
+    @functools.wraps(method)
+    def with_hooks(*args, **kwargs):
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        return state.post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, with_hooks)
+
+
+def share_comm_ctx(modules: list) -> None:
+    """Let several roots (pipeline stages) share one communication context. The reference
+    has one stream and no context to share: the modules are checked, nothing else."""
+    for m in modules:
+        if get_state(m) is None:
+            raise FSDPUsageError(
+                f"share_comm_ctx expects modules that fully_shard was applied to; "
+                f"{type(m).__name__} is not one"
+            )
+
+
+__all__ = ["FSDPModule", "fsdp_class", "register_fsdp_forward_method", "share_comm_ctx"]
