@@ -72,12 +72,14 @@ class RunConfig:
 
 
 def mesh_for(config: RunConfig, device: torch.device):
-    """None (each implementation's default 1D mesh), or the 2D HSDP mesh."""
-    if config.replicas == 1:
-        return None
+    """The 1D mesh of every rank on ``device``'s type (said explicitly: a simulated world has
+    no NCCL backend from which to guess the device), or the 2D HSDP mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (config.replicas, dist.get_world_size() // config.replicas)
+    world = dist.get_world_size()
+    if config.replicas == 1:
+        return init_device_mesh(device.type, (world,))
+    shape = (config.replicas, world // config.replicas)
     return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 

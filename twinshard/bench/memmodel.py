@@ -30,7 +30,8 @@ backward runs the blocks in reverse and the root last, from the end-of-backward 
                reduce-scatter input (packed) lives until the next reduce-scatter, its output
                becomes the sharded gradients.
 
-Sizes: a parameter of (rows, *rest) is padded to S * chunk rows (chunk = ceil(rows / S));
+At world size 1 the model assumes no communication buffers at all: torch issues no
+collectives there. Sizes: a parameter of (rows, *rest) is padded to S * chunk rows (chunk = ceil(rows / S));
 rank 0 keeps chunk rows. Compute dtype bytes ``pb``, reduction dtype bytes ``rb``, shards
 and momentum in fp32.
 """
@@ -89,6 +90,8 @@ class _Sizes:
         self.grad_late = sum(n for n, x in zip(numel, late) if x) * pb
         self.grad = sum(numel) * pb - self.grad_late  # the early ones (all, for a block)
         self.per_param_out = max((c * rest * rb for c, rest in chunks), default=0)
+        if S == 1:  # one rank: nothing to communicate, so no buffers (torch's FSDP2 neither)
+            self.send = self.packed = self.out = self.per_param_out = 0
 
 
 class _Timeline:
@@ -120,11 +123,11 @@ def predict(groups: list[Group], impl: str, world: int, pb: int = 4, rb: int | N
     step = {"reference": _reference, "optimized": _optimized, "torch": _torch}.get(impl)
     if step is None:
         raise ValueError(f"no memory model for {impl!r}")
-    step(t, sizes, world > 1)
+    step(t, sizes)
     return {c: t.peak.get(c, 0) for c in CATEGORIES}
 
 
-def _reference(t: _Timeline, sizes: list, _) -> None:
+def _reference(t: _Timeline, sizes: list) -> None:
     root, blocks = sizes[0], sizes[1:]
     t.alloc("U0", "unsharded", root.unsharded)
     for i, b in enumerate(blocks, 1):
@@ -143,7 +146,7 @@ def _reference(t: _Timeline, sizes: list, _) -> None:
     t.alloc("SG0", "sharded_grad", root.sharded)
 
 
-def _optimized(t: _Timeline, sizes: list, _) -> None:
+def _optimized(t: _Timeline, sizes: list) -> None:
     root, blocks = sizes[0], sizes[1:]
     n = len(blocks)
 
@@ -193,7 +196,7 @@ def _optimized(t: _Timeline, sizes: list, _) -> None:
     t.free("G0", "G0late")
 
 
-def _torch(t: _Timeline, sizes: list, _) -> None:
+def _torch(t: _Timeline, sizes: list) -> None:
     root, blocks = sizes[0], sizes[1:]
     n = len(blocks)
     t.alive["rs_packed"] = ("comm", root.packed)  # the root's, from the last step

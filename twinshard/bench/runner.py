@@ -39,9 +39,10 @@ def _rss_bytes() -> int:
 
 def _join_simulated_world(config: RunConfig) -> None:
     if config.backend == "fake":
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=config.world)
+        # an in-process store: one process plays every rank (the fake group needs none)
+        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=config.world)
     else:
         from . import simnet
 

@@ -20,6 +20,14 @@ block (the sum of S equal blocks), an all-reduce multiplies by S. Training there
 gradients of the right scale, and no uninitialized memory (whose NaNs or denormals could slow
 the arithmetic down) reaches the model, unlike with the fake process group.
 
+[Note: the simulated network on an accelerator]
+On a GPU a collective is a kernel on a stream: the stream it was issued on is busy until it
+ends, the CPU goes on. So there the collective's values are written at once on the current
+stream and the stream then spins (``torch.cuda._sleep``) for the link's time, and the work
+handle is complete when returned; whoever waits for the result waits for that stream, as with
+NCCL. Unlike the CPU wire, collectives issued on different streams do not queue behind each
+other there. (Written for the day a GPU is lent; CI has none.)
+
 ``network().calls`` logs every collective (op, dtype, numel, bytes on the wire, simulated
 start and end), which is how the benchmark counts them: a Python process group is called
 directly by ``torch.distributed``, so the dispatcher (and ``conformance.trace``) never sees it.
@@ -180,7 +188,13 @@ class SimProcessGroup(dist.ProcessGroup):
         if net.observer is not None:
             net.observer(op, tensors)
         future = Future()
-        self._wire.submit(end, fill if net.fill else None, future, result)
+        if big.is_cuda:  # see [Note: the simulated network on an accelerator]
+            if net.fill and fill is not None:
+                fill()
+            _gpu_sleep(end - start)
+            future.set_result(result)
+        else:
+            self._wire.submit(end, fill if net.fill else None, future, result)
         return _create_work_from_future(future)
 
     def _factor(self, opts) -> int:
@@ -261,6 +275,24 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._issue("barrier", [torch.zeros(1)], None, [])
 
 
+_CYCLES_PER_S: float | None = None
+
+
+def _gpu_sleep(seconds: float) -> None:
+    """Keep the current stream busy for ``seconds`` (calibrated once against CUDA events)."""
+    global _CYCLES_PER_S
+    if _CYCLES_PER_S is None:
+        begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 20_000_000
+        begin.record()
+        torch.cuda._sleep(cycles)
+        done.record()
+        done.synchronize()
+        _CYCLES_PER_S = cycles / (begin.elapsed_time(done) / 1000)
+    if seconds > 0:
+        torch.cuda._sleep(int(seconds * _CYCLES_PER_S))
+
+
 def _create(opts, backend_opts) -> SimProcessGroup:
     return SimProcessGroup(opts.group_rank, opts.group_size, opts.group_id)
 
@@ -268,7 +300,7 @@ def _create(opts, backend_opts) -> SimProcessGroup:
 def register() -> None:
     """Make ``"simnet"`` a backend name for ``init_process_group`` (once per process)."""
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def init(world_size: int, link: Link, fill: bool = True) -> Network:
