@@ -16,6 +16,7 @@ is gathered when the first of them starts forward and freed when the last one ha
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 
 from twinshard.api import (
     CPUOffloadPolicy,
@@ -87,10 +88,6 @@ def shard_module(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         _check_module(m)
-    if shard_placement_fn is not None:
-        raise FSDPUsageError(
-            "twinshard shards every parameter on dim 0; shard_placement_fn is not supported"
-        )
     info = mesh_info(mesh if mesh is not None else default_mesh())
     auto = reshard_after_forward is None
     post_forward = post_forward_mesh_info(True if auto else reshard_after_forward, info)
@@ -98,7 +95,10 @@ def shard_module(
     device = info.device
     owners = _collect_params(modules, set(ignored_params or ()))
     cpu_offload = offload if isinstance(offload, CPUOffloadPolicy) else None
-    params = [ShardedParam(p, where, info, device, cpu_offload) for p, where in owners.items()]
+    params = [
+        ShardedParam(p, where, info, device, cpu_offload, shard_dim(shard_placement_fn, p, where))
+        for p, where in owners.items()
+    ]
     for p in owners:  # the original tensor: a tie elsewhere still holds it (_collect_params)
         p._twinshard_sharded_by = id(modules[0])  # an int: the tensor stays picklable
     for m in modules:
@@ -116,6 +116,21 @@ def shard_module(
         m.__dict__["_twinshard_state"] = state
         m.__class__ = fsdp_class(module_type, type(m))
     return module
+
+
+def shard_dim(shard_placement_fn, p: nn.Parameter, where: list) -> int:
+    """The dim to cut ``p`` along: what ``shard_placement_fn(p)`` says (``Shard(dim)``, or None
+    for dim 0)."""
+    placement = shard_placement_fn(p) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if isinstance(placement, Shard) and -p.dim() <= placement.dim < p.dim():
+        return placement.dim
+    raise FSDPUsageError(
+        f"shard_placement_fn returned {placement!r} for parameter '{where[0][1]}' of "
+        f"{type(where[0][0]).__name__} (shape {tuple(p.shape)}); twinshard takes Shard(dim) with "
+        "a dim of the parameter, or None for Shard(0) (one mesh per fully_shard call)"
+    )
 
 
 def _check_module(module: nn.Module) -> None:

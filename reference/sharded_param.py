@@ -33,13 +33,14 @@ from enum import Enum, auto
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from twinshard.api import CommHooks, CPUOffloadPolicy, FSDPUsageError
+from twinshard.api import CPUOffloadPolicy, FSDPUsageError
 from twinshard.guard import check_collective
 
-from .collectives import all_gather_rows, all_reduce_sum, pad_rows, padded_rows, reduce_scatter_rows
+from .collectives import all_gather_rows, pad_rows, padded_rows
 from .mesh import MeshInfo
+from .sharded_grad import GradientPath
 
 
 class ParamState(Enum):
@@ -48,7 +49,7 @@ class ParamState(Enum):
     UNSHARDED = auto()  # module holds the whole parameter as a plain tensor
 
 
-class ShardedParam:
+class ShardedParam(GradientPath):
     """Shards one parameter at construction and moves it between its states."""
 
     def __init__(
@@ -58,6 +59,7 @@ class ShardedParam:
         info: MeshInfo,
         device: torch.device,
         offload: CPUOffloadPolicy | None,
+        dim: int = 0,
     ):
         if param.dim() == 0:
             raise FSDPUsageError(
@@ -71,10 +73,12 @@ class ShardedParam:
         self.shard_device = torch.device("cpu") if offload is not None else device
         # Pinned host memory lets the copy to an accelerator run without staging.
         self.pin = offload is not None and offload.pin_memory and device.type != "cpu"
-        self.shape = param.shape  # (rows, *rest), the global shape
+        self.shape = param.shape  # the global shape
         self.stride = torch.empty(param.shape, device="meta").stride()  # of the whole tensor
-        self.chunk = padded_rows(param.shape[0], info.shard_size)  # rows in each rank's block
-        self.block_shape = torch.Size((self.chunk, *param.shape[1:]))  # one rank's padded block
+        self.dim = dim % param.dim()  # the dim cut into blocks ("rows"; 0 unless Shard(dim))
+        rows_shape = self.rows_first(torch.empty(param.shape, device="meta")).shape
+        self.chunk = padded_rows(rows_shape[0], info.shard_size)  # rows in each rank's block
+        self.block_shape = torch.Size((self.chunk, *rows_shape[1:]))  # one rank's padded block
         self.unsharded_param: nn.Parameter | None = None  # created at the first unshard
         self.all_gather_buffer: torch.Tensor | None = None  # (S * chunk, *rest); holds it
         self.post_forward_block: torch.Tensor | None = None  # SHARDED_POST_FORWARD piece
@@ -85,22 +89,33 @@ class ShardedParam:
         self._register(self.sharded_param)
 
     # --- construction and the module attribute ----------------------------------------------
+    def rows_first(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` viewed with the sharded dim first: (rows, *rest). Every block, all-gather and
+        reduce-scatter works on this view; for ``Shard(0)`` it is ``t`` itself. (Swapping two
+        dims is its own inverse, so this also turns a rows-first tensor back.)"""
+        return t.transpose(0, self.dim) if self.dim else t
+
     def _shard(self, param: torch.Tensor) -> DTensor:
         """Cut this rank's block of rows out of the full parameter and wrap it as a DTensor."""
-        start = min(self.info.shard_rank * self.chunk, self.shape[0])
-        length = min(self.chunk, self.shape[0] - start)
-        block = param.detach().narrow(0, start, length)  # (length <= chunk, *rest)
+        rows = self.rows_first(param.detach())  # (rows, *rest)
+        start = min(self.info.shard_rank * self.chunk, rows.shape[0])
+        length = min(self.chunk, rows.shape[0] - start)
+        block = self.rows_first(rows.narrow(0, start, length))  # the parameter's own layout
         device = param.device if param.device.type == "meta" else self.shard_device
-        block = block.to(device).clone()  # our own memory, not a view of the full tensor
+        # our own, contiguous memory, not a view of the full tensor
+        block = block.to(device).clone(memory_format=torch.contiguous_format)
         if self.pin and device.type == "cpu":
             block = block.pin_memory()
         return self._as_dtensor(block)
 
     def _as_dtensor(self, block: torch.Tensor) -> DTensor:
+        placements = tuple(
+            Shard(self.dim) if isinstance(q, Shard) else q for q in self.info.placements
+        )
         return DTensor.from_local(
             block,
             self.info.mesh,
-            self.info.placements,
+            placements,
             run_check=False,
             shape=self.shape,
             stride=self.stride,
@@ -156,23 +171,26 @@ class ShardedParam:
         if self.state is ParamState.SHARDED_POST_FORWARD:
             return self.post_forward_block  # (S * chunk / N, *rest)
         self.refresh()
-        local = self.sharded_param.to_local()  # (<= chunk, *rest)
-        return pad_rows(local.to(self.device, dtype), self.chunk)  # (chunk, *rest)
+        local = self.rows_first(self.sharded_param.to_local())  # (<= chunk, *rest)
+        return pad_rows(local.to(self.device, dtype), self.chunk).contiguous()  # (chunk, *rest)
 
     def all_gather_output(self, dtype: torch.dtype) -> torch.Tensor:
         """The tensor the all-gather fills, (S * chunk, *rest), with its memory (re)allocated.
 
         Its first ``rows`` rows are the unsharded parameter; the rest are padding."""
-        rows = self.info.shard_size * self.chunk
         if self.all_gather_buffer is None:
             self.all_gather_buffer = torch.empty(
-                (rows, *self.shape[1:]), dtype=dtype, device=self.device
+                (self.info.shard_size * self.chunk, *self.block_shape[1:]),
+                dtype=dtype,
+                device=self.device,
             )
             # ``.data`` gives the parameter its own version counter, so that writing the
             # all-gather into the buffer does not look like an in-place change to autograd.
-            view = self.all_gather_buffer.data.narrow(0, 0, self.shape[0])  # (rows, *rest)
+            rows = self.shape[self.dim]
+            view = self.all_gather_buffer.data.narrow(0, 0, rows)  # (rows, *rest)
             self.unsharded_param = nn.Parameter(
-                view, requires_grad=self.sharded_param.requires_grad
+                self.rows_first(view),  # in the parameter's own layout
+                requires_grad=self.sharded_param.requires_grad,
             )
         else:
             buffer = self.all_gather_buffer
@@ -203,98 +221,3 @@ class ShardedParam:
         self._register(self.sharded_param)
         keep_piece = self.post_forward_block is not None
         self.state = ParamState.SHARDED_POST_FORWARD if keep_piece else ParamState.SHARDED
-
-    # --- gradients --------------------------------------------------------------------------
-    @property
-    def has_new_grad(self) -> bool:
-        """Whether autograd wrote an unsharded ``.grad`` that ``take_grad`` has not taken."""
-        return self.unsharded_param is not None and self.unsharded_param.grad is not None
-
-    def take_grad(self, reduce_dtype: torch.dtype) -> None:
-        """Move autograd's unsharded ``.grad`` into the sum waiting to be reduced."""
-        if not self.has_new_grad:
-            return
-        grad = self.unsharded_param.grad.to(reduce_dtype)  # (rows, *rest)
-        self.unsharded_param.grad = None
-        if self.grad_to_reduce is None:
-            self.grad_to_reduce = grad
-        else:
-            self.grad_to_reduce += grad
-
-    def reduce_grad(
-        self, dtype: torch.dtype, divide_by: float, all_reduce: bool, comms: CommHooks, keep_unused
-    ) -> bool | None:
-        """Reduce-scatter the waiting gradient (and all-reduce it across HSDP replicas), then
-        add this rank's block to the sharded ``DTensor`` gradient. Returns whether this rank had
-        a gradient (None for a frozen parameter, which takes no part)."""
-        used = self.has_grad_to_reduce
-        grad = self.reduce_scatter_input(dtype)  # (S * chunk, *rest), zeros if unused here
-        if grad is None:
-            return None
-        check_collective("reduce_scatter", grad, self.info.shard_group, self.fqn)
-        block = reduce_scatter_rows(grad, self.info.shard_group, comms.reduce_scatter)
-        if self.info.replicate_group is not None:  # block: (chunk, *rest) summed
-            block = self.combine_partial_sum(block, all_reduce)
-            if block is None:
-                return used  # summed over the shard group only, for now
-            check_collective("all_reduce", block, self.info.replicate_group, self.fqn)
-            all_reduce_sum(block, self.info.replicate_group)
-        if comms.all_reduce_hook is not None:
-            comms.all_reduce_hook(block)  # the user's hook, in place, once per parameter here
-        if used or keep_unused:
-            self.accumulate_grad(block / divide_by)  # the sum over ranks becomes their mean
-        return used
-
-    @property
-    def has_grad_to_reduce(self) -> bool:
-        """Whether a gradient from this rank's backward waits to be reduced."""
-        return self.grad_to_reduce is not None
-
-    def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Hand over the waiting gradient, padded to (S * chunk, *rest). A trainable parameter
-        with no gradient here hands over zeros of ``dtype`` (every rank must send the same
-        amount, whichever parameters it used); a frozen one hands over None."""
-        rows = self.info.shard_size * self.chunk
-        if self.grad_to_reduce is None:
-            if (
-                not self.sharded_param.requires_grad
-                or self.info.shard_size * self.info.replicate_size == 1
-            ):
-                return None  # frozen, or alone: nothing to keep in step with
-            return torch.zeros((rows, *self.shape[1:]), dtype=dtype, device=self.device)
-        grad = pad_rows(self.grad_to_reduce, rows)  # (S * chunk, *rest)
-        self.grad_to_reduce = None
-        return grad
-
-    def combine_partial_sum(self, block: torch.Tensor, all_reduce: bool) -> torch.Tensor | None:
-        """HSDP: add to ``block`` (chunk, *rest), in place, what earlier backwards reduce-scattered
-        without all-reducing. Returns the block to all-reduce now, or None when ``all_reduce``
-        is False: then the sum is kept for the next backward instead."""
-        if self.partial_sum is not None:
-            block += self.partial_sum  # (chunk, *rest)
-            self.partial_sum = None
-        if not all_reduce:
-            self.partial_sum = block
-            return None
-        return block
-
-    def accumulate_grad(self, block: torch.Tensor) -> None:
-        """Add a reduced block (chunk, *rest) to the sharded ``DTensor`` gradient, dropping the
-        padding rows and moving it to the shard's dtype and device."""
-        local_rows = self.sharded_param.to_local().shape[0]
-        block = block[:local_rows].to(self.sharded_param.dtype).to(self.shard_device)
-        if self.sharded_param.grad is None:
-            self.sharded_param.grad = self._as_dtensor(block.contiguous())  # (<= chunk, *rest)
-        else:
-            self.sharded_param.grad.to_local().add_(block)
-        # Autograd never accumulates into the sharded parameter, so it never runs the hooks
-        # registered with register_post_accumulate_grad_hook: run them here, as torch's FSDP2
-        # does (an optimizer stepped inside backward relies on them).
-        for hook in (self.sharded_param._post_accumulate_grad_hooks or {}).values():
-            hook(self.sharded_param)
-
-    def discard_grads(self) -> None:
-        """Drop every gradient not yet reduced (after an aborted iteration)."""
-        self.grad_to_reduce = self.partial_sum = None
-        if self.unsharded_param is not None:
-            self.unsharded_param.grad = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -145,3 +146,37 @@ def case_ignored_params(ctx):
     if isinstance(model.head.bias, DTensor) or not isinstance(model.head.weight, DTensor):
         checker.fail("head.bias was ignored and must stay a plain tensor (head.weight sharded)")
     return checker
+
+
+def _shard_dim_1(ctx, recipe, no_oracle=None):
+    from torch.distributed.tensor import Shard
+
+    def wrap(impl, model, mesh):
+        by_dim = lambda p: Shard(1) if p.dim() == 2 else None  # noqa: E731
+        for block in model.blocks:
+            impl.fully_shard(block, mesh=mesh, shard_placement_fn=by_dim)
+        impl.fully_shard(model, mesh=mesh)
+
+    recipe = replace(recipe, wrap=wrap)
+    checker = train_case(ctx, recipe, no_oracle=no_oracle)
+    _, model = run_sharded(replace(recipe, steps=1), ctx.impl, ctx.mesh)
+    checker.count += 1
+    if model.blocks[0].w1.weight.placements[-1] != Shard(1):
+        checker.fail(f"w1.weight placements {model.blocks[0].w1.weight.placements}, asked Shard(1)")
+    return checker
+
+
+@case("training")
+def case_shard_dim_1(ctx):
+    """shard_placement_fn: the blocks' 2-D weights cut along dim 1 (Shard(1)), the rest along
+    dim 0; widths (12, 24) that every world size 1-4 divides."""
+    build = lambda: M.MLPStack(dim=12, hidden=24, n_blocks=3)  # noqa: E731
+    data = M.batches(lambda g: (torch.randn(12, 12, generator=g), torch.randn(12, 12, generator=g)))
+    return _shard_dim_1(ctx, M.mlp_recipe(ctx.world, build=build, data=data))
+
+
+@case("training")
+def case_shard_dim_1_uneven(ctx):
+    """Shard(1) on uneven widths (37 and 15 columns): the last ranks hold fewer columns."""
+    reason = "torch's fully_shard refuses uneven sharding on a dim other than 0"
+    return _shard_dim_1(ctx, M.mlp_recipe(ctx.world), no_oracle=reason)
