@@ -106,10 +106,21 @@ def build(config: RunConfig, device: torch.device):
         for block in model.blocks:
             impl.fully_shard(block, **kwargs)
         impl.fully_shard(model, **kwargs)
+        if config.backend == "fake" and config.impl != "torch":
+            _no_usage_count(model)
     else:
         raise ValueError(f"unknown implementation {config.impl!r}; use one of {', '.join(IMPLS)}")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     return model, opt
+
+
+def _no_usage_count(model) -> None:
+    """twinshard counts, after each backward, on how many ranks each parameter got a gradient
+    (an all-reduce of counts). The fake process group returns no values, so every parameter
+    would look used on one rank only; the setting that says unused parameters are expected
+    turns the count off (torch's fully_shard does not count by default)."""
+    if hasattr(model, "set_reduce_scatter_unused_params"):
+        model.set_reduce_scatter_unused_params(True)
 
 
 def _ddp(model, device, backend):
