@@ -143,18 +143,16 @@ class Checker:
 
 
 def local_rows(full: torch.Tensor, dtensor) -> torch.Tensor:
-    """The block of ``full`` that this rank holds in ``dtensor`` (``Shard(0)`` placements,
-    ``torch.chunk`` semantics: ceil-sized blocks, the last ones shorter or empty)."""
-    coord = dtensor.device_mesh.get_coordinate()
-    block = full
-    for mesh_dim, placement in enumerate(dtensor.placements):
-        if placement.is_shard():
-            d = placement.dim
-            size = dtensor.device_mesh.size(mesh_dim)
-            chunk = -(-block.shape[d] // size)
-            start = min(coord[mesh_dim] * chunk, block.shape[d])
-            block = block.narrow(d, start, min(chunk, block.shape[d] - start))
-    return block
+    """The piece of ``full`` that this rank holds in ``dtensor``, whatever its placements
+    (``Shard``, the strided shards of FSDP over TP, ``Replicate``): DTensor's own slicing of
+    this rank's copy, without communication."""
+    from torch.distributed.tensor import distribute_tensor
+
+    device = dtensor.device_mesh.device_type
+    piece = distribute_tensor(
+        full.to(device), dtensor.device_mesh, dtensor.placements, src_data_rank=None
+    )
+    return piece.to_local()
 
 
 def _comparable(t: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,9 @@ class Recipe:
     low_precision: torch.dtype | None = None  # param_dtype of the policy, for the plain oracle
     low_reduce: torch.dtype = torch.float32  # reduce_dtype of the policy, for the plain oracle
     start: int = 0  # first step's index into ``data`` (a resumed run continues from there)
+    # (rank, world) to cut the global batch by, when not every rank is its own data-parallel
+    # rank (tensor parallelism: the ranks of one TP group see the same data)
+    data_rank: Callable[[], tuple[int, int]] | None = None
 
 
 @dataclass
@@ -123,7 +126,10 @@ def run_sharded(
     if model is None:
         model = seeded(recipe.build)
         recipe.wrap(impl, model, mesh)
-    trace = _train(recipe, model, None, dist.get_rank(), dist.get_world_size(), None, opt)
+    rank, world = (
+        recipe.data_rank() if recipe.data_rank else (dist.get_rank(), dist.get_world_size())
+    )
+    trace = _train(recipe, model, None, rank, world, None, opt)
     return trace, model
 
 
@@ -165,7 +171,7 @@ def _train(
             loss_sum += loss.detach().float()
         if master is None:  # sharded: the global loss is the mean over ranks
             dist.all_reduce(loss_sum)
-            loss_sum /= world
+            loss_sum /= dist.get_world_size()  # ranks of one TP group count their slice alike
         trace.losses.append(loss_sum / recipe.micro)
         if recipe.before_step is not None and master is None:
             recipe.before_step(model)

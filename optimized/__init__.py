@@ -13,6 +13,7 @@ changes is how the work is scheduled:
 
 from twinshard.api import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FSDPUsageError,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -23,6 +24,7 @@ from .fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method, 
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FSDPUsageError",
     "MixedPrecisionPolicy",

@@ -38,6 +38,7 @@ def fully_shard(
     offload_policy=OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     shard_placement_fn=None,
+    dp_mesh_dims=None,
 ) -> nn.Module:
     """Shard ``module`` like ``twinshard.reference.fully_shard``, communicating per group and
     overlapping communication with compute."""
@@ -52,6 +53,7 @@ def fully_shard(
         offload_policy,
         ignored_params,
         shard_placement_fn,
+        dp_mesh_dims,
     )
 
 

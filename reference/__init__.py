@@ -19,6 +19,7 @@ Read in this order:
 
 from twinshard.api import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FSDPUsageError,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -30,6 +31,7 @@ from .fully_shard import fully_shard
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FSDPUsageError",
     "MixedPrecisionPolicy",

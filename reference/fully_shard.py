@@ -29,7 +29,7 @@ from twinshard.api import (
 )
 
 from .fsdp_module import FSDPModule, fsdp_class
-from .mesh import default_mesh, mesh_info, post_forward_mesh_info
+from .mesh import data_parallel_mesh, default_mesh, mesh_info, post_forward_mesh_info
 from .param_group import ParamGroup
 from .sharded_param import ShardedParam
 from .state import FSDPState, get_state
@@ -44,6 +44,7 @@ def fully_shard(
     offload_policy=OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     shard_placement_fn=None,
+    dp_mesh_dims=None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across ``mesh`` (1D: FSDP, 2D: HSDP); returns the module
     (or the list of modules, sharded as one group).
@@ -63,6 +64,7 @@ def fully_shard(
         offload_policy,
         ignored_params,
         shard_placement_fn,
+        dp_mesh_dims,
     )
 
 
@@ -77,6 +79,7 @@ def shard_module(
     offload_policy,
     ignored_params,
     shard_placement_fn,
+    dp_mesh_dims=None,
 ) -> nn.Module:
     """The steps of ``fully_shard``, given the three types that make an implementation.
 
@@ -88,7 +91,10 @@ def shard_module(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         _check_module(m)
-    info = mesh_info(mesh if mesh is not None else default_mesh())
+    mesh = mesh if mesh is not None else default_mesh()
+    if dp_mesh_dims is not None:  # ``mesh`` is the whole SPMD mesh: take its data-parallel part
+        mesh = data_parallel_mesh(mesh, dp_mesh_dims)
+    info = mesh_info(mesh)
     auto = reshard_after_forward is None
     post_forward = post_forward_mesh_info(True if auto else reshard_after_forward, info)
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)

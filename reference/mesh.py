@@ -109,3 +109,17 @@ def post_forward_mesh_info(reshard_after_forward, info: MeshInfo) -> MeshInfo | 
     # Rows of n consecutive ranks: rank r all-gathers with the others in its row in backward.
     small = DeviceMesh(info.mesh.device_type, info.mesh.mesh.reshape(-1, n))
     return MeshInfo(small, small.get_group(1), n, small.get_local_rank(1), None, 1)
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims) -> DeviceMesh:
+    """The part of a whole SPMD ``mesh`` that ``dp_mesh_dims`` names: its ``shard`` dim (FSDP),
+    with its ``replicate`` dim in front (HSDP). One name each: flattening several is not
+    supported."""
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    if len(shard) != 1 or len(replicate) > 1:
+        raise FSDPUsageError(
+            f"dp_mesh_dims={dp_mesh_dims}: twinshard takes one shard dim name and at most one "
+            "replicate dim name (several dims flattened into one are not supported)"
+        )
+    names = (*replicate, *shard)
+    return mesh[names] if len(names) > 1 else mesh[names[0]]

@@ -31,7 +31,8 @@ class GradientPath:
         """Move autograd's unsharded ``.grad`` into the sum waiting to be reduced."""
         if not self.has_new_grad:
             return
-        grad = self.unsharded_param.grad.to(reduce_dtype)  # (rows, *rest)
+        grad = self.unsharded_param.grad  # with tensor parallelism, a DTensor: take its piece
+        grad = (grad.to_local() if self.tp is not None else grad).to(reduce_dtype)  # (rows, *rest)
         self.unsharded_param.grad = None
         if self.grad_to_reduce is None:
             self.grad_to_reduce = grad

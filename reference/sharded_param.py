@@ -41,6 +41,7 @@ from twinshard.guard import check_collective
 from .collectives import all_gather_rows, pad_rows, padded_rows
 from .mesh import MeshInfo
 from .sharded_grad import GradientPath
+from .tensor_parallel import tp_layout
 
 
 class ParamState(Enum):
@@ -73,10 +74,15 @@ class ShardedParam(GradientPath):
         self.shard_device = torch.device("cpu") if offload is not None else device
         # Pinned host memory lets the copy to an accelerator run without staging.
         self.pin = offload is not None and offload.pin_memory and device.type != "cpu"
+        self.tp = tp_layout(param, info, self.fqn)  # tensor parallel: shard each rank's piece
+        if self.tp is not None and dim != 0:
+            raise FSDPUsageError(f"'{self.fqn}': a tensor-parallel parameter is sharded on dim 0")
+        whole = param.to_local() if self.tp is not None else param  # what FSDP cuts and gathers
         self.shape = param.shape  # the global shape
         self.stride = torch.empty(param.shape, device="meta").stride()  # of the whole tensor
         self.dim = dim % param.dim()  # the dim cut into blocks ("rows"; 0 unless Shard(dim))
-        rows_shape = self.rows_first(torch.empty(param.shape, device="meta")).shape
+        self.rows = whole.shape[self.dim]  # how many rows are cut into blocks
+        rows_shape = self.rows_first(torch.empty(whole.shape, device="meta")).shape
         self.chunk = padded_rows(rows_shape[0], info.shard_size)  # rows in each rank's block
         self.block_shape = torch.Size((self.chunk, *rows_shape[1:]))  # one rank's padded block
         self.unsharded_param: nn.Parameter | None = None  # created at the first unshard
@@ -84,7 +90,7 @@ class ShardedParam(GradientPath):
         self.post_forward_block: torch.Tensor | None = None  # SHARDED_POST_FORWARD piece
         self.grad_to_reduce: torch.Tensor | None = None  # (rows, *rest) unreduced gradient sum
         self.partial_sum: torch.Tensor | None = None  # HSDP: reduce-scattered, not all-reduced
-        self.sharded_param = nn.Parameter(self._shard(param), requires_grad=param.requires_grad)
+        self.sharded_param = nn.Parameter(self._shard(whole), requires_grad=param.requires_grad)
         self.state = ParamState.SHARDED
         self._register(self.sharded_param)
 
@@ -112,6 +118,15 @@ class ShardedParam(GradientPath):
         placements = tuple(
             Shard(self.dim) if isinstance(q, Shard) else q for q in self.info.placements
         )
+        if self.tp is not None:  # a 2-D (dp, tp) DTensor; see tensor_parallel.py
+            return DTensor.from_local(
+                block,
+                self.tp.spmd_mesh,
+                self.tp.sharded_placements(self.info),
+                run_check=False,
+                shape=self.shape,
+                stride=self.tp.stride,
+            )
         return DTensor.from_local(
             block,
             self.info.mesh,
@@ -186,10 +201,10 @@ class ShardedParam(GradientPath):
             )
             # ``.data`` gives the parameter its own version counter, so that writing the
             # all-gather into the buffer does not look like an in-place change to autograd.
-            rows = self.shape[self.dim]
-            view = self.all_gather_buffer.data.narrow(0, 0, rows)  # (rows, *rest)
+            view = self.all_gather_buffer.data.narrow(0, 0, self.rows)  # (rows, *rest)
+            whole = self.rows_first(view)  # in the parameter's own layout
             self.unsharded_param = nn.Parameter(
-                self.rows_first(view),  # in the parameter's own layout
+                self.tp.unsharded(whole) if self.tp is not None else whole,
                 requires_grad=self.sharded_param.requires_grad,
             )
         else:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import DataParallelMeshDims  # torch's own: the same names, as is
 
 __all__ = [
     "MixedPrecisionPolicy",
@@ -29,6 +30,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",  # noqa: F822 - defined in twinshard/fsdp_module.py, see __getattr__ below
     "CommHooks",  # noqa: F822
+    "DataParallelMeshDims",
     "UnshardHandle",
     "FSDPUsageError",
     "as_mp_policy",

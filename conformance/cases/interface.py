@@ -220,3 +220,45 @@ def case_compile(ctx):
             block.compile(backend="aot_eager")
 
     return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
+
+
+@case(
+    "interface",
+    needs=lambda ctx: ctx.world == 4 and not ctx.hsdp,
+    why="tensor parallel x FSDP runs on 4 ranks: a (dp=2, tp=2) mesh",
+)
+def case_tensor_parallel(ctx):
+    """FSDP over tensor parallelism: each block's w1 column-parallel and w2 row-parallel on the
+    tp dim of a (dp, tp) mesh, then fully_shard on the dp dim; the sharded parameters are 2-D
+    DTensors (a strided shard on dp where TP also cut dim 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh(ctx.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
+
+    def wrap(impl, model, _):
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], plan)
+            impl.fully_shard(block, mesh=mesh["dp"])
+        impl.fully_shard(model, mesh=mesh["dp"])
+
+    recipe = M.mlp_recipe(
+        ctx.world,
+        wrap=wrap,
+        build=lambda: M.MLPStack(dim=16, hidden=32, n_blocks=2),
+        data=M.mlp_data(dim=16),
+        data_rank=lambda: (mesh["dp"].get_local_rank(), 2),
+    )
+    checker = train_case(ctx, recipe)
+    _, model = run_sharded(replace(recipe, steps=1), ctx.impl, ctx.mesh)
+    checker.count += 1
+    if model.blocks[0].w1.weight.device_mesh.mesh_dim_names != ("dp", "tp"):
+        checker.fail(
+            "a tensor-parallel weight is not a DTensor on the (dp, tp) mesh after fully_shard"
+        )
+    return checker

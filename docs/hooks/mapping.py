@@ -24,32 +24,55 @@ IMPLS = ("twinshard.reference", "twinshard.optimized")
 
 # (name, implementation or None for both) -> what a user should know beyond the signature.
 NOTES: dict[tuple[str, str | None], str] = {
-    ("fully_shard", None): "takes one module per call (torch also takes a list); "
-    "`shard_placement_fn` must be `None` (every parameter is sharded on dim 0)",
-    ("FSDPModule", None): "a sharded module is an instance of `twinshard.api.FSDPModule`",
-    (
-        "MixedPrecisionPolicy",
-        None,
-    ): "twinshard's own dataclass; torch's policy objects are accepted too",
+    ("fully_shard", None): "also takes a list of modules (one group); `shard_placement_fn` may "
+    "return `Shard(dim)` or None (one mesh per call); tensor-parallel DTensor parameters are "
+    "sharded over a 1-D dp mesh (FSDP + TP); `dp_mesh_dims` takes one shard dim name and at most "
+    "one replicate dim name",
+    ("FSDPModule", None): "a sharded module is an instance of `twinshard.api.FSDPModule` and of "
+    "torch's `FSDPModule`",
+    ("MixedPrecisionPolicy", None): "twinshard's own dataclass; torch's policy objects are "
+    "accepted too",
     (
         "CPUOffloadPolicy",
         None,
     ): "twinshard's own dataclass; torch's policy objects are accepted too",
     ("OffloadPolicy", None): "twinshard's own dataclass; torch's policy objects are accepted too",
+    ("DataParallelMeshDims", None): "torch's own class, re-exported",
+    (
+        "share_comm_ctx",
+        "twinshard.reference",
+    ): "checks the modules; one stream, no context to share",
     ("FSDPModule.unshard", "twinshard.reference"): "blocking: with `async_op=True` the handle "
     "returned is already complete",
+    ("FSDPModule.set_modules_to_forward_prefetch", "twinshard.reference"): "the list is checked "
+    "and otherwise ignored: one stream, nothing to overlap",
+    ("FSDPModule.set_modules_to_backward_prefetch", "twinshard.reference"): "the list is checked "
+    "and otherwise ignored: one stream, nothing to overlap",
+    ("FSDPModule.set_post_optim_event", "twinshard.reference"): "ignored: one stream, nothing to "
+    "overlap",
+    ("FSDPModule.set_custom_all_gather", "twinshard.reference"): "called once per parameter",
+    ("FSDPModule.set_custom_all_gather", "twinshard.optimized"): "called once per group, on its "
+    "flat buffer",
+    ("FSDPModule.set_custom_reduce_scatter", "twinshard.reference"): "called once per parameter",
+    ("FSDPModule.set_custom_reduce_scatter", "twinshard.optimized"): "called once per group (per "
+    "reduce dtype), on its flat buffer",
+    ("FSDPModule.set_all_reduce_hook", "twinshard.reference"): "called once per parameter, before "
+    "the division by the world size",
+    ("FSDPModule.set_all_reduce_hook", "twinshard.optimized"): "called once per group on its flat "
+    "reduced buffer, before the division",
+    ("FSDPModule.set_reduce_scatter_unused_params", None): "without it, twinshard names the "
+    "parameters used on some ranks only at the end of backward (torch aborts inside the backend)",
+    ("FSDPModule.set_separate_reduce_scatter_group", "twinshard.reference"): "accepted; one stream",
     (
-        "FSDPModule.set_modules_to_forward_prefetch",
-        "twinshard.reference",
-    ): "the list is checked and otherwise ignored: one stream, nothing to overlap",
-    (
-        "FSDPModule.set_modules_to_backward_prefetch",
-        "twinshard.reference",
-    ): "the list is checked and otherwise ignored: one stream, nothing to overlap",
-    (
-        "FSDPModule.set_post_optim_event",
-        "twinshard.reference",
-    ): "ignored: one stream, nothing to overlap",
+        "FSDPModule.set_symm_mem_for_comm",
+        None,
+    ): "checked (NCCL only) and accepted; no effect on gloo",
+    ("FSDPModule.set_allocate_memory_from_process_group_for_comm", None): "checked and accepted; "
+    "gloo has no allocator of its own",
+    ("FSDPModule.set_reduce_scatter_max_input_buffers", None): "checked (>= 1); one reduction is "
+    "kept in flight whatever the value",
+    ("FSDPModule.set_force_sum_reduction_for_comms", None): "checked; twinshard always reduces "
+    "with SUM and divides afterwards",
 }
 
 
@@ -209,7 +232,9 @@ def markdown() -> str:
             "### FSDP2: `fully_shard` and `FSDPModule`",
             section([r for r in rows_ if not r["fsdp1"]]),
             "### FSDP1: the `FullyShardedDataParallel` wrapper",
-            "twinshard implements FSDP2 only; these names belong to torch's older wrapper API.",
+            "twinshard implements FSDP2 only; these names belong to torch's older wrapper API. "
+            "Its `summon_full_params` is offered for any FSDP2 module, torch's included, as "
+            "`twinshard.summon.summon_full_params`.",
             section([r for r in rows_ if r["fsdp1"]]),
         ]
     )
