@@ -78,8 +78,12 @@ def run_hooks(args) -> int:
     result = side_by_side(base, impls, args.repeat, not args.no_progress)
     summary = result["summary"]
     floor = summary.get("plain", {}).get("cpu_s", 0.0)
+    phase_floor = summary.get("plain", {}).get("phases_cpu_s") or [0.0] * 3
     for row in summary.values():
         row["overhead_per_group_s"] = (row["cpu_s"] - floor) / groups
+        row["phase_overhead_per_group_s"] = [
+            (a - b) / groups for a, b in zip(row["phases_cpu_s"], phase_floor)
+        ]
     profile_dir = args.profile or tempfile.mkdtemp(prefix="twinshard-hooks-")
     profiles = {}
     for impl in impls:
@@ -103,10 +107,12 @@ def overhead_table(summary: dict, base, groups: int) -> str:
     torch_row = summary.get("torch")
     lines = [
         f"{base.backend} world {base.world}, {groups - 1} blocks + root = {groups} groups, "
-        f"dim {base.llama().dim}, {base.per_rank} x {base.seq} tokens; CPU time per step",
+        f"dim {base.llama().dim}, {base.per_rank} x {base.seq} tokens; CPU time per step; overhead "
+        "per group = (CPU time - plain's) / groups, in total and by phase (us)",
         "",
-        "| impl | CPU ms/step | wall ms/step | overhead us/group | vs torch |",
-        "|---|---|---|---|---|",
+        "| impl | CPU ms/step | wall ms/step | overhead us/group | vs torch "
+        "| forward | backward | optimizer |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary.items():
         per = r["overhead_per_group_s"]
@@ -115,9 +121,10 @@ def overhead_table(summary: dict, base, groups: int) -> str:
             if torch_row and name != "plain" and torch_row["overhead_per_group_s"] > 0
             else "-"
         )
+        split = " | ".join(f"{x * 1e6:.0f}" for x in r["phase_overhead_per_group_s"])
         lines.append(
             f"| {name} | {r['cpu_s'] * 1e3:.2f} | {r['step_s'] * 1e3:.2f} | "
-            f"{per * 1e6:.0f} | {ratio} |"
+            f"{per * 1e6:.0f} | {ratio} | {split} |"
         )
     return "\n".join(lines)
 

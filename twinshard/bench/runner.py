@@ -84,7 +84,7 @@ def run_rank(config: RunConfig) -> dict:
     model, opt = build(config, device)
     vocab = config.llama().vocab_size
     batches = [b.to(device) for b in _batches(config, vocab, 1, dist.get_rank())]
-    wall, cpu, comm = [], [], []
+    wall, cpu, comm, phases = [], [], [], []  # phases: CPU s of forward, backward, optimizer
     profiler = None
     for step in range(config.warmup + config.steps):
         timed = step >= config.warmup
@@ -96,7 +96,10 @@ def run_rank(config: RunConfig) -> dict:
         n0 = len(net.calls) if net else 0
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = forward_backward(model, batches[0])
+        loss = model(batches[0][:, :-1], batches[0][:, 1:])
+        c_fwd = time.process_time()
+        loss.backward()
+        c_bwd = time.process_time()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
@@ -104,6 +107,7 @@ def run_rank(config: RunConfig) -> dict:
         if timed:
             wall.append(t1 - t0)
             cpu.append(c1 - c0)
+            phases.append((c_fwd - c0, c_bwd - c_fwd, c1 - c_bwd))
             if net:
                 comm.append(_comm_of_step(net.calls[n0:]))
     if profiler is not None:
@@ -113,6 +117,7 @@ def run_rank(config: RunConfig) -> dict:
     result = {
         "wall_s": wall,
         "cpu_s": cpu,
+        "phases_cpu_s": phases,
         "loss": loss.item(),
         "params": sum(p.numel() for p in model.parameters()),
         "tokens_per_step": config.per_rank * config.seq * dist.get_world_size(),

@@ -50,6 +50,7 @@ def summarize(runs: list[dict], tokens_per_step: int) -> dict:
     cpu = [s for r in runs for s in r["cpu_s"]]
     q1, med, q3 = quantiles(wall)
     reps = [statistics.median(r["wall_s"]) for r in runs]
+    phases = [p for r in runs for p in r.get("phases_cpu_s", [])]  # forward, backward, optimizer
     out = {
         "step_s": med,
         "step_q1_s": q1,
@@ -57,6 +58,9 @@ def summarize(runs: list[dict], tokens_per_step: int) -> dict:
         "rep_min_s": min(reps),
         "rep_max_s": max(reps),
         "cpu_s": statistics.median(cpu),
+        "phases_cpu_s": [statistics.median(p[k] for p in phases) for k in range(3)]
+        if phases
+        else None,
         "tokens_per_s": tokens_per_step / med,
         "steps": len(wall),
         "loss": runs[-1]["loss"],
