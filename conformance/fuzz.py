@@ -34,8 +34,6 @@ that step times the model's sensitivity, in another direction for each computati
 taken from one such realization (the plain model's) is then no bound for the other; the fuzzer
 found a model 3x past it at step 3 with both implementations bitwise equal. Within the first
 step both start from the same weights, so the rule holds; the suite's fixed cases train longer.
-With gradient sync off, the oracle accumulates micro-batches unreduced, in the reduce dtype, as
-FSDP does (``Recipe.low_accumulate``).
 """
 
 from __future__ import annotations
@@ -213,7 +211,6 @@ def recipe(ex: Example) -> Recipe:
         clip=ex.clip,
         low_precision=_dtype(low),
         low_reduce=_dtype(reduce or low) or torch.float32,
-        low_accumulate=any(what is not None for what in ex.sync_off),
     )
 
 
