@@ -11,6 +11,7 @@ failed to report would surface as the launcher's "deadline exceeded" instead, an
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -134,3 +135,13 @@ def test_parameters_are_named_by_their_full_path(impl):
     used, real = launch(_param_names, 1, impl, timeout=TIMEOUT)[0]
     assert "blocks.1.w1.weight" in used and "norm.weight" in used, used
     assert used == real
+
+
+def test_train_debug_flag_turns_the_checks_on(monkeypatch, tmp_path):
+    """``twinshard train --debug`` sets TWINSHARD_DEBUG before anything else (here the run
+    stops at a bad flag right after), so every rank it starts inherits it."""
+    from twinshard.train.cli import main
+
+    monkeypatch.delenv(guard.ENV, raising=False)
+    assert main(["--debug", "--steps", "0", "--out", str(tmp_path / "run")]) == 2
+    assert os.environ.get(guard.ENV) == "1"

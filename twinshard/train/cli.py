@@ -68,6 +68,8 @@ def _run_torchrun(cfg: TrainConfig) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``twinshard train`` with parsed flags; return the exit status."""
+    if getattr(args, "debug", False):  # the collective guard's debug mode, in every rank
+        os.environ["TWINSHARD_DEBUG"] = "1"
     try:
         cfg = resolve(args)
     except OUR_ERRORS as e:

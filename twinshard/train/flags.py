@@ -83,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="keep sharded parameters, gradients and optimizer state on the CPU (default off)",
     )
+    g.add_argument(
+        "--debug",
+        action="store_true",
+        help="check every collective across ranks before it is issued (TWINSHARD_DEBUG=1): "
+        "ranks that disagree are named, with the parameter and the step, instead of hanging",
+    )
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", choices=list(PRESETS), help=f"model size (default {d['preset']})")
     g.add_argument("--dim", type=int, help="override the preset's width")
