@@ -126,10 +126,10 @@ def test_memory_model_toy_case():
     groups = [memmodel.Group("root", [(4, 2)], [True]), memmodel.Group("blocks.0", [(8, 4)])]
     ref = memmodel.predict(groups, "reference", 2)
     # The peak is the block's backward: its weights (8*4*4 = 128 B) and gradient (128 B), the
-    # root's weights (32 B), one parameter's reduced block (64 B) and its sharded gradient
-    # (64 B), on top of the shards (16 + 64 B) and the momentum (the same).
+    # root's weights (32 B) and the block's reduced block (64 B), on top of the shards (16 + 64
+    # B) and the momentum (the same).
     assert ref == dict(
-        sharded=80, optimizer=80, sharded_grad=64, params=0, unsharded=160, grad=128, comm=64
+        sharded=80, optimizer=80, sharded_grad=0, params=0, unsharded=160, grad=128, comm=64
     )
     opt = memmodel.predict(groups, "optimized", 2)
     assert opt["unsharded"] == 160 and opt["sharded"] == 80

@@ -17,7 +17,8 @@ The schedules, per group g in the order forward runs them (the root first, then 
 backward runs the blocks in reverse and the root last, from the end-of-backward callback):
 
     reference  all-gather straight into each parameter (no buffers); per parameter, a
-               reduce-scatter whose output becomes the sharded gradient.
+               reduce-scatter whose output becomes the sharded gradient, and the parameter's
+               unsharded gradient is dropped.
     optimized  copy-in (send, 1/S of the group) + all-gather (recv, the group); copy-out into
                the parameters; the next group's all-gather is issued before this group computes
                (one ahead in forward and backward); the last all-gather's send/recv stay held
@@ -26,8 +27,9 @@ backward runs the blocks in reverse and the root last, from the end-of-backward 
                group's post-backward adds the result (out, 1/S) to the sharded gradients; packed
                and out are held until the next reduce-scatter.
     torch      all-gather in place into one output buffer (recv), copied out and dropped; the
-               next group's all-gather is issued in backward before this group computes; the
-               reduce-scatter input (packed) lives until the next reduce-scatter, its output
+               next group's all-gather is issued in backward before this group computes. The
+               post-backward reshards first, then packs the gradients into the reduce-scatter
+               input (packed, held until the next reduce-scatter) and drops them; the output
                becomes the sharded gradients.
 
 At world size 1 the model assumes no communication buffers at all: torch issues no
@@ -89,9 +91,14 @@ class _Sizes:
         numel = [math.prod(s) for s in group.shapes]
         self.grad_late = sum(n for n, x in zip(numel, late) if x) * pb
         self.grad = sum(numel) * pb - self.grad_late  # the early ones (all, for a block)
-        self.per_param_out = max((c * rest * rb for c, rest in chunks), default=0)
+        # per parameter: (key, unsharded gradient, reduced block, sharded block, late)
+        self.params = [
+            (k, n * pb, c * rest * rb, c * rest * 4, x)
+            for k, (n, (c, rest), x) in enumerate(zip(numel, chunks, late))
+        ]
         if S == 1:  # one rank: nothing to communicate, so no buffers (torch's FSDP2 neither)
-            self.send = self.packed = self.out = self.per_param_out = 0
+            self.send = self.packed = self.out = 0
+            self.params = [(k, g, 0, b, x) for k, g, _, b, x in self.params]
 
 
 class _Timeline:
@@ -133,17 +140,28 @@ def _reference(t: _Timeline, sizes: list) -> None:
     for i, b in enumerate(blocks, 1):
         t.alloc(f"U{i}", "unsharded", b.unsharded)
         t.free(f"U{i}")
-    t.alloc("G0", "grad", root.grad)
+
+    def grads(i, late: bool):
+        for k, grad, _, _, x in sizes[i].params:
+            if x == late:
+                t.alloc(f"G{i}.{k}", "grad", grad)
+
+    def reduce(i):  # one parameter at a time: its reduced block becomes its sharded gradient
+        for k, _, out, block, _ in sizes[i].params:
+            t.alloc(f"out{i}.{k}", "comm", out)
+            t.free(f"out{i}.{k}")
+            t.alloc(f"SG{i}.{k}", "sharded_grad", block)
+            t.free(f"G{i}.{k}")
+
+    grads(0, late=False)
     for i in range(len(blocks), 0, -1):
-        b = blocks[i - 1]
-        t.alloc(f"U{i}", "unsharded", b.unsharded)
-        t.alloc(f"G{i}", "grad", b.grad)
-        t.alloc(f"out{i}", "comm", b.per_param_out)  # one parameter's block at a time
-        t.alloc(f"SG{i}", "sharded_grad", b.sharded)
-        t.free(f"out{i}", f"G{i}", f"U{i}")
-    t.alloc("G0late", "grad", root.grad_late)
-    t.alloc("out0", "comm", root.per_param_out)
-    t.alloc("SG0", "sharded_grad", root.sharded)
+        t.alloc(f"U{i}", "unsharded", sizes[i].unsharded)
+        grads(i, late=False)
+        reduce(i)
+        t.free(f"U{i}")
+    grads(0, late=True)
+    reduce(0)
+    t.free("U0")
 
 
 def _optimized(t: _Timeline, sizes: list) -> None:
@@ -199,12 +217,17 @@ def _optimized(t: _Timeline, sizes: list) -> None:
 def _torch(t: _Timeline, sizes: list) -> None:
     root, blocks = sizes[0], sizes[1:]
     n = len(blocks)
-    t.alive["rs_packed"] = ("comm", root.packed)  # the root's, from the last step
 
-    def unshard(i):
+    def unshard(i):  # in place into one buffer, copied out, dropped
         t.alloc("recv", "comm", sizes[i].unsharded)
         t.alloc(f"U{i}", "unsharded", sizes[i].unsharded)
         t.free("recv")
+
+    def reduce(i):  # reshard first, then pack the gradients and drop them
+        t.free(f"U{i}", "rs_packed")
+        t.alloc("rs_packed", "comm", sizes[i].packed)
+        t.free(f"G{i}", f"G{i}late")
+        t.alloc(f"SG{i}", "sharded_grad", sizes[i].sharded)
 
     unshard(0)
     for i in range(1, n + 1):
@@ -214,17 +237,9 @@ def _torch(t: _Timeline, sizes: list) -> None:
     for i in range(n, 0, -1):
         unshard(i)
         t.alloc(f"G{i}", "grad", sizes[i].grad)
-        t.free("rs_packed")
-        t.alloc("rs_packed", "comm", sizes[i].packed)
-        t.free(f"G{i}")
-        t.alloc(f"SG{i}", "sharded_grad", sizes[i].sharded)
-        t.free(f"U{i}")
+        reduce(i)
     t.alloc("G0late", "grad", root.grad_late)
-    t.free("rs_packed")
-    t.alloc("rs_packed", "comm", root.packed)
-    t.free("G0", "G0late")
-    t.alloc("SG0", "sharded_grad", root.sharded)
-    t.free("U0")
+    reduce(0)
 
 
 def tracked(categories: dict) -> int:
