@@ -17,6 +17,7 @@ an instant network, which gives its compute time and so its overlap efficiency.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 
@@ -63,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write every number here")
     parser.add_argument("--markdown", default=None, help="write the tables here")
     parser.add_argument("--plot", default=None, help="draw the comparison into this PNG")
+    parser.add_argument("--from-json", default=None, help="show a recorded run (its --json)")
     parser.add_argument("--profile", default=None, help="hooks: write cProfile files here")
     parser.add_argument("--out", default="benchmarks/results", help="sweep: where plots go")
     parser.add_argument("--points", default=None, help="sweep: a smaller sweep, e.g. 'quick'")
@@ -157,6 +159,8 @@ def run(args) -> int:
         from .sweep import run_sweep
 
         return run_sweep(args)
+    if args.from_json:
+        return rerender(args)
     resolve(args)
     base = config_from(args)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
@@ -165,18 +169,37 @@ def run(args) -> int:
         print(f"unknown implementation(s) {unknown}; use {', '.join(IMPLS)}", file=sys.stderr)
         return 2
     result = side_by_side(base, impls, args.repeat, not args.no_progress)
-    text = describe(base) + "\n\n" + table(result["summary"])
+    if args.json:
+        write_json(args.json, {"meta": meta(base.as_dict()), **result})
+    show(base, result["summary"], args)
+    return 0
+
+
+def show(base: RunConfig, summary: dict, args) -> None:
+    """Print the tables; write them (``--markdown``) and the plot (``--plot``) if asked."""
+    text = describe(base) + "\n\n" + table(summary)
     if base.memory:
         text += "\n\nMemory at the peak (bytes alive by category; model = memmodel.predict)\n\n"
-        text += memory_table(result["summary"])
+        text += memory_table(summary)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
-    if args.json:
-        write_json(args.json, {"meta": meta(base.as_dict()), **result})
     if args.plot:
-        plot(result["summary"], args.plot, describe(base))
+        plot(summary, args.plot, describe(base))
+
+
+def rerender(args) -> int:
+    """``--from-json FILE``: the tables and plot of a recorded run, without running it again
+    (the memory model is applied anew, so a corrected model shows on old measurements)."""
+    with open(args.from_json) as f:
+        recorded = json.load(f)
+    base = RunConfig(**recorded["meta"]["config"])
+    if base.memory:
+        add_memory_model(recorded["summary"], base)
+    show(base, recorded["summary"], args)
+    if args.json:
+        write_json(args.json, recorded)
     return 0
 
 
