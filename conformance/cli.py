@@ -6,16 +6,23 @@
 
 MODULE is any importable module with the fully_shard interface (fully_shard, the policies,
 FSDPModule, register_fsdp_forward_method). The exit status is 1 when a case fails or an
-expected failure passes, 0 otherwise.
+expected failure passes, 0 otherwise. Every argument is checked before a rank starts (the
+module imports and has the interface, meshes, case patterns, the expected-failures file, the
+timeout, enough GPUs for ``--device cuda``, a writable ``--report``); a bad one ends the
+command with one line and status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import sys
+import tempfile
 
 from .cases import CASES
+from .runner import select
 from .suite import (
     DEFAULT_MESHES,
     apply_xfail,
@@ -49,7 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cpu: gloo ranks; cuda: NCCL, one rank per GPU",
+        help="cpu: gloo ranks; cuda: NCCL, one rank per GPU (an error when a mesh needs "
+        "more GPUs than there are, unless --skip-missing-gpus)",
+    )
+    parser.add_argument(
+        "--skip-missing-gpus",
+        action="store_true",
+        help="with --device cuda, report the meshes that need more GPUs than there are as "
+        "SKIP instead of refusing to run",
     )
     parser.add_argument(
         "--cases", default=None, help="comma-separated shell patterns of case names (default: all)"
@@ -84,16 +98,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
 
 
+def refuse(message: str) -> SystemExit:
+    """Say what is wrong in one line; the caller raises the result (exit status 2)."""
+    print(f"twinshard conform: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def check_module(name: str) -> None:
     """Fail early, in the parent, if MODULE cannot be imported or lacks the interface."""
     try:
         module = importlib.import_module(name)
-    except ImportError as error:
-        raise SystemExit(f"twinshard conform: cannot import {name!r}: {error}") from None
+    except Exception as error:  # a syntax error or a failing import inside MODULE, too
+        where = (
+            f" ({error.filename}, line {error.lineno})" if isinstance(error, SyntaxError) else ""
+        )
+        raise refuse(
+            f"cannot import {name!r}: {type(error).__name__}: "
+            f"{getattr(error, 'msg', None) or error}{where}"
+        ) from None
     missing = [attr for attr in REQUIRED if not hasattr(module, attr)]
     if missing:
-        raise SystemExit(
-            f"twinshard conform: {name!r} lacks {', '.join(missing)}; it must "
+        raise refuse(
+            f"{name!r} lacks {', '.join(missing)}; it must "
             "provide the fully_shard interface (see twinshard.api)"
         )
 
@@ -104,18 +130,24 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:32s} {case.group:16s} {case.doc.splitlines()[0] if case.doc else ''}")
         return 0
     if not args.module:
-        raise SystemExit(
-            "twinshard conform: name the implementation module to check "
+        raise refuse(
+            "name the implementation module to check "
             "(e.g. twinshard.reference); --list shows the cases"
         )
     check_module(args.module)
     try:
         meshes = parse_meshes(args.world_sizes)
         patterns = args.cases.split(",") if args.cases else None
+        select(patterns)  # no case matches: say so now
         xfail_path = args.xfail or default_xfail(args.module)
         expected = load_xfail(xfail_path)
     except (ValueError, OSError) as error:
-        raise SystemExit(f"twinshard conform: {error}") from None
+        raise refuse(f"{error}") from None
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise refuse(f"--timeout must be positive, got {args.timeout}")
+    check_gpus(args.device, meshes, args.skip_missing_gpus)
+    if args.report:
+        check_writable(args.report)
     print(
         f"twinshard conform {args.module} on {args.device}, meshes "
         f"{', '.join('x'.join(map(str, m)) for m in meshes)}"
@@ -143,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         oracles=not args.no_oracles,
     )
     if not rows:
-        raise SystemExit("twinshard conform: no case applies to the selected meshes and patterns")
+        raise refuse("no case applies to the selected meshes and patterns")
     rows = apply_xfail(rows, expected)
     print(report(rows, args.module))
     for r in rows:
@@ -156,6 +188,37 @@ def run(args: argparse.Namespace) -> int:
         with open(args.report, "w") as f:
             f.write(report(rows, args.module, fmt))
     return 1 if failed(rows) else 0
+
+
+def check_gpus(device: str, meshes: list, skip: bool) -> None:
+    """With --device cuda, refuse meshes that need more GPUs than there are (a CI job must not
+    pass having checked nothing), unless told to skip them."""
+    if device != "cuda" or skip:
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    short = [m for m in meshes if math.prod(m) > gpus]
+    if short:
+        names = ", ".join("x".join(map(str, m)) for m in short)
+        raise refuse(
+            f"--device cuda but {gpus} GPU(s) here, and mesh(es) {names} "
+            f"need more; choose --world-sizes that fit, --device cpu, or --skip-missing-gpus "
+            "to report them as skipped"
+        )
+
+
+def check_writable(path: str) -> None:
+    """Refuse a --report that cannot be written, before the suite runs."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise refuse(f"--report {path} is a directory; name a file")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()  # the one sure test, for root too
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is not writable")
+    except OSError as error:
+        raise refuse(f"cannot write --report {path}: {error.strerror or error}") from None
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from train_support import alive, wait_until
 
 from twinshard import launch as launch_module
 from twinshard import watchdog
@@ -113,24 +114,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    """A live process (a zombie waiting for its parent to reap it is dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_until(condition, limit: float) -> bool:
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_ranks_die_with_the_launcher(tmp_path, sig):
@@ -141,10 +124,10 @@ def test_ranks_die_with_the_launcher(tmp_path, sig):
         files = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
         assert wait_until(lambda: all(f.exists() and f.read_text() for f in files), 120)
         pids = [int(f.read_text()) for f in files]
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
         parent.send_signal(sig)
         parent.wait(timeout=60)
-        assert wait_until(lambda: not any(_alive(p) for p in pids), 30), "orphaned ranks"
+        assert wait_until(lambda: not any(alive(p) for p in pids), 30), "orphaned ranks"
     finally:
         parent.kill()
 

@@ -5,6 +5,11 @@ training test modules."""
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -67,3 +72,61 @@ def expected_rng(seed: int, step: int, rank: int) -> dict:
 def assert_same_rng(actual: dict, expected: dict) -> None:
     assert torch.equal(actual["torch"], expected["torch"])
     assert actual["python"] == expected["python"]
+
+
+# ------------------------------------------------------------- a run as a separate process
+def start_train(*argv, **popen) -> subprocess.Popen:
+    """``twinshard train`` with the small model, as a process of its own whose stdout is a
+    pipe of text lines (stderr too unless ``popen`` says otherwise)."""
+    command = [sys.executable, "-m", "twinshard.cli", "train", *SMALL, *map(str, argv)]
+    popen.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, **popen)
+
+
+def read_until(proc: subprocess.Popen, prefix: str, limit: float = 120.0) -> list[str]:
+    """The stdout lines of ``proc`` up to the first that starts with ``prefix`` (the process
+    is killed if that takes over ``limit`` seconds, which ends the loop)."""
+    timer = threading.Timer(limit, proc.kill)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(prefix):
+                return lines
+    finally:
+        timer.cancel()
+    raise AssertionError(f"no line starting with {prefix!r}; got:\n{''.join(lines)[-3000:]}")
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The ranks that ``twinshard.launch`` in process ``launcher`` started, by rank (they start
+    in rank order; multiprocessing's resource tracker is not one of them)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            command = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == launcher and b"resource_tracker" not in command:
+            found.append((int(stat[19]), int(entry)))  # (start time, pid)
+    return [pid for _, pid in sorted(found)]
+
+
+def alive(pid: int) -> bool:
+    """A live process (a zombie waiting for its parent to reap it is dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(condition, limit: float) -> bool:
+    """Poll ``condition`` for up to ``limit`` seconds; its last value."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end and not condition():
+        time.sleep(0.1)
+    return condition()

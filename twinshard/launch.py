@@ -42,6 +42,7 @@ Each child calls ``torch.set_num_threads(1)``, since a few ranks share a few cor
 from __future__ import annotations
 
 import ctypes
+import errno
 import multiprocessing as mp
 import os
 import pickle
@@ -157,21 +158,33 @@ class _Setup(NamedTuple):
     stack_dir: str | None
 
 
-def _host_store(timeout: float) -> dist.TCPStore:
-    """The rendezvous store, served by this process on a port it holds for the whole run."""
+def _listen() -> socket.socket:
+    """A socket listening on a free port, held until the store server takes it over."""
     for attempt in range(_PORT_TRIES):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            return dist.TCPStore(
-                "127.0.0.1",
-                _free_port(),
-                None,
-                True,
-                timeout=timedelta(seconds=timeout),
-                wait_for_workers=False,
-            )
-        except dist.DistNetworkError as e:  # taken since _free_port chose it: choose again
-            if "EADDRINUSE" not in str(e) or attempt == _PORT_TRIES - 1:
+            sock.bind(("127.0.0.1", _free_port()))
+            sock.listen(1024)
+            return sock
+        except OSError as e:  # taken since _free_port chose it: choose again
+            sock.close()
+            if e.errno != errno.EADDRINUSE or attempt == _PORT_TRIES - 1:
                 raise
+    raise AssertionError("unreachable")
+
+
+def _serve_store(listener: socket.socket, timeout: float) -> dist.TCPStore:
+    """The rendezvous store, served by this process on the socket ``_listen`` bound. Started
+    after the ranks: forking a process that runs the server's thread could break the child."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        None,
+        True,
+        timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store closes it when it is gone
+    )
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -288,15 +301,16 @@ def launch(
     method = _pick_start_method(fn, args, kwargs, start_method)
     ctx = mp.get_context(method)
     env = {str(k): str(v) for k, v in (env or {}).items()}
-    store = _host_store(timeout)
+    listener = _listen()  # the ranks connect to it; the server takes it over once they run
+    port = listener.getsockname()[1]
     stack_dir = tempfile.mkdtemp(prefix="twinshard-stacks-") if hang_timeout else None
     parent = None if method == "forkserver" else os.getpid()
-    procs, conns = [], []
+    procs, conns, store, watch = [], [], None, None
     try:
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
             setup = _Setup(
-                rank, nprocs, store.port, backend, timeout, env, parent, hang_timeout, stack_dir
+                rank, nprocs, port, backend, timeout, env, parent, hang_timeout, stack_dir
             )
             p = ctx.Process(
                 target=_worker, name=f"twinshard-rank{rank}", args=(fn, args, kwargs, setup, writer)
@@ -305,15 +319,18 @@ def launch(
             writer.close()  # keep only the child's copy, so its death reads as EOF
             procs.append(p)
             conns.append(reader)
-        watch = None
+        store = _serve_store(listener, timeout)
         if hang_timeout:
-            watched = dist.PrefixStore(watchdog.PREFIX, store)
-            watch = Watch(watched, procs, hang_timeout, stack_dir)
+            watch = Watch(dist.PrefixStore(watchdog.PREFIX, store), procs, hang_timeout, stack_dir)
         with forwarding(procs, forward_signals):
             return collect(procs, conns, timeout, watch)
     finally:
         stop(procs, gently=not forward_signals)  # forwarded SIGTERM means "finish the step"
         for c in conns:
             c.close()
+        listener.close()  # unless the store took it over
+        if watch is not None:
+            watch.close()
+        del store  # the server's thread ends now, even if a traceback keeps this frame alive
         if stack_dir:
             shutil.rmtree(stack_dir, ignore_errors=True)

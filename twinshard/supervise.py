@@ -108,6 +108,10 @@ class Watch:
             store, len(procs), hang_timeout, lambda rank, _: process_state(procs[rank].pid)
         )
 
+    def close(self) -> None:
+        """Let go of the store, so that its server can end with the run."""
+        self.detector.store = None
+
     def check(self) -> None:
         stall = self.detector.check()
         if stall is not None:

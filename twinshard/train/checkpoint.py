@@ -5,15 +5,22 @@ Layout of a run directory::
     RUN/checkpoints/step_00000200/      a complete checkpoint
         .metadata, __0_0.distcp, ...     DCP: model, optimizer, scheduler, step, data position
         rng/rank00000.pt ...             each rank's RNG states (cannot be resharded, see below)
-        manifest.json                    written last: config, world size, file sizes, losses
+        manifest.json                    written last: config, world size, file sizes and
+                                         sha256 checksums, losses
     RUN/checkpoints/.partial-step_00000300/   a save in progress, or one that was killed
 
-Atomicity. Every rank writes into ``.partial-step_N``; after a barrier rank 0 records the
-size of every file in ``manifest.json`` and renames the directory to ``step_N``. A rename
-within one directory is atomic, so ``step_N`` is either complete or absent: a run killed
-during a save leaves the previous checkpoint as the latest complete one, and the next save
-clears the partial directory. Older checkpoints are deleted only after the new one is in
-place (``keep`` of them stay).
+Atomicity. Every rank writes into ``.partial-step_N``; when all have written, each hashes
+its share of the files, and rank 0 records the size and checksum of every file in
+``manifest.json`` and renames the directory to ``step_N``. A rename within one directory is
+atomic, so ``step_N`` is either complete or absent: a run killed during a save leaves the
+previous checkpoint as the latest complete one, and the next save clears the partial
+directory. Older checkpoints are deleted only after the new one is in place (``keep`` of
+them stay).
+
+Failures are collective. Before writing, rank 0 checks that the disk has room for the
+checkpoint (the size of the previous one, or of the tensors to save); a save that fails on any
+rank (a full disk, an unwritable directory) is removed on rank 0 and raises the same one-line
+``CheckpointError`` on every rank, so that no rank waits for a peer that gave up.
 
 What is resharded and what is not. Model and optimizer state go through DCP's
 ``get_state_dict``/``set_state_dict``, so a checkpoint saved by W ranks loads at any other
@@ -24,155 +31,78 @@ one, so it is stored per rank and restored only when the world size is unchanged
 the caller re-derives it from the seed, the step and the rank (``build.seed_rank_rngs``) and
 says so in the log.
 
-Validation without a process group. ``validate`` checks the manifest, that every file it
-lists exists with its recorded size (a truncated or missing file is caught before any rank
-starts) and that DCP's ``.metadata`` can be read. ``load_full_model`` reads the whole model
-into plain tensors in one process, for ``twinshard export`` and tests.
+Verification without a process group (``verify.py``, re-exported here): ``validate`` checks
+the manifest, every file's size and checksum and DCP's ``.metadata`` before any rank starts.
+``load_full_model`` reads the whole model into plain tensors in one process, for
+``twinshard export`` and tests.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import state_dict as dsd
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
-FORMAT = "twinshard-checkpoint-1"
-MANIFEST = "manifest.json"
-CHECKPOINTS = "checkpoints"
-PARTIAL_PREFIX = ".partial-"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-# Test seam: a save of this step SIGKILLs rank 0 after every rank wrote its shard files and
-# before DCP's .metadata is written, exactly as if the job were killed in the middle of a save.
+from twinshard import watchdog
+
+from .verify import (
+    CHECKSUM,
+    FORMAT,
+    MANIFEST,
+    PARTIAL_PREFIX,
+    CheckpointError,
+    CorruptCheckpoint,
+    checkpoints_root,
+    complete_checkpoints,
+    describe,
+    file_checksum,
+    find_intact,
+    read_manifest,
+    resolve,
+    run_dir_of,
+    step_dir_name,
+    step_of,
+    validate,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CorruptCheckpoint",
+    "checkpoints_root",
+    "complete_checkpoints",
+    "describe",
+    "find_intact",
+    "load",
+    "load_full_model",
+    "load_rng",
+    "read_manifest",
+    "resolve",
+    "run_dir_of",
+    "save",
+    "set_rng_state",
+    "step_of",
+    "validate",
+]
+
+# Test seams. A save of the step in CRASH_ENV SIGKILLs rank 0 after every rank wrote its shard
+# files and before DCP's .metadata is written, exactly as if the job were killed in the middle
+# of a save; one of the step in ENOSPC_ENV fails on the last rank as a full disk would.
 CRASH_ENV = "TWINSHARD_CRASH_DURING_SAVE"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit this run."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-# ------------------------------------------------------------------------------ finding
-def complete_checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints (``step_N`` with a manifest) under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()
-    ]
-    return [p for _, p in sorted(found)]
-
-
-def checkpoints_root(run_dir: Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
-
-
-def resolve(path: Path) -> Path:
-    """A checkpoint directory from ``path``: itself, or the latest complete one in a run
-    directory or a ``checkpoints`` directory. Raises ``CheckpointError`` when there is none."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(
-            f"{path} does not exist; pass a run directory (the --out of a "
-            "training run) or one of its checkpoints/step_N directories"
-        )
-    if (
-        (path / MANIFEST).is_file()
-        or _STEP_DIR.match(path.name)
-        or path.name.startswith(PARTIAL_PREFIX)
-    ):
-        return path
-    for root in (checkpoints_root(path), path):
-        if found := complete_checkpoints(root):
-            return found[-1]
-    partial = [p.name for p in checkpoints_root(path).glob(PARTIAL_PREFIX + "*")]
-    hint = f" (only the incomplete save(s) {', '.join(partial)})" if partial else ""
-    raise CheckpointError(
-        f"no complete checkpoint in {path}{hint}; train without --resume "
-        "to start a run, or pass the directory of a run that saved one"
-    )
-
-
-def run_dir_of(checkpoint: Path) -> Path:
-    """The run directory a checkpoint belongs to (``RUN/checkpoints/step_N`` -> ``RUN``)."""
-    checkpoint = Path(checkpoint)
-    if checkpoint.parent.name == CHECKPOINTS:
-        return checkpoint.parent.parent
-    return checkpoint.parent
-
-
-# ---------------------------------------------------------------------------- validation
-def read_manifest(checkpoint: Path) -> dict:
-    """The manifest of ``checkpoint``, after checking that every file it lists is intact."""
-    checkpoint = Path(checkpoint)
-    what = f"checkpoint {checkpoint}"
-    if checkpoint.name.startswith(PARTIAL_PREFIX) or not (checkpoint / MANIFEST).is_file():
-        raise CheckpointError(
-            f"{what} is incomplete (no {MANIFEST}; its save was probably "
-            "interrupted); resume from the run directory to use the latest "
-            "complete checkpoint instead"
-        )
-    try:
-        manifest = json.loads((checkpoint / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"{what} is corrupt: {MANIFEST} cannot be read ({e}); "
-            "resume from an earlier checkpoint or start a new run"
-        ) from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{what} is not a twinshard training checkpoint (format "
-            f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-            f"expected {FORMAT!r})"
-        )
-    for name, size in manifest.get("files", {}).items():
-        f = checkpoint / name
-        if not f.is_file():
-            raise CheckpointError(
-                f"{what} is corrupt: file {name} is missing; resume from an "
-                "earlier checkpoint (pass its step_N directory) or start anew"
-            )
-        if f.stat().st_size != size:
-            raise CheckpointError(
-                f"{what} is corrupt: file {name} has {f.stat().st_size} bytes, "
-                f"the save wrote {size}; resume from an earlier checkpoint "
-                "(pass its step_N directory) or start anew"
-            )
-    try:
-        FileSystemReader(str(checkpoint)).read_metadata()
-    except Exception as e:  # a pickle of DCP's own classes: any failure means unreadable
-        raise CheckpointError(
-            f"{what} is corrupt: DCP's .metadata cannot be read ({type(e).__name__}: {e})"
-        ) from e
-    return manifest
-
-
-def validate(checkpoint: Path) -> dict:
-    """``read_manifest`` plus a check that the model entries are complete."""
-    manifest = read_manifest(checkpoint)
-    for key in ("step", "world_size", "model", "config", "samples"):
-        if key not in manifest:
-            raise CheckpointError(
-                f"checkpoint {checkpoint} is corrupt: its manifest has no '{key}'"
-            )
-    return manifest
+ENOSPC_ENV = "TWINSHARD_ENOSPC_DURING_SAVE"
+_MB = 1 << 20
 
 
 # -------------------------------------------------------------------------------- saving
@@ -190,11 +120,16 @@ def _fsync_dir(path: Path) -> None:
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file writer with the crash test seam (see ``CRASH_ENV``) in ``finish``."""
+    """DCP's file writer with the test seams (``CRASH_ENV``, ``ENOSPC_ENV``)."""
 
-    def __init__(self, path: Path, crash: bool):
+    def __init__(self, path: Path, crash: bool, enospc: bool):
         super().__init__(str(path))
-        self._crash = crash
+        self._crash, self._enospc = crash, enospc
+
+    def write_data(self, plan, planner):
+        if self._enospc:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return super().write_data(plan, planner)
 
     def finish(self, metadata, results) -> None:
         if self._crash:  # the shard files are on disk, .metadata is not: die right here
@@ -227,46 +162,169 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _local_bytes(value) -> int:
+    """Bytes of this rank's part of every tensor in a (nested) state dict."""
+    if isinstance(value, DTensor):
+        return value.to_local().nbytes
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(_local_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_local_bytes(v) for v in value)
+    return 0
+
+
+def _space_needed(root: Path, state: dict) -> int:
+    """About how many bytes the next checkpoint takes (collective): the previous checkpoint's
+    size, or the tensors' when there is none."""
+    every = [0] * dist.get_world_size()
+    dist.all_gather_object(every, _local_bytes(state))  # objects: right for gloo and NCCL
+    total = sum(every)
+    previous = complete_checkpoints(root)[-1:]
+    if previous:
+        try:
+            return max(total, sum(read_manifest(previous[0]).get("files", {}).values()))
+        except CheckpointError:
+            pass
+    return total
+
+
+def _space_error(step: int, root: Path, needed: int, free: int, run_dir: Path) -> str:
+    try:
+        no_files = os.statvfs(root).f_favail == 0 and free >= needed
+    except OSError:
+        no_files = False
+    left = "are free but no inodes (room for new files) are left" if no_files else "are free"
+    return (
+        f"no space left on the device of {root} for the checkpoint of step {step}: it needs "
+        f"about {needed / _MB:.1f} MB, {free / _MB:.1f} MB {left}; free some space, then "
+        f"continue with: twinshard train --resume {run_dir}"
+    )
+
+
+def _write_error(e: BaseException, step: int, root: Path, needed: int, run_dir: Path) -> str:
+    """One line for an exception of a failed save (DCP wraps every rank's in its own)."""
+    found = [e]
+    if isinstance(e, CheckpointException):
+        found = [exc for exc, _ in e.failures.values()]
+    for exc in found:
+        while exc is not None and not isinstance(exc, OSError):
+            exc = exc.__cause__ or exc.__context__
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return _space_error(step, root, needed, shutil.disk_usage(root).free, run_dir)
+        if isinstance(exc, OSError):
+            return f"cannot write the checkpoint of step {step} in {root}: {exc}"
+    return f"the checkpoint of step {step} could not be saved: {_cause(e)}"
+
+
+def _agree(message: str | None, src: int | None = None) -> None:
+    """Raise ``CheckpointError`` on every rank if ``message`` (from ``src``, or any rank when
+    ``src`` is None) says a step of the save failed. Collective."""
+    if src is None:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, message)
+        message = next((m for m in every if m), None)
+    else:
+        box = [message]
+        dist.broadcast_object_list(box, src=src)
+        message = box[0]
+    if message:
+        raise CheckpointError(message)
+
+
 def save(
     run_dir: Path, step: int, model, optimizer, scheduler, trainer: dict, manifest: dict, keep: int
 ) -> Path:
     """Save a checkpoint of ``step`` atomically (collective: every rank calls it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    watchdog.progress(f"saving the checkpoint of step {step}")
     root = checkpoints_root(run_dir)
     final = root / step_dir_name(step)
     partial = root / (PARTIAL_PREFIX + step_dir_name(step))
+    state = _app_state(model, optimizer, scheduler, trainer)
+    problem = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if final.exists():  # config.resolve refuses runs that would get here
-            raise CheckpointError(f"refusing to overwrite the existing checkpoint {final}")
-        for stale in root.glob(PARTIAL_PREFIX + "*"):  # killed saves: never complete now
-            shutil.rmtree(stale)
-        (partial / "rng").mkdir(parents=True)
-    dist.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if final.exists():  # config.resolve refuses runs that would get here
+                raise CheckpointError(f"refusing to overwrite the existing checkpoint {final}")
+            for stale in root.glob(PARTIAL_PREFIX + "*"):  # killed saves: never complete now
+                shutil.rmtree(stale)
+        except (OSError, CheckpointError) as e:
+            problem = f"cannot save the checkpoint of step {step} in {root}: {e}"
+    _agree(problem, src=0)
+    needed = _space_needed(root, state)
     crash = rank == 0 and os.environ.get(CRASH_ENV) == str(step)
-    dcp.save(
-        _app_state(model, optimizer, scheduler, trainer), storage_writer=_Writer(partial, crash)
-    )
-    torch.save(rng_state(), partial / "rng" / f"rank{rank:05d}.pt")
-    dist.barrier()  # every rank's files are written
-    if rank == 0:
+    enospc = rank == world - 1 and os.environ.get(ENOSPC_ENV) == str(step)
+    try:
+        if rank == 0:
+            problem = _prepare(partial, step, needed, run_dir)
+        _agree(problem, src=0)
+        try:
+            dcp.save(state, storage_writer=_Writer(partial, crash, enospc))
+            torch.save(rng_state(), partial / "rng" / f"rank{rank:05d}.pt")
+        except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+            problem = _write_error(e, step, root, needed, run_dir)
+        _agree(problem)  # also: every rank's files are written
+        watchdog.progress(f"hashing the checkpoint of step {step}")
+        files = sorted(str(f.relative_to(partial)) for f in partial.rglob("*") if f.is_file())
+        mine = {name: file_checksum(partial / name) for name in files[rank::world]}
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            problem = _commit(partial, final, step, world, manifest, every, keep, needed, run_dir)
+        _agree(problem, src=0)  # nobody goes on before the checkpoint is in place
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
+
+
+def _prepare(partial: Path, step: int, needed: int, run_dir: Path) -> str | None:
+    """Rank 0: check the free space and create the save's directory; a message on failure."""
+    root = partial.parent
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        return _space_error(step, root, needed, free, run_dir)
+    try:
+        (partial / "rng").mkdir(parents=True)
+    except OSError as e:
+        return _write_error(e, step, root, needed, run_dir)
+    return None
+
+
+def _commit(partial, final, step, world, manifest, checksums, keep, needed, run_dir) -> str | None:
+    """Rank 0: write the manifest, rename the save into place, prune; a message on failure."""
+    root = final.parent
+    try:
         files = {
             str(f.relative_to(partial)): f.stat().st_size
             for f in sorted(partial.rglob("*"))
             if f.is_file()
         }
-        manifest = {"format": FORMAT, **manifest, "step": step, "world_size": world, "files": files}
+        manifest = {
+            "format": FORMAT,
+            **manifest,
+            "step": step,
+            "world_size": world,
+            "files": files,
+            "checksums": {k: v for part in checksums for k, v in part.items()},
+            "checksum": CHECKSUM,
+        }
         with open(partial / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(partial)
         os.rename(partial, final)  # the commit point
-        _fsync_dir(root)
-        for old in complete_checkpoints(root)[: -max(1, keep)]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()  # nobody reads or writes the next checkpoint before this one is in place
-    return final
+    except OSError as e:
+        return _write_error(e, step, root, needed, run_dir)
+    _fsync_dir(root)
+    for old in complete_checkpoints(root)[: -max(1, keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return None
 
 
 # ------------------------------------------------------------------------------- loading
@@ -299,15 +357,18 @@ def load_rng(checkpoint: Path, rank: int) -> dict:
         ) from e
 
 
-def load_full_model(checkpoint: Path) -> tuple[dict, dict[str, torch.Tensor], dict]:
+def load_full_model(
+    checkpoint: Path, manifest: dict | None = None
+) -> tuple[dict, dict[str, torch.Tensor], dict]:
     """(model config dict, full state dict of plain CPU tensors, manifest), in this process.
 
-    Needs no process group: DCP reads every shard and assembles the whole tensors.
+    Needs no process group: DCP reads every shard and assembles the whole tensors. The
+    checkpoint is verified first, unless its verified ``manifest`` is passed.
     """
     from twinshard.models import Llama, LlamaConfig
 
     checkpoint = Path(checkpoint)
-    manifest = validate(checkpoint)
+    manifest = manifest or validate(checkpoint)
     with torch.device("meta"):
         shapes = Llama(LlamaConfig(**manifest["model"])).state_dict()
     state = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in shapes.items()}}
@@ -328,10 +389,3 @@ def _cause(e: BaseException) -> str:
         e = next(iter(e.failures.values()))[0]  # (exception, traceback) of the first rank
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first.split('. ')[0][:200]}"  # torch's advice after it misleads
-
-
-def describe(manifest: dict[str, Any]) -> str:
-    return (
-        f"step {manifest['step']} of {manifest['config'].get('steps')}, saved by "
-        f"{manifest['world_size']} rank(s)"
-    )

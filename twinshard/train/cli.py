@@ -6,31 +6,41 @@
     twinshard train --impl reference                 # the readable spec instead of the fast path
     torchrun --nnodes 2 --nproc-per-node 8 -m twinshard.cli train --preset 1b ...
 
-This is the entry point: it resolves the command line (``config.resolve``), starts the ranks
-and turns their errors into one line. Local or ``torchrun``: without ``RANK``/``WORLD_SIZE``
-in the environment this process starts ``--nproc`` local ranks with ``twinshard.launch``;
-under ``torchrun`` (or any launcher that sets them) it is one of the ranks, joins the process
-group itself and ignores ``--nproc``. Every rank then runs ``loop.rank_main``.
+This is the entry point: it resolves the command line (``config.resolve``), locks the run
+directory (``runlock.claim``), starts the ranks and turns their errors into one line. Local or
+``torchrun``: without ``RANK``/``WORLD_SIZE`` in the environment this process starts
+``--nproc`` local ranks with ``twinshard.launch``, which kills them if this process dies,
+passes SIGINT and SIGTERM on to them (they stop after a checkpoint of the step in progress)
+and runs the watchdog (``--hang-timeout``); under ``torchrun`` (or any launcher that sets
+them) it is one of the ranks, joins the process group itself, runs its part of the watchdog
+and ignores ``--nproc``. Every rank then runs ``loop.rank_main``.
 
-Exit status: 0 done, 2 refused before anything ran (bad flags, data or checkpoint), 1 a rank
-failed, 130 interrupted (the latest complete checkpoint can be resumed).
+Exit status: 0 done, 2 refused before anything ran (bad flags, data or checkpoint, a run
+directory in use), 1 a rank failed or the run stalled, 128 + N stopped by signal N (130 for
+SIGINT, 143 for SIGTERM; the checkpoint of the last finished step can be resumed).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from twinshard import watchdog
+
+from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
 from .config import TrainConfig, TrainError, resolve, under_torchrun
 from .data import DataError
 from .flags import add_arguments  # noqa: F401  (the CLI calls add_arguments(parser), run(args))
 from .loop import rank_main
+from .runlock import claim
 
 RUN_TIMEOUT = 30 * 24 * 3600.0  # launch's deadline; a dead rank is noticed at once anyway
 # Errors whose message says all: shown as one line, without a traceback.
@@ -39,15 +49,44 @@ OUR_ERRORS = (TrainError, CheckpointError, DataError)
 _OUR_ERROR_NAMES = tuple(f"{e.__module__}.{e.__qualname__}" for e in OUR_ERRORS)
 
 
-def _explain_launch_error(e) -> str:
-    """Our own errors from a rank as one clean message; anything else in full."""
+def _resume_hint(run_dir: Path) -> str:
+    if ckpt.complete_checkpoints(ckpt.checkpoints_root(run_dir)):
+        return f"continue with: twinshard train --resume {run_dir}"
+    return "no checkpoint was saved yet; start the run again"
+
+
+def _explain_launch_error(e, run_dir: Path) -> str:
+    """Our own errors from a rank as one clean message; a stall as its verdict, with every
+    rank's stack written to a file in the run directory; anything else in full."""
+    from twinshard.launch import HangError
+
+    if isinstance(e, HangError):
+        stacks = run_dir / f"stall-{datetime.now():%Y%m%d-%H%M%S}.txt"
+        try:
+            stacks.write_text(str(e) + "\n")
+            where = f"every rank's stack is in {stacks}"
+        except OSError:
+            where = f"every rank's stack:\n{e}\n"
+        return f"{e.headline}; {where}; {_resume_hint(run_dir)}"
     for rank in e.ranks:
         text = e.failures[rank]
         if text.startswith(_OUR_ERROR_NAMES):
             return text.split("\n\n", 1)[0].split(": ", 1)[1]
-        if "exit code -9" in text or "exit code 137" in text:
-            return f"rank {rank} was killed (SIGKILL); the last complete checkpoint is intact"
+        for code, how in ((-9, "killed (SIGKILL)"), (-15, "terminated (SIGTERM)")):
+            if f"exit code {code})" in text:
+                return f"rank {rank} was {how}; {_resume_hint(run_dir)}"
     return str(e)
+
+
+def _interrupted(result: dict, run_dir: Path, say: bool = True) -> int:
+    """Say how to resume a run that stopped on a signal; its exit status."""
+    if say:
+        print(
+            f"twinshard train: interrupted by {result['interrupted']} after step "
+            f"{result['step']}; {_resume_hint(run_dir)}",
+            file=sys.stderr,
+        )
+    return 128 + getattr(signal, result["interrupted"], signal.SIGTERM)
 
 
 def _run_torchrun(cfg: TrainConfig) -> int:
@@ -55,8 +94,12 @@ def _run_torchrun(cfg: TrainConfig) -> int:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=RUN_TIMEOUT))
+    if cfg.hang_timeout:
+        watchdog.start_torchrun(cfg.hang_timeout)
     try:
-        rank_main(cfg)
+        result = rank_main(cfg, lock_run_dir=True)
+        if result.get("interrupted"):
+            return _interrupted(result, Path(cfg.out), dist.get_rank() == 0)
         return 0
     except OUR_ERRORS as e:
         if dist.get_rank() == 0:
@@ -87,16 +130,30 @@ def run(args: argparse.Namespace) -> int:
     from twinshard.launch import LaunchError, launch
 
     try:
-        launch(rank_main, cfg.nproc, cfg, timeout=RUN_TIMEOUT)
-    except LaunchError as e:
-        print(f"twinshard train: error: {_explain_launch_error(e)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(
-            f"\ntwinshard train: interrupted; continue with: twinshard train --resume {cfg.out}",
-            file=sys.stderr,
+        lock = claim(cfg)
+    except OUR_ERRORS as e:
+        print(f"twinshard train: error: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(cfg.out)
+    try:
+        results = launch(
+            rank_main,
+            cfg.nproc,
+            cfg,
+            timeout=RUN_TIMEOUT,
+            hang_timeout=cfg.hang_timeout or None,
+            forward_signals=True,
         )
+    except LaunchError as e:
+        print(f"twinshard train: error: {_explain_launch_error(e, run_dir)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: the ranks were stopped at once
+        print(f"\ntwinshard train: stopped at once; {_resume_hint(run_dir)}", file=sys.stderr)
         return 130
+    finally:
+        lock.release()
+    if results[0].get("interrupted"):
+        return _interrupted(results[0], run_dir)
     return 0
 
 

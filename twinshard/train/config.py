@@ -9,8 +9,11 @@ Options left out on ``--resume`` are taken from the checkpoint. Options that fix
 is (model shape, data, sequence length, seed, learning-rate schedule) cannot change on resume;
 the others (steps, batch size, ranks, precision, ...) can, and the log says what changed.
 
-The run directory is checked here too: a new run never writes into a directory that holds
-another run, and a resumed one never overwrites a checkpoint newer than the one it resumes.
+The run directory is checked here too (``check_output``): a new run never writes into a
+directory that holds another run, and a resumed one never overwrites a checkpoint newer than
+the one it resumes. ``runlock.claim`` repeats that check under the run's lock. On ``--resume``
+of a run directory, the latest checkpoint that verifies is used (``verify.find_intact``); the
+corrupt ones passed over are named in the log and set aside by ``runlock.claim``.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from pathlib import Path
 import torch
 
 from twinshard.models import PRESETS, LlamaConfig
+from twinshard.watchdog import DEFAULT_HANG_TIMEOUT
 
 from . import checkpoint as ckpt
-from .data import BUILTIN, DataError, load_corpus
+from .data import BUILTIN, DataError, Windows, load_corpus
 from .flags import DEFAULT_LR, DEFAULTS, FIXED, IMPLS
 
 
@@ -68,7 +72,9 @@ class TrainConfig:
     nproc: int = 1
     out: str | None = None
     stop_at: int | None = None
-    resume_from: str | None = None  # a complete checkpoint directory
+    resume_from: str | None = None  # a complete checkpoint directory, verified
+    set_aside: list = field(default_factory=list)  # corrupt checkpoints of this run passed over
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT  # seconds without progress; 0: no watchdog
     model: dict = field(default_factory=dict)  # the LlamaConfig fields
     data_fingerprint: str = ""
     notes: list = field(default_factory=list)  # for the log, from the resolution
@@ -96,9 +102,8 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     given = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k, None) is not None}
     if given.get("data", BUILTIN) != BUILTIN:  # a resumed run may start in another directory
         given["data"] = os.path.abspath(given["data"])
-    resume_from, manifest = _find_resume(args)
+    resume_from, manifest, notes, passed_over = _find_resume(args)
     base = dict(DEFAULTS)
-    notes = []
     if manifest is not None:
         saved = manifest["config"]
         base.update({k: v for k, v in saved.items() if k in DEFAULTS})
@@ -118,30 +123,39 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         values["min_lr"] = values["lr"] / 10
     if values["warmup"] is None:
         values["warmup"] = round(0.05 * values["steps"])
+    hang_timeout = getattr(args, "hang_timeout", None)
     cfg = TrainConfig(
         **values,
-        nproc=args.nproc or _default_nproc(),
+        nproc=_default_nproc() if args.nproc is None else args.nproc,
         stop_at=args.stop_at,
         resume_from=str(resume_from) if resume_from else None,
         notes=notes,
+        hang_timeout=DEFAULT_HANG_TIMEOUT if hang_timeout is None else hang_timeout,
     )
     _check_numbers(cfg)
     cfg.model = _model_config(cfg)
     try:
         corpus = load_corpus(cfg.data, cfg.seq_len)
+        Windows(corpus.train, cfg.seq_len, cfg.seed)  # enough tokens for this --seq-len
     except DataError as e:
         raise TrainError(str(e)) from e
     cfg.data_fingerprint = corpus.fingerprint
     if manifest is not None:
         _check_fits_checkpoint(cfg, manifest)
-    cfg.out = _output_dir(args, cfg, resume_from)
+    out = _choose_output(args, resume_from)
+    if out is not None:
+        if resume_from is not None and ckpt.run_dir_of(resume_from).resolve() == out.resolve():
+            cfg.set_aside = [str(p) for p in passed_over]  # this run's own corrupt ones
+        check_output(out, cfg.resume_from, cfg.set_aside)
+        cfg.out = str(out)
     load_impl(cfg.impl)  # raises TrainError when it cannot be imported
     return cfg
 
 
-def _find_resume(args) -> tuple[Path | None, dict | None]:
+def _find_resume(args) -> tuple[Path | None, dict | None, list[str], list[Path]]:
+    """(checkpoint, its manifest, notes for the log, corrupt checkpoints passed over)."""
     if args.resume is None:
-        return None, None
+        return None, None, [], []
     if args.resume:
         where = Path(args.resume)
     elif args.out:
@@ -158,19 +172,20 @@ def _find_resume(args) -> tuple[Path | None, dict | None]:
             )
         where = max(runs, key=lambda p: saved[p][-1].stat().st_mtime)  # newest checkpoint wins
     try:
-        checkpoint = ckpt.resolve(where)
-        return checkpoint, ckpt.validate(checkpoint)
+        found = ckpt.find_intact(where, again="twinshard train --resume {run}")
     except ckpt.CheckpointError as e:
         raise TrainError(str(e)) from e
+    notes = [found.note()] if found.passed_over else []
+    return found.checkpoint, found.manifest, notes, [p for p, _ in found.passed_over]
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
     positive = {
+        "nproc": cfg.nproc,
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
         "seq_len": cfg.seq_len,
-        "nproc": cfg.nproc,
         "keep": cfg.keep,
         "log_every": cfg.log_every,
         "lr": cfg.lr,
@@ -183,6 +198,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
         "checkpoint_every": cfg.checkpoint_every,
         "sample_length": cfg.sample_length,
         "eval_batches": cfg.eval_batches,
+        "hang_timeout": cfg.hang_timeout,
     }
     for name, v in positive.items():
         if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
@@ -215,6 +231,9 @@ def _check_numbers(cfg: TrainConfig) -> None:
 
 
 def _model_config(cfg: TrainConfig) -> dict:
+    for flag, v in (("dim", cfg.dim), ("n-layers", cfg.n_layers), ("n-heads", cfg.n_heads)):
+        if v is not None and v < 1:
+            raise TrainError(f"--{flag} must be positive, got {v}")
     preset = PRESETS[cfg.preset]
     overrides = {
         k: v
@@ -269,30 +288,38 @@ def _check_fits_checkpoint(cfg: TrainConfig, manifest: dict) -> None:
         cfg.notes.append("world size changed on resume: the sharded state is resharded by DCP")
 
 
-def _output_dir(args, cfg: TrainConfig, resume_from: Path | None) -> str | None:
-    """The run directory, checked so that nothing of another run is overwritten."""
+def _choose_output(args, resume_from: Path | None) -> Path | None:
+    """The run directory: --out, the resumed run's, a fresh one, or None (torchrun's rank 0
+    names it after joining and tells the others)."""
     if args.out:
-        out = Path(args.out)
-    elif resume_from is not None:
-        out = ckpt.run_dir_of(resume_from)
-    elif under_torchrun():
-        return None  # rank 0 picks the name after joining and tells the others
-    else:
-        out = fresh_run_name()
+        return Path(args.out)
+    if resume_from is not None:
+        return ckpt.run_dir_of(resume_from)
+    if under_torchrun():
+        return None
+    return fresh_run_name()
+
+
+def check_output(out: Path, resume_from: str | None, set_aside: list) -> None:
+    """Refuse to write into ``out`` when that would overwrite another run or a newer checkpoint
+    of this one (the corrupt checkpoints in ``set_aside`` do not count)."""
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {out} exists and is not a directory; choose another --out")
-    existing = ckpt.complete_checkpoints(ckpt.checkpoints_root(out))
-    same_run = resume_from is not None and ckpt.run_dir_of(resume_from).resolve() == out.resolve()
-    if same_run:
+    aside = {Path(p).resolve() for p in set_aside}
+    existing = [
+        p for p in ckpt.complete_checkpoints(ckpt.checkpoints_root(out)) if p.resolve() not in aside
+    ]
+    resumed = Path(resume_from) if resume_from else None
+    if resumed is not None and ckpt.run_dir_of(resumed).resolve() == out.resolve():
+        step = ckpt.read_manifest(resumed)["step"]
         newer = [
             p.name
             for p in existing
-            if p.resolve() != resume_from.resolve()
-            and int(p.name.split("_")[1]) > int(ckpt.validate(resume_from)["step"])
+            if p.resolve() != resumed.resolve() and (ckpt.step_of(p) or 0) > step
         ]
         if newer:
             raise TrainError(
-                f"resuming {resume_from} inside its own run would overwrite the newer "
+                f"resuming {resumed} inside its own run would overwrite the newer "
                 f"checkpoint(s) {', '.join(newer)}; resume the latest one "
                 f"(--resume {out}) or write elsewhere with --out NEW_DIR"
             )
@@ -301,7 +328,6 @@ def _output_dir(args, cfg: TrainConfig, resume_from: Path | None) -> str | None:
             f"{out} already holds a training run; continue it with --resume {out}, "
             "or choose another --out (nothing was changed)"
         )
-    return str(out)
 
 
 def fresh_run_name() -> Path:

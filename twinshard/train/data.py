@@ -197,7 +197,7 @@ def _fingerprint_file(path: str, size: int) -> str:
         h.update(f.read(1 << 20))
         if size > 2 << 20:
             f.seek(size - (1 << 20))
-            h.update(f.read())
+            h.update(f.read(1 << 20))  # bounded reads only: a file may be one huge line
     return "file-sha256-head-tail:" + h.hexdigest()[:32]
 
 

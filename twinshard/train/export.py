@@ -18,15 +18,21 @@ without knowing how the run was configured::
 
 Only parameters are exported (no optimizer state). The output is written next to its final
 name and renamed into place, so an existing file is never left half-written; it is only
-replaced with ``--force``.
+replaced with ``--force``. Every argument is checked before the checkpoint is read (an output
+that is a directory, or in a directory that is missing or cannot be written, is refused), the
+checkpoint is verified (``verify.find_intact``: a run's damaged latest checkpoint is named and
+the one before it exported), and each problem, a full disk included, is one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from . import checkpoint as ckpt
@@ -49,14 +55,12 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> tuple[Path, dict
     from safetensors.torch import save_file
 
     out = Path(out)
-    if out.exists() and not force:
-        raise ckpt.CheckpointError(
-            f"{out} already exists; pass --force to replace it, or choose another file name"
-        )
-    if not out.parent.is_dir():
-        raise ckpt.CheckpointError(f"cannot write {out}: the directory {out.parent} does not exist")
-    where = ckpt.resolve(Path(checkpoint))
-    model_config, state, manifest = ckpt.load_full_model(where)
+    check_output(out, force)
+    found = ckpt.find_intact(Path(checkpoint), again="twinshard export {run} " + str(out))
+    if found.passed_over:
+        print(f"twinshard export: warning: {found.note()}", file=sys.stderr)
+    where, manifest = found.checkpoint, found.manifest
+    model_config, state, _ = ckpt.load_full_model(where, manifest)
     tensors, seen = {}, {}
     for name, t in state.items():
         t = t.contiguous()
@@ -70,16 +74,45 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> tuple[Path, dict
         "format": "pt",
     }
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    needed = sum(t.nbytes for t in tensors.values())
     try:
+        if shutil.disk_usage(out.parent).free < needed:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         save_file(tensors, str(partial), metadata=metadata)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(partial, 0o666 & ~umask)  # safetensors creates it private (0600)
         os.replace(partial, out)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            free = shutil.disk_usage(out.parent).free
+            raise ckpt.CheckpointError(
+                f"no space left in {out.parent} for {out.name}: it needs about "
+                f"{needed / 2**20:.1f} MB, {free / 2**20:.1f} MB are free"
+            ) from e
+        raise ckpt.CheckpointError(f"cannot write {out}: {e.strerror or e}") from e
     finally:
         if partial.exists():
             partial.unlink()
     return where, manifest
+
+
+def check_output(out: Path, force: bool) -> None:
+    """Refuse an output that cannot or must not be written, before any work is done."""
+    if out.is_dir():
+        raise ckpt.CheckpointError(
+            f"{out} is a directory; name the file to write, e.g. {out / 'model.safetensors'}"
+        )
+    if out.exists() and not force:
+        raise ckpt.CheckpointError(
+            f"{out} already exists; pass --force to replace it, or choose another file name"
+        )
+    if not out.parent.is_dir():
+        raise ckpt.CheckpointError(f"cannot write {out}: the directory {out.parent} does not exist")
+    try:  # the one sure test of writability, for root and read-only file systems too
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as e:
+        raise ckpt.CheckpointError(f"cannot write {out}: {e.strerror or e}") from e
 
 
 def load_exported(path: Path):

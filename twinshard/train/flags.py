@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from twinshard.models import PRESETS
+from twinshard.watchdog import DEFAULT_HANG_TIMEOUT
 
 from .data import BUILTIN
 
@@ -88,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="check every collective across ranks before it is issued (TWINSHARD_DEBUG=1): "
         "ranks that disagree are named, with the parameter and the step, instead of hanging",
+    )
+    g.add_argument(
+        "--hang-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop the run when no rank makes progress for this long, dump every rank's "
+        f"stack and name the stalled rank (default {DEFAULT_HANG_TIMEOUT:g}; 0 = off)",
     )
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", choices=list(PRESETS), help=f"model size (default {d['preset']})")

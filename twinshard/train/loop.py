@@ -11,6 +11,10 @@ Checkpoints (``checkpoint.save``) are written every ``--checkpoint-every`` steps
 end. ``--resume`` loads one before anything is written, at any number of ranks, and restores
 each rank's RNG state when the world size is unchanged (else re-derives it from the seed),
 so the run ends with the same parameters as one that was never interrupted.
+
+SIGINT and SIGTERM stop the run after the step in progress, with a checkpoint of it
+(``stop.py``): the request travels with the loss average of every step. Each step and each
+phase is reported to the watchdog (``twinshard.watchdog.progress``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from twinshard import watchdog
+
 from . import checkpoint as ckpt
+from . import stop as stopping
 from .build import build_model, build_optimizer, seed_rank_rngs
 from .config import TrainConfig, TrainError, fresh_run_name
 from .data import Windows, load_corpus
@@ -46,26 +53,53 @@ def _agree_on_out(cfg: TrainConfig) -> Path:
     return Path(choice[0])
 
 
-def rank_main(cfg: TrainConfig) -> dict:
-    """What every rank runs: set up, maybe resume, train, checkpoint, report."""
+def rank_main(cfg: TrainConfig, lock_run_dir: bool = False) -> dict:
+    """What every rank runs: set up, maybe resume, train, checkpoint, report.
+    ``lock_run_dir``: rank 0 locks the run directory (under torchrun; a local launcher holds
+    the lock itself)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
-    run_dir = _agree_on_out(cfg)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    log = Reporter(rank == 0, run_dir)
-    try:
-        return _train(
-            cfg, rank, world, device, run_dir, log, init_device_mesh(device.type, (world,))
-        )
-    finally:
-        log.close()
+    with stopping.StopRequest(announce=rank == 0) as request:
+        run_dir = _agree_on_out(cfg)
+        lock = _prepare_run_dir(cfg, run_dir, lock_run_dir)
+        try:
+            log = Reporter(rank == 0, run_dir)
+            try:
+                mesh = init_device_mesh(device.type, (world,))
+                return _train(cfg, rank, world, device, run_dir, log, mesh, request)
+            finally:
+                log.close()
+        finally:
+            if lock is not None:
+                lock.release()
 
 
-def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
+def _prepare_run_dir(cfg: TrainConfig, run_dir: Path, lock_run_dir: bool):
+    """Rank 0 makes sure the run directory exists, and locks it if asked; the lock this rank
+    holds, or None."""
+    from .runlock import claim
+
+    lock, problem = None, None
+    if dist.get_rank() == 0:
+        cfg.out = str(run_dir)
+        try:
+            if lock_run_dir:
+                lock = claim(cfg)
+            else:
+                run_dir.mkdir(parents=True, exist_ok=True)
+        except (TrainError, OSError) as e:
+            problem = str(e)
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)  # also: the directory exists before anyone writes
+    if box[0]:
+        raise TrainError(box[0])
+    return lock
+
+
+def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh, request) -> dict:
+    watchdog.progress("building the model")
     corpus = load_corpus(cfg.data, cfg.seq_len)
     windows = Windows(corpus.train, cfg.seq_len, cfg.seed)
     model = build_model(cfg, device, mesh)
@@ -73,6 +107,7 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
     n_params = sum(p.numel() for p in model.parameters())  # DTensor: the global size
     step, samples, losses, resumed = 0, 0, [], None
     if cfg.resume_from:  # before anything is written, so a failed load leaves the run as it was
+        watchdog.progress("loading the checkpoint")
         step, samples, losses, resumed = _resume(cfg, rank, world, model, opt, sched)
     else:
         seed_rank_rngs(cfg.seed, 0, rank)
@@ -83,10 +118,10 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
     )
     if resumed:
         log.info(resumed)
-    stop = cfg.stop_at or cfg.steps
+    end = cfg.stop_at or cfg.steps
     tokens_per_step = cfg.batch_size * cfg.seq_len
     log.info(
-        f"steps {step} -> {stop} of {cfg.steps}; global batch {cfg.batch_size} x "
+        f"steps {step} -> {end} of {cfg.steps}; global batch {cfg.batch_size} x "
         f"{cfg.seq_len} tokens ({cfg.batch_size // world // cfg.grad_accum} per micro-batch x "
         f"{cfg.grad_accum} on each rank); lr {cfg.lr:g} (warmup {cfg.warmup}, cosine to "
         f"{cfg.min_lr:g}); {cfg.param_dtype} params"
@@ -103,15 +138,16 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
         "torch": torch.__version__,
     }
     t_start = time.perf_counter()
-    train_time, last_ckpt = 0.0, None
+    train_time, last_ckpt, interrupted = 0.0, None, None
     first_step = step
-    while step < stop:
+    while step < end:
         t0 = time.perf_counter()
+        watchdog.progress(f"step {step + 1}")
         lr = sched.get_last_lr()[0]  # the rate this step uses
         local = train_step(model, opt, windows, samples, cfg, rank, world, device)
         sched.step()
         step, samples = step + 1, samples + cfg.batch_size
-        loss = global_mean(local)
+        loss, stop_now = mean_and_stop(local, request.signum)
         if not math.isfinite(loss):
             raise TrainError(f"the loss is {loss} at step {step}; lower --lr or use --clip-norm")
         losses.append(loss)
@@ -121,11 +157,14 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
             f"step {step}/{cfg.steps}  loss {loss:.4f}  lr {lr:.2e}  "
             f"{rate / 1e3:.1f}k tok/s  mem {memory_mb(device):.0f} MB"
         )
-        log.bar(step, stop, status)
-        if step % cfg.log_every == 0 or step == stop or step == first_step + 1:
-            eta = (stop - step) * train_time / (step - first_step)
+        log.bar(step, end, status)
+        if step % cfg.log_every == 0 or step == end or step == first_step + 1:
+            eta = (end - step) * train_time / (step - first_step)
             log.info(f"{status}  eta {duration(eta)}")
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == stop:
+        if stop_now:
+            interrupted, end = stopping.name(request.signum), step  # save this step, then stop
+            log.info(f"stop requested ({interrupted}): saving a checkpoint of step {step}")
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == end:
             t_ck = time.perf_counter()
             last_ckpt = ckpt.save(
                 run_dir,
@@ -138,6 +177,13 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh) -> dict:
                 cfg.keep,
             )
             log.info(f"checkpoint {last_ckpt} ({time.perf_counter() - t_ck:.1f}s)")
+    if interrupted:
+        log.info(
+            f"interrupted by {interrupted} after step {step}; checkpoint {last_ckpt}; continue "
+            f"with: twinshard train --resume {run_dir}"
+        )
+        return {"step": step, "interrupted": interrupted, "checkpoint": str(last_ckpt)}
+    watchdog.progress("evaluating")
     val_loss = None
     if corpus.val is not None and cfg.eval_batches:
         val_loss = evaluate(
@@ -169,7 +215,7 @@ def _resume(cfg, rank, world, model, opt, sched) -> tuple[int, int, list, str]:
     """Load the checkpoint into model, optimizer and scheduler and restore or re-derive the
     RNGs; return (step, samples consumed, loss history, a line for the log)."""
     where = Path(cfg.resume_from)
-    manifest = ckpt.validate(where)
+    manifest = ckpt.read_manifest(where)  # verified before the ranks started
     trainer = ckpt.load(where, model, opt, sched)
     if trainer["step"] != manifest["step"] or trainer["samples"] != manifest["samples"]:
         raise ckpt.CheckpointError(
@@ -224,6 +270,14 @@ def train_step(
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total / cfg.grad_accum
+
+
+def mean_and_stop(value: torch.Tensor, signum: int) -> tuple[float, bool]:
+    """The mean of ``value`` over all ranks, and whether any rank was asked to stop (one
+    collective: the step's loss average carries the stop request)."""
+    packed = torch.stack([value.detach().float(), value.new_tensor(float(signum > 0)).float()])
+    dist.all_reduce(packed)  # (2,) the summed losses, the number of ranks asked to stop
+    return packed[0].item() / dist.get_world_size(), packed[1].item() > 0
 
 
 def global_mean(value: torch.Tensor) -> float:
