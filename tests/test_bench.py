@@ -103,6 +103,7 @@ def test_overlap_efficiency_formula():
     assert eff(12) == 1
     assert eff(14) == pytest.approx(0.5)
     assert stats.overlap_efficiency(10, 1, 11, 1, 1) is None  # nothing to hide
+    assert stats.overlap_efficiency(100, 3, 101, 1, 1) is None  # too little to measure
 
 
 def test_summary_figures():
