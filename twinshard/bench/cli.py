@@ -27,7 +27,7 @@ from . import memmodel
 from .config import BACKENDS, DTYPES, IMPLS, SHARDED, RunConfig
 from .report import memory_table, meta, plot, table, write_json
 from .runner import compare
-from .stats import add_overlap, add_ratios, summarize
+from .stats import add_overlap, add_ratios, overlap_efficiency, summarize
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,12 +191,16 @@ def show(base: RunConfig, summary: dict, args) -> None:
 
 def rerender(args) -> int:
     """``--from-json FILE``: the tables and plot of a recorded run, without running it again
-    (the memory model is applied anew, so a corrected model shows on old measurements)."""
+    (the memory model and the overlap formula are applied anew)."""
     with open(args.from_json) as f:
         recorded = json.load(f)
     base = RunConfig(**recorded["meta"]["config"])
     if base.memory:
         add_memory_model(recorded["summary"], base)
+    for row in recorded["summary"].values():
+        if "compute_s" in row:
+            keys = ("compute_s", "comm_s", "step_s", "first_all_gather_s", "last_reduce_scatter_s")
+            row["overlap_efficiency"] = overlap_efficiency(*(row[k] for k in keys))
     show(base, recorded["summary"], args)
     if args.json:
         write_json(args.json, recorded)
