@@ -16,6 +16,7 @@ three measurements side by side: ``sweep-model-size.png``, ``sweep-groups.png``,
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
@@ -50,7 +51,19 @@ def point(base: RunConfig, axis: str, value: int) -> RunConfig:
 
 
 def run_sweep(args) -> int:
-    from .cli import config_from, side_by_side
+    from .cli import add_memory_model, config_from, side_by_side
+
+    if args.from_json:  # plot a recorded sweep again, with the memory model applied anew
+        with open(args.from_json) as f:
+            recorded = json.load(f)
+        base = RunConfig(**recorded["meta"]["config"])
+        for axis in FILES:
+            for row in recorded[axis]:
+                add_memory_model(row["summary"], RunConfig(**row["config"]))
+            impls = list(recorded[axis][0]["summary"])
+            plot_axis(axis, recorded[axis], impls, os.path.join(args.out, FILES[axis]), base)
+        write_json(os.path.join(args.out, "sweep.json"), recorded)
+        return 0
 
     for name, value in dict(
         preset="tiny", seq=32, per_rank=2, steps=8, world=8, impls=",".join(IMPLS)
