@@ -107,3 +107,12 @@ def test_a_disk_that_fills_during_the_save_is_one_line(tmp_path, monkeypatch, ca
     run = tmp_path / "run"
     assert run_train("--out", run, "--steps", 3, "--checkpoint-every", 1) == 1
     assert_one_line_full_disk(capsys.readouterr().err, run, 2)
+
+
+def test_export_to_a_full_disk_is_one_line(short_run, small_disk, capsys):
+    out = small_disk("size=64k") / "model.safetensors"  # the small model needs about 0.2 MB
+    assert cli(["export", str(short_run), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert f"no space left in {out.parent} for model.safetensors: it needs about " in err
+    assert list(out.parent.iterdir()) == []  # no partial file left behind

@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from train_support import (
+    SMALL,
     alive,
     assert_same_params,
     final_params,
@@ -127,3 +130,30 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
         _kill_all(ranks)
     ckpt.validate(ckpt.resolve(out))  # a save cut short leaves the last complete one
     runlock.acquire(out).release()  # and nobody holds the run directory any more
+
+
+def test_a_stopped_rank_under_torchrun_is_named(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--standalone", "-m", "twinshard.cli", "train", *SMALL, "--steps", str(STEPS)]
+    command += ["--hang-timeout", "5", "--out", str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    ranks = []
+    try:
+        read_until(proc, "step 3/")
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGSTOP)
+        verdict = read_until(proc, "twinshard watchdog: no rank made progress", stream=proc.stderr)
+    finally:
+        _kill_all(ranks)  # torchrun itself would wait 30 s before it kills the stopped rank
+        proc.kill()
+        proc.communicate(timeout=60)
+    line = verdict[-1]
+    assert "(hang timeout 5s): rank(s) 1 stalled (rank 1: not responding" in line, line
+    assert "the others wait in " in line

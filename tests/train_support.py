@@ -83,14 +83,14 @@ def start_train(*argv, **popen) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, **popen)
 
 
-def read_until(proc: subprocess.Popen, prefix: str, limit: float = 120.0) -> list[str]:
-    """The stdout lines of ``proc`` up to the first that starts with ``prefix`` (the process
-    is killed if that takes over ``limit`` seconds, which ends the loop)."""
+def read_until(proc: subprocess.Popen, prefix: str, limit: float = 120.0, stream=None) -> list[str]:
+    """The lines of ``proc``'s stdout (or ``stream``) up to the first that starts with
+    ``prefix`` (the process is killed if that takes over ``limit`` seconds, ending the loop)."""
     timer = threading.Timer(limit, proc.kill)
     timer.start()
     lines = []
     try:
-        for line in proc.stdout:
+        for line in stream or proc.stdout:
             lines.append(line)
             if line.startswith(prefix):
                 return lines
@@ -100,8 +100,8 @@ def read_until(proc: subprocess.Popen, prefix: str, limit: float = 120.0) -> lis
 
 
 def rank_pids(launcher: int) -> list[int]:
-    """The ranks that ``twinshard.launch`` in process ``launcher`` started, by rank (they start
-    in rank order; multiprocessing's resource tracker is not one of them)."""
+    """The ranks that ``twinshard.launch`` (or ``torchrun``) in process ``launcher`` started, by
+    rank (they start in rank order; multiprocessing's resource tracker is not one of them)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
