@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard import guard
+from twinshard.guard import channel
 from twinshard.launch import launch
 from twinshard.models import Llama, LlamaConfig
 
@@ -40,17 +41,16 @@ def _collectives(n: int = 400) -> tuple[float, float]:
         guard.check_collective("all_gather", send, None, "bench.weight")
         all_gather(recv, send)
 
-    guard.refresh()
+    guard.set_debug(False)
     off = _median_seconds(plain, 5, n)
-    guard._debug = True  # the switch TWINSHARD_DEBUG=1 sets
+    guard.set_debug(True)  # what TWINSHARD_DEBUG=1 turns on
     on = _median_seconds(checked, 5, n)
-    guard._debug = False
+    guard.set_debug(False)
     return off, on
 
 
 def _steps(impl_name: str, debug: bool, steps: int = 12) -> float:
     impl = importlib.import_module(impl_name)
-    guard._debug = False
     torch.manual_seed(0)
     config = LlamaConfig.preset("tiny")
     model = Llama(config)
@@ -59,16 +59,16 @@ def _steps(impl_name: str, debug: bool, steps: int = 12) -> float:
     impl.fully_shard(model)
     tokens = torch.randint(0, config.vocab_size, (4, 65))
     model(tokens[:, :-1], tokens[:, 1:]).backward()  # lazy init (reads the environment)
-    guard._debug = debug
-    times, before = [], sum(guard._seq.values())
+    guard.set_debug(debug)
+    times, before = [], sum(channel.seq.values())
     for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         times.append(time.perf_counter() - start)
-    guard._debug = False
+    guard.set_debug(False)
     if debug:
-        print(f"{impl_name}: {(sum(guard._seq.values()) - before) / steps:.0f} collectives a step")
+        print(f"{impl_name}: {(sum(channel.seq.values()) - before) / steps:.0f} collectives a step")
     return statistics.median(times)
 
 
@@ -88,7 +88,7 @@ def measure() -> dict:
 
 
 def main() -> None:
-    guard._debug = False
+    guard.set_debug(False)
     call = _median_seconds(lambda: guard.check_collective("all_gather", None, None), 5, 200_000)
     print(f"check_collective, debug off: {call * 1e9:.0f} ns per call")
     result = launch(measure, 2, timeout=600)[0]

@@ -10,6 +10,7 @@ failed to report would surface as the launcher's "deadline exceeded" instead, an
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -23,6 +24,7 @@ from twinshard.launch import LaunchError, launch
 from twinshard.models import MLPStack
 
 IMPLS = ["twinshard.reference", "twinshard.optimized"]
+TORCH = "torch.distributed.fsdp"  # calls no guard itself: checked from outside
 TIMEOUT = 40  # the launcher's deadline; the guard must report well within it
 DEBUG = {guard.ENV: "1", guard.TIMEOUT_ENV: "4"}
 
@@ -56,11 +58,16 @@ def _train(impl_name: str, steps: dict, hidden: dict | None = None, extra_on=(0,
         impl.fully_shard(block)
     impl.fully_shard(model.extra)
     impl.fully_shard(model)
+    watching = contextlib.nullcontext()
+    if impl_name == TORCH:
+        guard.check_model(model)
+        watching = guard.watch(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps[rank]):
-        model(torch.randn(4, 15)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    with watching:
+        for _ in range(steps[rank]):
+            model(torch.randn(4, 15)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
     return "done"
 
 
@@ -71,7 +78,7 @@ def _failures(env: dict, *args, **kwargs) -> dict[int, str]:
     return caught.value.failures
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [*IMPLS, TORCH])
 def test_agreeing_ranks_pass_the_debug_checks(impl):
     assert launch(_train, 2, impl, {0: 3, 1: 3}, timeout=TIMEOUT, env=DEBUG) == ["done"] * 2
 
@@ -82,30 +89,40 @@ def test_module_used_on_one_rank_only(impl):
     assert sorted(failures) == [0, 1], "both ranks must report"
     for text in failures.values():
         head = text.split("\n\n")[0]
-        assert head.startswith("twinshard.guard.GuardError"), head
+        assert head.startswith("twinshard.guard.channel.GuardError"), head
         assert "'extra.weight'" in head and "step 0" in head, head
         assert "rank 0: all_gather of 'extra.weight'" in head, head
         assert "rank 1: all_gather of 'blocks.1." in head, head  # already in backward
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [*IMPLS, TORCH])
 def test_model_built_differently_on_one_rank(impl, debug):
     failures = _failures(DEBUG if debug else {}, impl, {0: 1, 1: 1}, hidden={1: 38})
     assert sorted(failures) == [0, 1], "both ranks must report"
     for text in failures.values():
         head = text.split("\n\n")[0]
-        assert head.startswith("twinshard.guard.GuardError"), head
-        assert "differs across ranks at its first forward" in head, head
+        assert head.startswith("twinshard.guard.channel.GuardError"), head
+        assert "differs across ranks" in head, head
         assert "rank(s) [0]: param blocks.0.w1.weight: (37, 15)" in head, head
         assert "rank(s) [1]: param blocks.0.w1.weight: (38, 15)" in head, head
+
+
+def test_torch_module_used_on_one_rank_only():
+    """Around torch's fully_shard, ``guard.watch`` checks from the dispatcher: no names."""
+    failures = _failures(DEBUG, TORCH, {0: 2, 1: 2}, extra_on=(0,))
+    assert sorted(failures) == [0, 1], "both ranks must report"
+    for text in failures.values():
+        head = text.split("\n\n")[0]
+        assert head.startswith("twinshard.guard.channel.GuardError"), head
+        assert "rank 0 is in all_gather (forward), rank 1 in all_gather (backward)" in head, head
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_one_rank_runs_an_extra_step(impl):
     failures = _failures(DEBUG, impl, {0: 3, 1: 2})
     head = failures[0].split("\n\n")[0]
-    assert head.startswith("twinshard.guard.GuardError"), head
+    assert head.startswith("twinshard.guard.channel.GuardError"), head
     assert "rank(s) [1] did not reach collective" in head, head
     assert "all_gather of 'norm.weight'" in head and "at step 2 (forward)" in head, head
     assert "at step 1 (backward)" in head, head  # the last one both ranks reached

@@ -96,7 +96,7 @@ def meta(config_dict: dict, argv: list[str] | None = None) -> dict:
     """Date, command, machine and load: what a reader needs to judge the numbers."""
     info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(["twinshard", "bench", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["twinshard", "bench", *_bench_args(argv)]),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -109,6 +109,11 @@ def meta(config_dict: dict, argv: list[str] | None = None) -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def _bench_args(argv: list[str] | None) -> list[str]:
+    args = sys.argv[1:] if argv is None else argv
+    return args[1:] if args[:1] == ["bench"] else args  # run as `twinshard bench ...`
 
 
 def _cpu_name() -> str:
