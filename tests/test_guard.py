@@ -89,7 +89,7 @@ def test_module_used_on_one_rank_only(impl):
     assert sorted(failures) == [0, 1], "both ranks must report"
     for text in failures.values():
         head = text.split("\n\n")[0]
-        assert head.startswith("twinshard.guard.channel.GuardError"), head
+        assert head.startswith("twinshard.guard.GuardError"), head
         assert "'extra.weight'" in head and "step 0" in head, head
         assert "rank 0: all_gather of 'extra.weight'" in head, head
         assert "rank 1: all_gather of 'blocks.1." in head, head  # already in backward
@@ -102,7 +102,7 @@ def test_model_built_differently_on_one_rank(impl, debug):
     assert sorted(failures) == [0, 1], "both ranks must report"
     for text in failures.values():
         head = text.split("\n\n")[0]
-        assert head.startswith("twinshard.guard.channel.GuardError"), head
+        assert head.startswith("twinshard.guard.GuardError"), head
         assert "differs across ranks" in head, head
         assert "rank(s) [0]: param blocks.0.w1.weight: (37, 15)" in head, head
         assert "rank(s) [1]: param blocks.0.w1.weight: (38, 15)" in head, head
@@ -114,7 +114,7 @@ def test_torch_module_used_on_one_rank_only():
     assert sorted(failures) == [0, 1], "both ranks must report"
     for text in failures.values():
         head = text.split("\n\n")[0]
-        assert head.startswith("twinshard.guard.channel.GuardError"), head
+        assert head.startswith("twinshard.guard.GuardError"), head
         assert "rank 0 is in all_gather (forward), rank 1 in all_gather (backward)" in head, head
 
 
@@ -122,7 +122,7 @@ def test_torch_module_used_on_one_rank_only():
 def test_one_rank_runs_an_extra_step(impl):
     failures = _failures(DEBUG, impl, {0: 3, 1: 2})
     head = failures[0].split("\n\n")[0]
-    assert head.startswith("twinshard.guard.channel.GuardError"), head
+    assert head.startswith("twinshard.guard.GuardError"), head
     assert "rank(s) [1] did not reach collective" in head, head
     assert "all_gather of 'norm.weight'" in head and "at step 2 (forward)" in head, head
     assert "at step 1 (backward)" in head, head  # the last one both ranks reached

@@ -28,6 +28,9 @@ class GuardError(RuntimeError):
     """The ranks disagree about the model or about the next collective."""
 
 
+GuardError.__module__ = "twinshard.guard"  # where it is imported from, and reported as
+
+
 debug = False  # check every collective; read from the environment at each root's lazy init
 timeout = DEFAULT_TIMEOUT  # seconds a debug check waits for its peers
 seq: dict[tuple, int] = {}  # ranks of a group (or ("model", ranks)) -> checks on it so far
