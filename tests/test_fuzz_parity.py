@@ -113,6 +113,40 @@ def test_regressions(mesh):
     assert all(v["ok"] for v in verdicts), _report(verdicts)
 
 
+# A failure of the tolerance, not of an implementation (both are FSDP done right): bf16
+# gradients of 4 ranks summed in another order. One bias's per-rank gradients cancel (0.25 and
+# 0.13 summing to 0.19 in the mean); the 24 orders of those 4 bf16 additions err by 2.6e-4 to
+# 1.2e-3, the plain model's sequential order is the luckiest and gloo's the unluckiest, so
+# "twice the plain model's error plus one rounding at the tensor's magnitude" does not hold.
+# Fixing it belongs to the low-precision class (a rounding at the summands' magnitude).
+BF16_SUM_ORDER = Example(
+    name="bf16_sum_order_world_4",
+    mesh=(4,),
+    widths=(3, 3),
+    bias=(True,),
+    norm=(False,),
+    own_group=(False,),
+    frozen=(True,),
+    frozen_inp=True,
+    reshard=(None,),
+    offload=(False,),
+    policy="bf16/bf16",
+    clip=1.0,
+    steps=1,
+)
+
+
+def test_known_limit_bf16_sum_order():
+    """Fails the bound, for this reason only; once the bound holds, move the example to
+    ``REGRESSIONS``."""
+    (verdict,) = _verdicts([BF16_SUM_ORDER], (4,))
+    assert not verdict["ok"], "the bound holds now: move BF16_SUM_ORDER to REGRESSIONS"
+    assert all(
+        "reference step 0 grad 'blocks.0.lin.bias'" in f and "2 x plain low-precision" in f
+        for f in verdict["failures"]
+    ), verdict["failures"]
+
+
 def test_a_planted_bug_is_caught():
     """The same harness fails an implementation whose gradients are 0.1% too large."""
     # fp32 and unclipped: clipping rescales the bug away, and 0.1% is below one bf16 rounding
