@@ -56,9 +56,11 @@ def _batches(config: RunConfig, vocab: int, count: int, rank: int) -> list[torch
 
 def _comm_of_step(calls: list) -> dict:
     """Simulated communication of one step: its total time, the first all-gather and the last
-    reduce-scatter (which nothing can hide), and the count and bytes by op."""
+    reduce-scatter (DDP: all-reduce), which nothing can hide, and the number of collectives."""
     first = next((c for c in calls if c.op == "all_gather"), None)
     last = next((c for c in reversed(calls) if c.op == "reduce_scatter"), None)
+    if last is None:  # DDP: its last bucket's all-reduce
+        last = next((c for c in reversed(calls) if c.op == "all_reduce"), None)
     return {
         "comm_s": sum(c.end - c.start for c in calls),
         "first_all_gather_s": (first.end - first.start) if first else 0.0,
