@@ -27,7 +27,8 @@ backward runs the blocks in reverse and the root last, from the end-of-backward 
                group's post-backward adds the result (out, 1/S) to the sharded gradients; packed
                and out are held until the next reduce-scatter.
     torch      all-gather in place into one output buffer (recv), copied out and dropped; the
-               next group's all-gather is issued in backward before this group computes. The
+               next group's all-gather is issued in backward before this group computes (its
+               output buffer is alive from then until its copy-out). The
                post-backward reshards first, then packs the gradients into the reduce-scatter
                input (packed, held until the next reduce-scatter) and drops them; the output
                becomes the sharded gradients.
@@ -233,9 +234,14 @@ def _torch(t: _Timeline, sizes: list) -> None:
     for i in range(1, n + 1):
         unshard(i)
         t.free(f"U{i}")
+    if n:  # backward prefetch: the root's pre-backward issues the last block's all-gather
+        t.alloc("recv", "comm", sizes[n].unsharded)
     t.alloc("G0", "grad", root.grad)
     for i in range(n, 0, -1):
-        unshard(i)
+        t.alloc(f"U{i}", "unsharded", sizes[i].unsharded)  # copy-out of the prefetched gather
+        t.free("recv")
+        if i > 1:
+            t.alloc("recv", "comm", sizes[i - 1].unsharded)  # the next group's, in flight
         t.alloc(f"G{i}", "grad", sizes[i].grad)
         reduce(i)
     t.alloc("G0late", "grad", root.grad_late)
