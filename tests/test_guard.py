@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from twinshard import guard
+from twinshard.guard import channel
 from twinshard.launch import LaunchError, launch
 from twinshard.models import MLPStack
 
@@ -162,3 +164,29 @@ def test_train_debug_flag_turns_the_checks_on(monkeypatch, tmp_path):
     monkeypatch.delenv(guard.ENV, raising=False)
     assert main(["--debug", "--steps", "0", "--out", str(tmp_path / "run")]) == 2
     assert os.environ.get(guard.ENV) == "1"
+
+
+def _wait_for_a_peer_that_stops() -> list:
+    """Rank 1 waits for a key rank 0 never posts; rank 0 gives up with a message instead."""
+    store, rank, seen = channel.connection(), dist.get_rank(), []
+    if rank == 0:
+        time.sleep(0.5)
+        with pytest.raises(guard.GuardError):
+            channel.give_up(store, "rank 0 found a difference")
+    else:
+        try:
+            seen.append(channel.exchange(store, "t/a", (0, 1), "x", time.monotonic() + 20))
+        except guard.GuardError as e:
+            seen.append(str(e))
+    dist.barrier()
+    if rank == 1:  # the message is old news for a new wait: it runs to its deadline
+        seen.append(channel.exchange(store, "t/b", (0, 1), "x", time.monotonic() + 1))
+    return seen
+
+
+def test_a_waiting_rank_stops_with_its_peers_message():
+    """A rank waiting in one check stops with the message another rank left, long before its
+    own deadline (20 s here, the launcher's is 40 s), and only with a message left after it
+    began to wait."""
+    _, seen = launch(_wait_for_a_peer_that_stops, 2, timeout=TIMEOUT)
+    assert seen == ["rank 0 found a difference", ({}, [0])]

@@ -98,15 +98,16 @@ def exchange(store, topic: str, ranks: tuple, value: str, deadline: float, error
     store.set(f"{topic}/{me}", value)
     others = [r for r in ranks if r != me]
     keys = [f"{topic}/{r}" for r in others]
-    pause, look_for_errors = 1e-4, time.monotonic() + ERROR_POLL
+    pause, look_for_errors, earlier = 1e-4, 0.0, None
     while not store.check(keys):
         now = time.monotonic()
         if now >= deadline:
             return {}, [r for r, k in zip(others, keys) if not store.check([k])]
         if errors and now >= look_for_errors:
-            if store.check([ERROR_KEY]):
-                raise GuardError(store.get(ERROR_KEY).decode())
-            look_for_errors = now + ERROR_POLL
+            message = store.get(ERROR_KEY).decode() if store.check([ERROR_KEY]) else None
+            if look_for_errors and message != earlier:  # left by a peer while we waited
+                raise GuardError(message)
+            earlier, look_for_errors = message, now + ERROR_POLL
         time.sleep(pause)
         pause = min(2 * pause, 0.005)
     return {r: v.decode() for r, v in zip(others, store.multi_get(keys))}, []
