@@ -49,6 +49,9 @@ class Recipe:
     low_precision: torch.dtype | None = None  # param_dtype of the policy, for the plain oracle
     low_reduce: torch.dtype = torch.float32  # reduce_dtype of the policy, for the plain oracle
     start: int = 0  # first step's index into ``data`` (a resumed run continues from there)
+    # The low-precision oracle adds a step's micro-batches up per rank, unreduced, in
+    # low_reduce, as FSDP does while gradient sync is off (else it reduces each micro-batch).
+    low_accumulate: bool = False
     # (rank, world) to cut the global batch by, when not every rank is its own data-parallel
     # rank (tensor parallelism: the ranks of one TP group see the same data)
     data_rank: Callable[[], tuple[int, int]] | None = None
@@ -157,6 +160,7 @@ def _train(
     trace = Trace(optimizer=opt)
     for step in range(recipe.steps):
         loss_sum = torch.zeros((), device=DEVICE)
+        unreduced = {} if recipe.low_accumulate else None  # slice -> its gradients so far
         for micro in range(recipe.micro):
             index = (recipe.start + step) * recipe.micro + micro
             batch = _slice(recipe.data(index), rank, world)
@@ -164,7 +168,9 @@ def _train(
             if recipe.on_micro is not None and master is None:
                 recipe.on_micro(model, micro, last)
             if low is not None:
-                loss = _low_precision_backward(recipe, model, batch, low, low_world)
+                loss = _low_precision_backward(
+                    recipe, model, batch, low, low_world, unreduced, last
+                )
             else:
                 loss = recipe.loss(model, batch)
                 loss.backward()
@@ -190,10 +196,18 @@ def _train(
 
 
 def _low_precision_backward(
-    recipe: Recipe, master: nn.Module, batch: tuple, low: torch.dtype, world: int
+    recipe: Recipe,
+    master: nn.Module,
+    batch: tuple,
+    low: torch.dtype,
+    world: int,
+    unreduced: dict | None = None,
+    last: bool = True,
 ) -> torch.Tensor:
     """Each of ``world`` slices computes in a ``low`` copy of the model; gradients are
-    averaged over slices in ``recipe.low_reduce`` and added to the fp32 master's."""
+    averaged over slices in ``recipe.low_reduce`` and added to the fp32 master's. With
+    ``unreduced`` (``recipe.low_accumulate``), each slice first adds its gradients to its own
+    sum there, in ``low_reduce``, and only the ``last`` micro-batch averages those sums."""
     work = copy.deepcopy(master).to(low)
     # Cast the model's floating-point inputs where the root module begins, as
     # cast_forward_inputs does (the loss's own targets stay in full precision).
@@ -212,16 +226,24 @@ def _low_precision_backward(
         grads = [
             None if q.grad is None else q.grad.to(recipe.low_reduce) for q in work.parameters()
         ]
-        sums = (
-            grads
-            if sums is None
-            else [a if b is None else (b if a is None else a + b) for a, b in zip(sums, grads)]
-        )
+        if unreduced is not None:  # accumulated on the rank, in the reduce dtype
+            grads = _add(unreduced.get(r), grads)
+            unreduced[r] = grads
+        sums = _add(sums, grads)
+    if not last and unreduced is not None:
+        return torch.stack(losses).mean()
     for p, g in zip(master.parameters(), sums):
         if g is not None:
             g = (g / world).float()
             p.grad = g if p.grad is None else p.grad + g
     return torch.stack(losses).mean()
+
+
+def _add(sums: list | None, grads: list) -> list:
+    """Element-wise sum of two gradient lists (None: no gradient)."""
+    if sums is None:
+        return grads
+    return [a if b is None else (b if a is None else a + b) for a, b in zip(sums, grads)]
 
 
 def _blocks(run: Trace, name: str):

@@ -34,6 +34,9 @@ that step times the model's sensitivity, in another direction for each computati
 taken from one such realization (the plain model's) is then no bound for the other; the fuzzer
 found a model 3x past it at step 3 with both implementations bitwise equal. Within the first
 step both start from the same weights, so the rule holds; the suite's fixed cases train longer.
+With gradient sync off, FSDP adds a rank's micro-batch gradients up unreduced, in the reduce
+dtype; the oracle does the same (``Recipe.low_accumulate``), or a bf16 sum of three
+micro-batches on 3 ranks errs 3x past the plain model's fp32 sum (found by the long run).
 """
 
 from __future__ import annotations
@@ -211,6 +214,7 @@ def recipe(ex: Example) -> Recipe:
         clip=ex.clip,
         low_precision=_dtype(low),
         low_reduce=_dtype(reduce or low) or torch.float32,
+        low_accumulate=any(what is not None for what in ex.sync_off),
     )
 
 
