@@ -42,8 +42,11 @@ def _tp_with_dp_mesh_dims(impl_name):
 
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     impl = importlib.import_module(impl_name)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -161,7 +161,8 @@ def test_train_debug_flag_turns_the_checks_on(monkeypatch, tmp_path):
     stops at a bad flag right after), so every rank it starts inherits it."""
     from twinshard.train.cli import main
 
-    monkeypatch.delenv(guard.ENV, raising=False)
+    monkeypatch.setenv(guard.ENV, "0")  # monkeypatch restores the variable after the test
+    monkeypatch.delenv(guard.ENV)
     assert main(["--debug", "--steps", "0", "--out", str(tmp_path / "run")]) == 2
     assert os.environ.get(guard.ENV) == "1"
 
@@ -190,3 +191,14 @@ def test_a_waiting_rank_stops_with_its_peers_message():
     began to wait."""
     _, seen = launch(_wait_for_a_peer_that_stops, 2, timeout=TIMEOUT)
     assert seen == ["rank 0 found a difference", ({}, [0])]
+
+
+def test_a_custom_collective_is_named_alike_on_every_rank():
+    """Debug mode compares collectives by name; a custom reduce-scatter hook is an object
+    whose repr holds its address, so it is named by its class (the same on every rank)."""
+    from twinshard.conformance.cases.comm_hooks import CountingReduceScatter
+    from twinshard.guard.collectives import _op_name
+
+    a, b = CountingReduceScatter(), CountingReduceScatter()
+    assert _op_name(a) == _op_name(b) == "CountingReduceScatter"
+    assert _op_name(dist.reduce_scatter_tensor) == "reduce_scatter"

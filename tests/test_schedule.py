@@ -76,7 +76,11 @@ def test_every_implementation_runs_the_same_hooks_in_the_same_order(recorded):
 
 def test_reference_gathers_one_parameter_at_a_time_and_holds_one_block(recorded):
     s = recorded[0]["reference"]
-    assert all(c.blocking and c.group is not None for c in s.collectives)
+    assert all(c.blocking for c in s.collectives)
+    assert all(c.group is not None for c in s.collectives if not c.bookkeeping)
+    (count,) = [c for c in s.collectives if c.bookkeeping]  # who had gradients, once a step
+    assert s.events[count.event].hook == "final_callback" and count.op == "all_reduce"
+    assert "a count of who had gradients" in format_table(s)
     for block in BLOCKS:
         forward = [c for c in s.calls("all_gather", block) if s.events[c.event].phase == "forward"]
         assert sorted(p for c in forward for p in c.params) == sorted(s.params[block])
@@ -119,7 +123,7 @@ def test_mixed_precision_shows_in_the_dtypes(recorded):
     s = recorded[0]["bf16"]
     assert {c.dtype for c in s.calls("all_gather")} == {"bfloat16"}
     assert {c.dtype for c in s.calls("reduce_scatter")} == {"float32"}
-    assert all(c.group is not None for c in s.collectives)
+    assert all(c.group is not None for c in s.collectives if not c.bookkeeping)
 
 
 def test_ranks_record_the_same_collectives_and_recording_changes_no_gradient(recorded):

@@ -13,7 +13,7 @@ rank's record has changed for ``hang_timeout`` seconds, the run has stalled. It 
 
 and says which collective the others wait in. Then every rank's Python stack is dumped with
 ``faulthandler`` (on ``STACK_SIGNAL``, which needs no cooperation from the stuck thread) and
-the run is stopped: by the launcher (``twinshard.launch``, parent side in ``launch.py``), or,
+the run is stopped: by the launcher (``twinshard.launch``, its side in ``supervise.py``), or,
 under ``torchrun``, by the ranks themselves (``start_torchrun``).
 
 [Note: how collectives are seen] ``install_hooks`` wraps the collectives of

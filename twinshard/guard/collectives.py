@@ -78,8 +78,10 @@ def _check(op, tensor: torch.Tensor, group, about) -> None:
 
 
 def _op_name(op) -> str:
-    """ "all_gather", "reduce_scatter", "all_reduce", or the name of ``op`` as it is."""
-    name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
+    """ "all_gather", "reduce_scatter", "all_reduce", or the name of ``op`` as it is. A
+    callable object (a custom all-gather or reduce-scatter hook) is named by its class: its
+    ``repr`` holds an address, which differs from rank to rank."""
+    name = op if isinstance(op, str) else getattr(op, "__name__", type(op).__name__)
     return next((v for k, v in OPS.items() if k in name.replace("_", "")), name)
 
 

@@ -29,6 +29,13 @@ class Collective:
     group: str | None = None  # the sharded module whose parameters or gradients it carries
     params: tuple[str, ...] = ()  # which of them: one name, or all of the group's
 
+    @property
+    def bookkeeping(self) -> bool:
+        """An integer collective: a count the implementation exchanges (twinshard's ranks
+        count who had a gradient for each parameter after the backward), carrying no parameter
+        or gradient, so it belongs to no group."""
+        return "int" in self.dtype
+
 
 @dataclass
 class Event:

@@ -36,6 +36,8 @@ def used_in(schedule: Schedule, c: Collective) -> int | None:
 def describe(schedule: Schedule, c: Collective) -> str:
     """'all_gather float32 1.2 KiB 2 ranks -> blocks.1 (6 params) async, used in #7'."""
     target = "?" if c.group is None else name_of(c.group)
+    if c.bookkeeping:
+        target = "a count of who had gradients (no parameters)"
     if c.group is not None:
         everything = len(c.params) == len(schedule.params[c.group]) > 1
         target += f" ({len(c.params)} params)" if everything else f": {', '.join(c.params)}"
