@@ -25,12 +25,28 @@ def select(patterns: list[str] | None) -> list[str]:
     return names
 
 
+ORACLES = ("torch", "reference")
+
+
+def oracle_names(oracles) -> tuple[str, ...]:
+    """``True``: both oracles (torch's ``fully_shard`` and the reference); ``False``: none (the
+    plain model only); or the names of those wanted."""
+    if oracles is True:
+        return ORACLES
+    if oracles is False or oracles is None:
+        return ()
+    names = tuple(oracles)
+    if unknown := [n for n in names if n not in ORACLES]:
+        raise ValueError(f"unknown oracle(s) {unknown}; choose from {list(ORACLES)}")
+    return names
+
+
 def run_cases(
     impl_name: str,
     mesh_shape: tuple[int, ...],
     tmpdir: str,
     patterns: list[str] | None = None,
-    with_oracle: bool = True,
+    with_oracle=True,
 ) -> list[dict]:
     """Run the selected cases on this rank; every rank returns the same merged results.
 
@@ -38,9 +54,10 @@ def run_cases(
     streams (``TWINSHARD_STANDIN_STREAMS=1``) every case runs under the stream checks."""
     impl = importlib.import_module(impl_name)
     oracle = reference = None
-    if with_oracle and impl_name != "torch.distributed.fsdp":
+    wanted = oracle_names(with_oracle)
+    if "torch" in wanted and impl_name != "torch.distributed.fsdp":
         oracle = importlib.import_module("torch.distributed.fsdp")
-    if with_oracle and impl_name != "twinshard.reference":
+    if "reference" in wanted and impl_name != "twinshard.reference":
         reference = importlib.import_module("twinshard.reference")
     label = "torch" if impl_name == "torch.distributed.fsdp" else impl_name.rsplit(".", 1)[-1]
     ctx = Context(impl, label, oracle, tuple(mesh_shape), tmpdir, reference)

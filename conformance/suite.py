@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from twinshard.optimized.streams import STANDIN_ENV
 
 from .cases import CASES, Context
-from .runner import run_cases, select, skip_row
+from .runner import oracle_names, run_cases, select, skip_row
 
 DEFAULT_MESHES = "1,2,3,2x2"
 XFAIL_DIR = pathlib.Path(__file__).with_name("xfail")
@@ -67,12 +67,13 @@ def run_suite(
     tmpdir: str | None = None,
     progress=None,
     stand_in_streams: bool = False,
-    oracles: bool = True,
+    oracles=True,
 ) -> list[dict]:
     """Every selected case on every mesh; one row per (mesh, case), SKIP where a case does not
     apply. ``stand_in_streams``: run the accelerator schedule on the CPU, with stream checks
     (``twinshard.optimized.standin``). ``oracles=False`` compares with the plain model only
-    (not with the reference and torch): faster, for a second pass in another mode."""
+    (not with the reference and torch): faster, for a second pass in another mode; a tuple
+    of names (``("reference",)``) runs only those oracles."""
     import torch
 
     from twinshard.launch import LaunchError, launch
@@ -97,7 +98,7 @@ def run_suite(
                     shape,
                     tmp,
                     names,
-                    oracles,
+                    oracle_names(oracles),
                     backend=backend,
                     timeout=timeout,
                     env=env,

@@ -132,3 +132,67 @@ def test_error_messages_name_what_is_wrong(impl):
     assert "'tok_embeddings.weight'" in tie and "'output'" in tie, tie
     assert "bottom-up" not in tie, tie
     assert "'0.0.weight'" in meta, meta  # the full path, not the owner's attribute alone
+
+
+def _recovery_and_options(impl_name):
+    """A backward that fails midway (after some reduce-scatters were issued), then
+    ``reset_iter_state``; a separate reduce-scatter group switched on and off again;
+    ``share_comm_ctx`` with no modules and with a module that is not sharded."""
+    import importlib
+
+    from twinshard.api import FSDPUsageError
+    from twinshard.models import MLPStack
+
+    impl = importlib.import_module(impl_name)
+
+    def build():
+        torch.manual_seed(0)
+        model = MLPStack(dim=8, hidden=16, n_blocks=3)
+        for block in model.blocks:
+            impl.fully_shard(block)
+        impl.fully_shard(model)
+        return model
+
+    def grads(model):
+        torch.manual_seed(1)
+        model(torch.randn(4, 8)).sum().backward()
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    expected = grads(build())
+    model = build()
+    model.set_separate_reduce_scatter_group(True)
+    model.set_separate_reduce_scatter_group(False)
+
+    def fail(grad):
+        raise RuntimeError("planted failure in backward")
+
+    # block 0's output gradient: reached after blocks 2 and 1 issued their reduce-scatters
+    def plant(module, args, out):
+        out.register_hook(fail)
+
+    handle = model.blocks[0].register_forward_hook(plant)
+    failed = False
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+    except RuntimeError:
+        failed = True
+    handle.remove()
+    model.reset_iter_state()
+    model.reshard()
+    model.zero_grad(set_to_none=True)
+    recovered = grads(model)
+    same = all(torch.equal(a, b) for a, b in zip(expected, recovered))
+    impl.share_comm_ctx([])
+    try:
+        impl.share_comm_ctx([torch.nn.Linear(2, 2)])
+        refused = ""
+    except FSDPUsageError as error:
+        refused = str(error)
+    return failed, same, refused
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_recovery_after_a_failed_backward_and_the_remaining_options(impl):
+    failed, same, refused = launch(_recovery_and_options, 2, impl)[0]
+    assert failed and same
+    assert "share_comm_ctx expects modules that fully_shard was applied to" in refused, refused
