@@ -123,6 +123,14 @@ class CommContext:
                     stream.wait_event(held.event)
             self.streams.release(held.buffers, f"release of the {kind} buffers")
 
+    def release_held(self) -> None:
+        """End of backward: let every held buffer go once the streams that allocated them have
+        waited for its last use. The next step allocates its own, so the last all-gather's and
+        the root's reduction buffers do not stay alive through the optimizer step and the
+        next forward."""
+        self.release("all_gather", self.copy_in_stream, self.all_gather_stream)
+        self.release("reduce_scatter", self.reduce_scatter_stream)
+
     def set_post_optim_event(self, event) -> None:
         """Let the next all-gather's copy-in wait on ``event`` (recorded after the optimizer
         step) rather than on everything the current stream has queued."""

@@ -96,7 +96,7 @@ class ParamGroup:
             self.reshard(after_forward=True)
         self.state = TrainingState.IDLE
 
-    # --- backward: unshard before, reduce and reshard after ------------------------------------------
+    # --- backward: unshard before, reshard and reduce after ------------------------------------------
     def pre_backward(self) -> None:
         if self.state is TrainingState.PRE_BACKWARD:
             return  # one output's hook already did it
@@ -107,15 +107,17 @@ class ParamGroup:
 
     @torch.no_grad()
     def post_backward(self) -> None:
-        """Reduce this group's gradients and reshard; safe to call when nothing was computed."""
+        """Reshard and reduce this group's gradients; safe to call when nothing was computed.
+        The parameters are freed before the reduction: once their gradients are taken nothing
+        reads them, and the reduction's buffers then never sit beside the unsharded weights."""
         self.state = TrainingState.POST_BACKWARD
         with torch.profiler.record_function("twinshard::post_backward"):
             for p in self.params:
                 p.take_grad(self.reduce_dtype(p))
-            if self.reduce_grads:
-                self.reduce_grads_now()
             if self.reshard_after_backward:
                 self.reshard()
+            if self.reduce_grads:
+                self.reduce_grads_now()
 
     def reduce_grads_now(self) -> None:
         """Reduce-scatter (and for HSDP all-reduce) each waiting gradient, one by one. Every

@@ -16,16 +16,17 @@ of the model's own arithmetic are in neither):
 The schedules, per group g in the order forward runs them (the root first, then the blocks;
 backward runs the blocks in reverse and the root last, from the end-of-backward callback):
 
-    reference  all-gather straight into each parameter (no buffers); per parameter, a
-               reduce-scatter whose output becomes the sharded gradient, and the parameter's
-               unsharded gradient is dropped.
+    reference  all-gather straight into each parameter (no buffers); the post-backward
+               reshards first, then per parameter, a reduce-scatter whose output becomes the
+               sharded gradient, and the parameter's unsharded gradient is dropped.
     optimized  copy-in (send, 1/S of the group) + all-gather (recv, the group); copy-out into
                the parameters; the next group's all-gather is issued before this group computes
                (one ahead in forward and backward); the last all-gather's send/recv stay held
-               until the next all-gather. The reduce-scatter packs the group's gradients
-               (packed, S x its block) into one buffer, keeps the gradients until the next
-               group's post-backward adds the result (out, 1/S) to the sharded gradients; packed
-               and out are held until the next reduce-scatter.
+               until the next all-gather or the end of backward. The post-backward reshards
+               first, then packs the group's gradients (packed, S x its block) into one buffer
+               and reduce-scatters it, keeping the gradients until the next group's
+               post-backward adds the result (out, 1/S) to the sharded gradients; packed and
+               out are held until the next reduce-scatter or the end of backward.
     torch      all-gather in place into one output buffer (recv), copied out and dropped; the
                next group's all-gather is issued in backward before this group computes (its
                output buffer is alive from then until its copy-out). The
@@ -158,11 +159,11 @@ def _reference(t: _Timeline, sizes: list) -> None:
     for i in range(len(blocks), 0, -1):
         t.alloc(f"U{i}", "unsharded", sizes[i].unsharded)
         grads(i, late=False)
+        t.free(f"U{i}")  # resharded before the reduction
         reduce(i)
-        t.free(f"U{i}")
     grads(0, late=True)
-    reduce(0)
     t.free("U0")
+    reduce(0)
 
 
 def _optimized(t: _Timeline, sizes: list) -> None:
@@ -186,10 +187,7 @@ def _optimized(t: _Timeline, sizes: list) -> None:
         t.alloc("rs_packed", "comm", sizes[i].packed)
         t.alloc("rs_out", "comm", sizes[i].out)
 
-    # carried over from the last step: block 1's gather buffers, the root's reduction buffers
-    t.alive["held_send"] = ("comm", blocks[0].send if n else root.send)
-    t.alive["held_recv"] = ("comm", blocks[0].unsharded if n else root.unsharded)
-    t.alive["rs_packed"], t.alive["rs_out"] = ("comm", root.packed), ("comm", root.out)
+    # nothing is carried over from the last step: its end of backward released what it held
     gather(0)
     copy_out(0)
     for i in range(1, n + 1):
@@ -205,12 +203,12 @@ def _optimized(t: _Timeline, sizes: list) -> None:
         if i > 1:
             gather(i - 1)
         t.alloc(f"G{i}", "grad", sizes[i].grad)
+        t.free(f"U{i}")  # resharded before the reduction
         reduce(i, prev)
-        t.free(f"U{i}")
         prev = i
     t.alloc("G0late", "grad", root.grad_late)
-    reduce(0, prev)
     t.free("U0")
+    reduce(0, prev)
     t.alloc("SG0", "sharded_grad", root.sharded)
     t.free("G0", "G0late")
 
