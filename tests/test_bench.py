@@ -221,3 +221,23 @@ def test_gpu_script_parses_and_its_commands_are_the_command_s():
     assert len(arrays) == 6
     for flags in arrays:
         parser.parse_args(shlex.split(flags))
+
+
+def test_sweep_writes_three_plots_and_every_number(tmp_path):
+    from twinshard.bench import sweep
+
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "twinshard.cli", "bench", "sweep", "--points", "quick"]
+    command += "--warmup 1 --steps 1 --repeat 1 --no-progress".split() + ["--out", str(out)]
+    command += ["--impls", "plain,optimized"]  # the others take the same path, in twice the time
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = json.loads((out / "sweep.json").read_text())
+    for axis, values in sweep.POINTS["quick"].items():
+        assert [r["value"] for r in recorded[axis]] == values, axis
+        for r in recorded[axis]:
+            assert list(r["summary"]) == ["plain", "optimized"]
+            for row in r["summary"].values():
+                assert row["step_s"] > 0 and "overhead_per_group_s" in row
+    for name in sweep.FILES.values():
+        assert (out / name).stat().st_size > 1000, name

@@ -170,6 +170,116 @@ def test_known_limit_bf16_sum_order():
     ), verdict["failures"]
 
 
+# The long run of 2026-11-22 (benchmarks/fuzz_parity.py --examples 400 --seed 23: 398 drawn, 5
+# failed) found five more of the same class: bf16 gradients of 3 or 4 ranks summed in gloo's
+# order, past "twice the plain model's error plus one rounding" by 1.5x to 6.7x, the reference
+# and the optimized path alike (and, at world size 3, each other: the flat reduce-scatter adds
+# in another order than the per-parameter one). Known limits of the bound, kept as such.
+BF16_SUM_ORDER_LONG_RUN = [
+    Example(
+        name="bf16_sum_order_long_run_1",
+        mesh=(3,),
+        widths=(3, 15, 3),
+        bias=(False, False),
+        norm=(False, True),
+        own_group=(False, False),
+        frozen=(False, False),
+        tie=True,
+        frozen_inp=False,
+        reshard=(False,),
+        offload=(False,),
+        policy="bf16/bf16",
+        micro=2,
+        sync_off=("root_only",),
+        steps=1,
+        clip=1.0,
+    ),
+    Example(
+        name="bf16_sum_order_long_run_2",
+        mesh=(4,),
+        widths=(1, 5, 15, 1),
+        bias=(True, True, False),
+        norm=(True, False, False),
+        own_group=(False, True, False),
+        frozen=(False, True, True),
+        tie=False,
+        frozen_inp=True,
+        reshard=(1, 1),
+        offload=(True, True),
+        policy="bf16/default",
+        micro=2,
+        sync_off=("blocks",),
+        steps=1,
+        clip=None,
+    ),
+    Example(
+        name="bf16_sum_order_long_run_3",
+        mesh=(4,),
+        widths=(7, 2, 5, 2, 7),
+        bias=(False, True, False, False),
+        norm=(False, False, True, True),
+        own_group=(True, False, False, True),
+        frozen=(False, False, True, True),
+        tie=False,
+        frozen_inp=False,
+        reshard=(None, True, False),
+        offload=(False, True, False),
+        policy="bf16/bf16",
+        micro=1,
+        sync_off=(),
+        steps=1,
+        clip=None,
+    ),
+    Example(
+        name="bf16_sum_order_long_run_4",
+        mesh=(4,),
+        widths=(7, 1, 7),
+        bias=(True, False),
+        norm=(True, True),
+        own_group=(False, False),
+        frozen=(False, True),
+        tie=False,
+        frozen_inp=True,
+        reshard=(None,),
+        offload=(False,),
+        policy="bf16/bf16",
+        micro=1,
+        sync_off=(),
+        steps=1,
+        clip=None,
+    ),
+    Example(
+        name="bf16_sum_order_long_run_5",
+        mesh=(4,),
+        widths=(7, 1, 7),
+        bias=(True, False),
+        norm=(True, True),
+        own_group=(False, False),
+        frozen=(False, False),
+        tie=False,
+        frozen_inp=True,
+        reshard=(None,),
+        offload=(False,),
+        policy="bf16/bf16",
+        micro=1,
+        sync_off=(),
+        steps=1,
+        clip=None,
+    ),
+]
+
+
+@pytest.mark.parametrize("mesh", [(3,), (4,)], ids=mesh_name)
+def test_known_limit_bf16_sum_order_long_run(mesh):
+    """Each fails the low-precision bound and nothing else; once one holds, move it."""
+    examples = [e for e in BF16_SUM_ORDER_LONG_RUN if e.mesh == mesh]
+    assert examples
+    verdicts = _verdicts(examples, mesh)
+    assert len(verdicts) == len(examples) and not any(v["ok"] for v in verdicts)
+    for v in verdicts:
+        assert all("2 x plain low-precision" in f for f in v["failures"]), v["failures"]
+
+
 def test_a_planted_bug_is_caught():
     """The same harness fails an implementation whose gradients are 0.1% too large."""
     # fp32 and unclipped: clipping rescales the bug away, and 0.1% is below one bf16 rounding
