@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from coverage_scope import MEASURED_MODULES, unmeasured
 from train_support import run_train
 
 
@@ -23,31 +23,9 @@ def short_run(tmp_path_factory) -> Path:
     return out
 
 
-# Coverage of optimized/ (the README's test command): `coverage run` passes its configuration
-# to every Python subprocess through this variable, and a measured rank runs its Python about
-# a third slower. Only the modules below run the optimized path in the ways the report needs
-# (the whole conformance suite, with and without stand-in streams, the planted bugs and the
-# drop-in features); the ranks of every other test run unmeasured, which keeps CI short.
-COVERAGE_ENV = "COVERAGE_PROCESS_CONFIG"
-MEASURED_MODULES = {
-    "test_api",
-    "test_conformance",
-    "test_contract",
-    "test_drop_in",
-    "test_optimized_schedule",
-    "test_parity",
-    "test_stream_order",
-}
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Run a test of an unlisted module (its fixtures included) without the variable."""
-    module = getattr(item, "module", None)
-    unmeasured = getattr(module, "__name__", "").rpartition(".")[2] not in MEASURED_MODULES
-    saved = os.environ.pop(COVERAGE_ENV, None) if unmeasured else None
-    try:
+    """Run a test of a module outside ``MEASURED_MODULES`` (its fixtures included) unmeasured."""
+    module = getattr(getattr(item, "module", None), "__name__", "").rpartition(".")[2]
+    with unmeasured(module not in MEASURED_MODULES):
         return (yield)
-    finally:
-        if saved is not None:
-            os.environ[COVERAGE_ENV] = saved

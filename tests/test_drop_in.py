@@ -141,6 +141,7 @@ def _recovery_and_options(impl_name):
     import importlib
 
     from twinshard.api import FSDPUsageError
+    from twinshard.conformance.models import shard_blocks
     from twinshard.models import MLPStack
 
     impl = importlib.import_module(impl_name)
@@ -148,9 +149,7 @@ def _recovery_and_options(impl_name):
     def build():
         torch.manual_seed(0)
         model = MLPStack(dim=8, hidden=16, n_blocks=3)
-        for block in model.blocks:
-            impl.fully_shard(block)
-        impl.fully_shard(model)
+        shard_blocks(impl, model, mesh=None)
         return model
 
     def grads(model):

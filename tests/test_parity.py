@@ -17,17 +17,16 @@ is then its own test, which fails with the case's worst mismatches, or is skippe
 reason the case gives for not applying to that mesh.
 """
 
-import contextlib
 import json
 import os
 
 import pytest
+from coverage_scope import unmeasured
 
 from twinshard.conformance.runner import select
 from twinshard.conformance.suite import mesh_name, parse_meshes, run_suite
 
 OPTIMIZED = "twinshard.optimized"
-COVERAGE_ENV = "COVERAGE_PROCESS_CONFIG"  # as in conftest.py
 RUNS = {  # name -> (implementation, [(meshes, run_suite options)]), world size 2 first: its
     # dcp_save writes the checkpoint that dcp_load reads at the other world sizes
     "reference": ("twinshard.reference", [("2,1,3,2x2", {"oracles": False})]),
@@ -48,18 +47,6 @@ PARAMS = [(run, mesh_name(m), n) for run in RUNS for m in MESHES[run] for n in s
 _cache: dict[str, dict] = {}
 
 
-@contextlib.contextmanager
-def _coverage_only_for(impl: str):
-    """The reference's ranks run no line of optimized/: measuring them (see conftest) would
-    only slow them down."""
-    saved = os.environ.pop(COVERAGE_ENV, None) if impl != OPTIMIZED else None
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ[COVERAGE_ENV] = saved
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     def get(run):
@@ -67,7 +54,7 @@ def results(tmp_path_factory):
             impl, parts = RUNS[run]
             tmp = str(tmp_path_factory.mktemp(run))
             rows = []
-            with _coverage_only_for(impl):
+            with unmeasured(impl != OPTIMIZED):  # the reference runs no line of optimized/
                 for spec, options in parts:
                     rows += run_suite(impl, parse_meshes(spec), tmpdir=tmp, **options)
             report = os.environ.get("TWINSHARD_PARITY_REPORT")
