@@ -21,6 +21,11 @@ unsharded tensor viewed as (ranks, chunk * rest). Gradients go the other way. Ev
 takes the same values through the same sums as in the reference; only how many messages carry
 them changes, so in fp32 at world size <= 2 the results are bitwise equal.
 
+[Note: gathered in place]
+The copy-in writes this rank's blocks straight into its slot of the all-gather's output, and
+that slot is the collective's input: no separate send buffer (1/S of the group) is allocated.
+The output is therefore allocated on the copy-in stream, before the copy-in.
+
 [Note: mixed dtypes in one group]
 A group may hold parameters of several dtypes (a frozen float8 weight beside float32 ones). A
 flat buffer has one dtype, and float8 has no type promotion, so such a group is gathered as
@@ -34,6 +39,13 @@ reduce-scatter stream, right after the reduce-scatter: the stream that allocated
 buffers is the one that reads and drops them, so no other stream can be using them. Only then
 does the all-reduce stream take over. On the CPU that addition needs the reduce-scatter's
 data, so the CPU waits for it there; without HSDP nothing waits before ``accumulate``.
+
+[Note: the gradients go at the pack]
+The group's unsharded gradients are packed on the stream that autograd wrote them on (the
+current one), and dropped right there: nothing else reads them, so no other stream has to
+finish first, and a group's gradients never outlive its own post-backward. Only the packed
+buffer crosses to the reduce-scatter stream; it goes once the reduction has been waited for
+and added, like every buffer that crosses streams.
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 class AllGatherResult(NamedTuple):
     pending: Pending
-    send: torch.Tensor  # (per-rank numel,) this rank's blocks, flat
+    send: torch.Tensor  # (per-rank numel,) this rank's blocks, flat: its slot of ``recv``
     recv: torch.Tensor  # (ranks * per-rank numel,) every rank's blocks, rank-major
     ranks: int
     params: list  # the ShardedParams in ``send``, in order
@@ -62,7 +74,6 @@ class AllGatherResult(NamedTuple):
 
 class ReduceScatterResult(NamedTuple):
     pending: Pending  # the reduce-scatter, or the HSDP all-reduce after it
-    grads: list  # the unreduced gradients (S * chunk, *rest); kept until the pack has run
     packed: torch.Tensor  # (S * per-rank numel,) the gradients, rank-major
     out: torch.Tensor  # (per-rank numel,) this rank's reduced block of every gradient
     params: list  # the ShardedParams in ``out``, in order
@@ -82,18 +93,22 @@ def all_gather(
     loop of one blocking all-gather per parameter; see [Note: one flat buffer per group]."""
     comm.before_all_gather()
     as_bytes = len(set(dtypes)) > 1 or any(d.itemsize == 1 and d.is_floating_point for d in dtypes)
+    ranks = dist.get_world_size(group)
     with comm.on(comm.copy_in_stream):
         pieces = [p.all_gather_input(d).reshape(-1) for p, d in zip(params, dtypes)]
-        send = torch.cat([x.view(torch.uint8) for x in pieces] if as_bytes else pieces)
-    ranks = dist.get_world_size(group)
-    if ranks == 1:  # one rank: nothing to exchange, the copy-out reads the input itself
-        pending = comm.done_on(comm.copy_in_stream)
-        return AllGatherResult(pending, send, send, 1, params, dtypes, as_bytes)
+        pieces = [x.view(torch.uint8) for x in pieces] if as_bytes else pieces
+        if ranks == 1:  # one rank: nothing to exchange, the copy-out reads the input itself
+            send = torch.cat(pieces)
+            pending = comm.done_on(comm.copy_in_stream)
+            return AllGatherResult(pending, send, send, 1, params, dtypes, as_bytes)
+        # see [Note: gathered in place]
+        size, dtype = (ranks * sum(x.numel() for x in pieces),), pieces[0].dtype
+        recv = custom.allocate(size, dtype=dtype, device=pieces[0].device) if custom else None
+        recv = pieces[0].new_empty(size) if recv is None else recv
+        send = recv.view(ranks, -1)[dist.get_rank(group)]  # this rank's slot
+        torch.cat(pieces, out=send)
     comm.all_gather_stream.wait_stream(comm.copy_in_stream)
     with comm.on(comm.all_gather_stream):
-        size, dtype = (ranks * send.numel(),), send.dtype
-        recv = custom.allocate(size, dtype=dtype, device=send.device) if custom else None
-        recv = send.new_empty(size) if recv is None else recv
         pending = comm.issue(
             custom or all_gather_into,
             recv,
@@ -118,7 +133,12 @@ def copy_out(result: AllGatherResult, comm: CommContext) -> None:
     torch.split_with_sizes_copy(recv, [o.shape[1] for o in outs], dim=1, out=outs)
     for p in result.params:
         p.finish_unshard()
-    comm.hold("all_gather", result.send, result.recv)
+    comm.free_after_use(
+        "release of the all_gather buffers",
+        (result.send, result.recv),
+        comm.copy_in_stream,
+        comm.all_gather_stream,
+    )
 
 
 @torch.no_grad()
@@ -147,9 +167,12 @@ def reduce_scatter(
         return None
     params, grads, used = (list(x) for x in zip(*taken))
     S = info.shard_size
-    comm.before_reduce_scatter()
+    # see [Note: the gradients go at the pack]
+    packed = torch.cat([g.view(S, -1) for g in grads], dim=1).view(-1)  # (S * per-rank,)
+    comm.streams.release(grads, "release of the unreduced gradients")
+    del taken, grads
+    comm.reduce_scatter_stream.wait_stream(comm.current_stream())
     with comm.on(comm.reduce_scatter_stream):
-        packed = torch.cat([g.view(S, -1) for g in grads], dim=1).view(-1)  # (S * per-rank,)
         if S == 1:  # one rank in the shard group: the sum is the input itself
             out, pending = packed, comm.done_on(comm.reduce_scatter_stream)
         else:
@@ -182,7 +205,7 @@ def reduce_scatter(
             about=params,
         )
     add = [u or keep_unused for u in used]
-    return ReduceScatterResult(pending, grads, packed, out, params, used, add, divide_by, kept)
+    return ReduceScatterResult(pending, packed, out, params, used, add, divide_by, kept)
 
 
 @torch.no_grad()
@@ -191,14 +214,18 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
     flat buffer), and add each parameter's block to its sharded gradient (replaces the end of
     ``ShardedParam.reduce_grad``: one division for the whole group)."""
     comm.wait(result.pending)
-    comm.streams.release(result.grads, "release of the unreduced gradients")
     if result.kept_partial:
-        comm.hold("reduce_scatter", result.packed)  # ``out`` lives on in the partial sums
+        # ``out`` lives on in the partial sums; only the packed input goes
+        comm.free_after_use("release of the reduce_scatter buffers", (result.packed,))
         return
     if hook is not None:
         hook(result.out)  # in place, before the division, as torch's FSDP2 calls it
     reduced = result.out / result.divide_by  # (per-rank numel,) the mean over ranks
-    comm.hold("reduce_scatter", result.packed, result.out)
+    comm.free_after_use(
+        "release of the reduce_scatter buffers",
+        (result.packed, result.out),
+        comm.reduce_scatter_stream,
+    )
     blocks = reduced.split([p.block_shape.numel() for p in result.params])
     for p, block, add in zip(result.params, blocks, result.add):
         if add:

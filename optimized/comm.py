@@ -1,4 +1,4 @@
-"""What the optimized path's parameter groups share: streams, work in flight, buffers held.
+"""What the optimized path's parameter groups share: streams, work in flight, buffer lifetimes.
 
 One ``CommContext`` per root module, shared by all its parameter groups. It owns the side
 streams and the state that must outlive one group's hook: the reduce-scatter whose gradients
@@ -15,11 +15,12 @@ whichever the ``Pending`` carries. The schedule is the same in both cases.
 [Note: memory that crosses streams]
 A buffer allocated on one stream and used by another must not be reused until the using
 stream is done with it, or the caching allocator may hand it out again too early. We never
-call ``record_stream``; instead ``hold`` keeps the buffers alive together with an event
-recorded after their last use, and ``release`` (at the next collective of the same kind)
-makes the streams that allocated them wait on that event before letting go. That makes the
-point where memory is freed deterministic: at the next all-gather (or reduce-scatter), not
-whenever the allocator notices.
+call ``record_stream``; instead ``free_after_use`` records an event on the current stream right
+after a buffer's last use there, makes the streams that allocated it wait on that event, and
+only then drops it. Every buffer goes at a fixed point of the schedule, as soon as its last
+use is queued: the all-gather's buffers after the copy-out, the reduce-scatter's after their
+sum is added to the sharded gradients. The waits cost no overlap: the next collective of the
+same kind is issued after that point anyway, and its stream waits for the current one there.
 """
 
 from __future__ import annotations
@@ -43,12 +44,6 @@ class Pending:
 
 
 @dataclass
-class Held:
-    buffers: tuple  # tensors that may not be reused yet
-    event: Any  # recorded on the current stream after their last use
-
-
-@dataclass
 class CommContext:
     device: torch.device
     forward_order: list = field(default_factory=list)  # groups, as the last forward started them
@@ -56,7 +51,6 @@ class CommContext:
     current_order: list = field(default_factory=list)  # being recorded by this forward
     current_post_order: list = field(default_factory=list)  # likewise, as they finish
     pending_reduce: list = field(default_factory=list)  # (ReduceScatterResult, hook) in flight
-    held: dict = field(default_factory=dict)  # "all_gather" / "reduce_scatter" -> [Held]
     post_optim_event: Any = None  # set_post_optim_event: the next all-gather waits on it
 
     def __post_init__(self):
@@ -109,27 +103,15 @@ class CommContext:
             (stream or self.current_stream()).wait_event(pending.event)
 
     # --- memory that crosses streams -------------------------------------------------------------
-    def hold(self, kind: str, *buffers: torch.Tensor) -> None:
-        """Keep ``buffers`` until the next ``release(kind)``; their last use was just issued
-        on the current stream. See [Note: memory that crosses streams]."""
-        self.held.setdefault(kind, []).append(Held(buffers, self.current_stream().record_event()))
-
-    def release(self, kind: str, *streams) -> None:
-        """Let the buffers held for ``kind`` go, once ``streams`` (those that allocated them)
-        have waited for their last use."""
-        for held in self.held.pop(kind, []):
-            if held.event is not None:
-                for stream in streams:
-                    stream.wait_event(held.event)
-            self.streams.release(held.buffers, f"release of the {kind} buffers")
-
-    def release_held(self) -> None:
-        """End of backward: let every held buffer go once the streams that allocated them have
-        waited for its last use. The next step allocates its own, so the last all-gather's and
-        the root's reduction buffers do not stay alive through the optimizer step and the
-        next forward."""
-        self.release("all_gather", self.copy_in_stream, self.all_gather_stream)
-        self.release("reduce_scatter", self.reduce_scatter_stream)
+    def free_after_use(self, where: str, buffers: tuple, *streams) -> None:
+        """Let ``buffers`` go: their last use was just queued on the current stream, and
+        ``streams`` (those that allocated them) wait for it first. ``where`` names the release
+        for the stand-in streams' checks. See [Note: memory that crosses streams]."""
+        event = self.current_stream().record_event()
+        if event is not None:
+            for stream in streams:
+                stream.wait_event(event)
+        self.streams.release(buffers, where)
 
     def set_post_optim_event(self, event) -> None:
         """Let the next all-gather's copy-in wait on ``event`` (recorded after the optimizer
@@ -138,17 +120,9 @@ class CommContext:
 
     def before_all_gather(self) -> None:
         """Order the copy-in stream after the compute that produced the shards (or only after
-        the optimizer step's event, when one was given), and release the previous
-        all-gather's buffers."""
+        the optimizer step's event, when one was given)."""
         if self.post_optim_event is not None:
             self.copy_in_stream.wait_event(self.post_optim_event)
             self.post_optim_event = None
         else:
             self.copy_in_stream.wait_stream(self.current_stream())
-        self.release("all_gather", self.copy_in_stream, self.all_gather_stream)
-
-    def before_reduce_scatter(self) -> None:
-        """Order the reduce-scatter stream after the backward that produced the gradients, and
-        release the previous reduce-scatter's buffers."""
-        self.reduce_scatter_stream.wait_stream(self.current_stream())
-        self.release("reduce_scatter", self.reduce_scatter_stream)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from twinshard.api import profiled
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
 
@@ -78,7 +79,7 @@ class FlatParamGroup(ParamGroup):
             return
         # A group's parameters change state together, so they all gather over the same mesh.
         mesh = params[0].all_gather_mesh(self.post_forward_info)
-        with torch.profiler.record_function("twinshard::unshard"):
+        with profiled("twinshard::unshard"):
             dtypes = [self.param_dtype(p) for p in params]
             self.in_flight = all_gather(
                 params, dtypes, mesh.shard_group, self.own_comm(), self.comms.all_gather
@@ -89,7 +90,7 @@ class FlatParamGroup(ParamGroup):
         """Wait for the all-gather in flight, if any, and copy the parameters out of it."""
         result, self.in_flight = self.in_flight, None
         if result is not None:
-            with torch.profiler.record_function("twinshard::copy_out"):
+            with profiled("twinshard::copy_out"):
                 copy_out(result, self.comm)
 
     def unshard(self) -> None:
@@ -133,5 +134,5 @@ def finish_reduce(comm: CommContext) -> None:
     """Add the gradients of the reductions in flight, if any, to the sharded gradients."""
     pending, comm.pending_reduce = comm.pending_reduce, []
     for result, hook in pending:
-        with torch.profiler.record_function("twinshard::accumulate"):
+        with profiled("twinshard::accumulate"):
             accumulate(result, comm, hook)

@@ -101,7 +101,6 @@ class FSDPState(ReferenceState):
         finish_reduce(self.comm)  # the last group's reduce-scatter
         super().final_callback()
         finish_reduce(self.comm)  # groups whose post-backward ran only just now
-        self.comm.release_held()  # no buffer of this step is carried into the next
 
     # --- prefetch ---------------------------------------------------------------------------
     def prefetch(self, hint: list | None, order: list, backward: bool = False) -> None:

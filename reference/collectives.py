@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from twinshard.api import profiled
+
 # torch 2.13 renamed the single-tensor collectives; torch 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -47,7 +49,7 @@ def all_gather_rows(
         return
     if block.element_size() == 1 and block.is_floating_point():  # float8: gloo has no such
         out, block = out.view(torch.uint8), block.view(torch.uint8)  # dtype; send the bytes
-    with torch.profiler.record_function("twinshard::all_gather"):
+    with profiled("twinshard::all_gather"):
         if comm is None:
             _all_gather(out, block.contiguous(), group=group)
         else:  # the keywords of torch's AllGather interface
@@ -66,7 +68,7 @@ def reduce_scatter_rows(full: torch.Tensor, group: dist.ProcessGroup, comm=None)
         out = full.new_empty(shape)
     else:
         out = comm.allocate(shape, dtype=full.dtype, device=full.device)
-    with torch.profiler.record_function("twinshard::reduce_scatter"):
+    with profiled("twinshard::reduce_scatter"):
         if comm is None:
             _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
         else:  # the keywords of torch's ReduceScatter interface
@@ -85,7 +87,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Sum ``tensor`` in place over ``group`` (HSDP replicas)."""
     if dist.get_world_size(group) == 1:
         return
-    with torch.profiler.record_function("twinshard::all_reduce"):
+    with profiled("twinshard::all_reduce"):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
 

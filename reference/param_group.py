@@ -18,7 +18,7 @@ from enum import Enum, auto
 import torch
 import torch.nn as nn
 
-from twinshard.api import CommHooks, MixedPrecisionPolicy
+from twinshard.api import CommHooks, MixedPrecisionPolicy, profiled
 
 from .mesh import MeshInfo
 from .sharded_param import ShardedParam
@@ -75,14 +75,14 @@ class ParamGroup:
     @torch.no_grad()
     def unshard(self) -> None:
         """All-gather every parameter of the group (a no-op for those already unsharded)."""
-        with torch.profiler.record_function("twinshard::unshard"):
+        with profiled("twinshard::unshard"):
             for p in self.params:
                 p.unshard(self.param_dtype(p), self.post_forward_info, self.comms.all_gather)
 
     @torch.no_grad()
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded parameters; after forward, an int setting keeps a 1/N piece."""
-        with torch.profiler.record_function("twinshard::reshard"):
+        with profiled("twinshard::reshard"):
             for p in self.params:
                 p.reshard(self.post_forward_info if after_forward else None)
 
@@ -102,7 +102,7 @@ class ParamGroup:
             return  # one output's hook already did it
         self.state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
-            with torch.profiler.record_function("twinshard::pre_backward"):
+            with profiled("twinshard::pre_backward"):
                 self.unshard()
 
     @torch.no_grad()
@@ -111,7 +111,7 @@ class ParamGroup:
         The parameters are freed before the reduction: once their gradients are taken nothing
         reads them, and the reduction's buffers then never sit beside the unsharded weights."""
         self.state = TrainingState.POST_BACKWARD
-        with torch.profiler.record_function("twinshard::post_backward"):
+        with profiled("twinshard::post_backward"):
             for p in self.params:
                 p.take_grad(self.reduce_dtype(p))
             if self.reshard_after_backward:

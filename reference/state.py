@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from twinshard.api import FSDPUsageError, MixedPrecisionPolicy, map_tensors, tensors_in
+from twinshard.api import FSDPUsageError, MixedPrecisionPolicy, map_tensors, profiled, tensors_in
 from twinshard.guard import check_model, forward_started
 
 from .mixed_precision import cast_inputs, cast_output
@@ -183,7 +183,7 @@ class FSDPState:
     def final_callback(self) -> None:
         """Runs once autograd has finished the whole backward."""
         self.callback_queued = False
-        with torch.profiler.record_function("twinshard::final_callback"):
+        with profiled("twinshard::final_callback"):
             groups = [state.group for state in self.all_states if state.group is not None]
             for group in groups:
                 group.finish_backward()

@@ -134,13 +134,13 @@ def test_memory_model_toy_case():
         sharded=80, optimizer=80, sharded_grad=0, params=0, unsharded=160, grad=128, comm=0
     )
     opt = memmodel.predict(groups, "optimized", 2)
-    # The optimized peak is the root's reduction, in the end-of-backward callback: the block's
-    # gather buffers (send 64 B, receive 128 B) are still held, as are its packed gradients
-    # (128 B) and reduced block (64 B) until the root's reduce-scatter replaces them; the
-    # block's gradient (128 B) and the root's (32 B) wait, and the block's reduced block has
-    # just become its sharded gradient (64 B). Every weight is resharded by then.
+    # The optimized peak is the block's copy-out: its weights (128 B) are written while the
+    # all-gather's output (128 B, gathered in place) is still alive, beside the root's weights
+    # (32 B). The same total comes again in backward (the block's weights, its gradient and
+    # the output until the copy-out has run) but not higher: each buffer goes right after its
+    # last use, and the gradients go once packed.
     assert opt == dict(
-        sharded=80, optimizer=80, sharded_grad=64, params=0, unsharded=0, grad=160, comm=384
+        sharded=80, optimizer=80, sharded_grad=0, params=0, unsharded=160, grad=0, comm=128
     )
     plain = memmodel.predict_replicated(groups, "ddp")
     assert plain["params"] == plain["grad"] == plain["comm"] == (8 + 32) * 4

@@ -117,7 +117,7 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
     assert len(gathers) >= 2 * 4, gathers  # every group in forward, two steps
     first_of_step_1 = min(g for g in gathers if g > marks["step 1"])
     releases = [i for i, e in enumerate(log) if e[0] == "release"]
-    # the waits of a release (the end of backward releases the last gather's buffers) are
+    # the waits of a release (each copy-out releases its gather's buffers) are
     # about the buffers' last use, not about what the next copy-in reads
     release_waits = {i - k for i in releases if "all_gather" in log[i][2] for k in (1, 2)}
     for previous, g in zip([-1] + gathers, gathers):

@@ -19,14 +19,13 @@ backward runs the blocks in reverse and the root last, from the end-of-backward 
     reference  all-gather straight into each parameter (no buffers); the post-backward
                reshards first, then per parameter, a reduce-scatter whose output becomes the
                sharded gradient, and the parameter's unsharded gradient is dropped.
-    optimized  copy-in (send, 1/S of the group) + all-gather (recv, the group); copy-out into
-               the parameters; the next group's all-gather is issued before this group computes
-               (one ahead in forward and backward); the last all-gather's send/recv stay held
-               until the next all-gather or the end of backward. The post-backward reshards
-               first, then packs the group's gradients (packed, S x its block) into one buffer
-               and reduce-scatters it, keeping the gradients until the next group's
-               post-backward adds the result (out, 1/S) to the sharded gradients; packed and
-               out are held until the next reduce-scatter or the end of backward.
+    optimized  copy-in into this rank's slot of the output + all-gather in place (recv, the
+               group); copy-out into the parameters, after which recv goes; the next group's all-gather is
+               issued before this group computes (one ahead in forward and backward). The
+               post-backward reshards first, packs the group's gradients (packed, S x its
+               block) into one buffer, drops them and reduce-scatters it; the next group's
+               post-backward adds the result (out, 1/S) to the sharded gradients, and then
+               packed and out go.
     torch      all-gather in place into one output buffer (recv), copied out and dropped; the
                next group's all-gather is issued in backward before this group computes (its
                output buffer is alive from then until its copy-out). The
@@ -86,7 +85,6 @@ class _Sizes:
         self.block = sum(c * rest for c, rest in chunks)  # per-rank numel, padded
         self.sharded = self.block * 4
         self.unsharded = S * self.block * pb
-        self.send = self.block * pb
         self.packed = S * self.block * rb
         self.out = self.block * rb
         late = group.late or [False] * len(group.shapes)
@@ -99,7 +97,7 @@ class _Sizes:
             for k, (n, (c, rest), x) in enumerate(zip(numel, chunks, late))
         ]
         if S == 1:  # one rank: nothing to communicate, so no buffers (torch's FSDP2 neither)
-            self.send = self.packed = self.out = 0
+            self.packed = self.out = 0
             self.params = [(k, g, 0, b, x) for k, g, _, b, x in self.params]
 
 
@@ -170,29 +168,29 @@ def _optimized(t: _Timeline, sizes: list) -> None:
     root, blocks = sizes[0], sizes[1:]
     n = len(blocks)
 
-    def gather(i):  # release the held send/recv, issue group i's all-gather
-        t.free("held_send", "held_recv")
-        t.alloc("send", "comm", sizes[i].send)
+    def gather(i):  # copy-in into this rank's slot of the output, and all-gather of group i
         t.alloc("recv", "comm", sizes[i].unsharded)
 
-    def copy_out(i):
+    def copy_out(i):  # into the parameters; the buffers go right after
         t.alloc(f"U{i}", "unsharded", sizes[i].unsharded)
-        t.alive["held_send"], t.alive["held_recv"] = t.alive.pop("send"), t.alive.pop("recv")
+        t.free("recv")
 
     def reduce(i, prev):
-        if prev is not None:  # finish the previous group's reduction
+        if prev is not None:  # finish the previous group's reduction; its buffers go
+            t.free("rs_packed", "rs_out")
             t.alloc(f"SG{prev}", "sharded_grad", sizes[prev].sharded)
-            t.free(f"G{prev}", f"G{prev}late")
-        t.free("rs_packed", "rs_out")  # held since the reduction before
         t.alloc("rs_packed", "comm", sizes[i].packed)
+        t.free(f"G{i}", f"G{i}late")  # dropped once packed
         t.alloc("rs_out", "comm", sizes[i].out)
 
-    # nothing is carried over from the last step: its end of backward released what it held
     gather(0)
     copy_out(0)
+    if n:
+        gather(1)  # the root's pre-forward prefetches the first block
     for i in range(1, n + 1):
-        gather(i)
         copy_out(i)
+        if i < n:
+            gather(i + 1)  # prefetched before block i computes
         t.free(f"U{i}")
     if n:
         gather(n)  # the root's pre-backward prefetches the last block
@@ -209,8 +207,8 @@ def _optimized(t: _Timeline, sizes: list) -> None:
     t.alloc("G0late", "grad", root.grad_late)
     t.free("U0")
     reduce(0, prev)
+    t.free("rs_packed", "rs_out")
     t.alloc("SG0", "sharded_grad", root.sharded)
-    t.free("G0", "G0late")
 
 
 def _torch(t: _Timeline, sizes: list) -> None:

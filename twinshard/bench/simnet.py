@@ -154,6 +154,8 @@ class _Wire:
             if delay > 0:
                 time.sleep(delay)
             future.set_result(result)
+            # the job's tensors must not outlive it while the thread waits for the next one
+            del end, fill, future, result
 
 
 class SimProcessGroup(dist.ProcessGroup):
