@@ -50,6 +50,7 @@ and added, like every buffer that crosses streams.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -72,15 +73,23 @@ class AllGatherResult(NamedTuple):
     as_bytes: bool  # mixed dtypes, gathered as uint8; see [Note: mixed dtypes in one group]
 
 
-class ReduceScatterResult(NamedTuple):
+@dataclass
+class ReduceScatterResult:
     pending: Pending  # the reduce-scatter, or the HSDP all-reduce after it
-    packed: torch.Tensor  # (S * per-rank numel,) the gradients, rank-major
-    out: torch.Tensor  # (per-rank numel,) this rank's reduced block of every gradient
+    packed: torch.Tensor | None  # (S * per-rank numel,) the gradients, rank-major
+    out: torch.Tensor | None  # (per-rank numel,) this rank's reduced block of every gradient
     params: list  # the ShardedParams in ``out``, in order
     used: list  # per param: whether this rank had a gradient (else it sent zeros)
     add: list  # per param: whether to add its block to the sharded gradient
     divide_by: float
     kept_partial: bool  # HSDP without all-reduce: the sums wait in the params; add nothing
+
+    def let_go(self) -> tuple:
+        """Hand over the buffers to release (``out`` stays where the partial sums keep it)
+        and forget them, so that releasing them frees their memory."""
+        buffers = (self.packed,) if self.kept_partial else (self.packed, self.out)
+        self.packed = self.out = None
+        return buffers
 
 
 @torch.no_grad()
@@ -160,9 +169,9 @@ def reduce_scatter(
     blocking per-parameter reductions. ``group``: another process group over the shard
     ranks for the reduce-scatter (``set_separate_reduce_scatter_group``)."""
     used = [p.has_grad_to_reduce for p in params]
-    taken = [
-        (p, g, u) for p, u in zip(params, used) if (g := p.reduce_scatter_input(dtype)) is not None
-    ]
+    inputs = [p.reduce_scatter_input(dtype) for p in params]
+    taken = [(p, g, u) for p, g, u in zip(params, inputs, used) if g is not None]
+    del inputs
     if not taken:
         return None
     params, grads, used = (list(x) for x in zip(*taken))
@@ -214,18 +223,15 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
     flat buffer), and add each parameter's block to its sharded gradient (replaces the end of
     ``ShardedParam.reduce_grad``: one division for the whole group)."""
     comm.wait(result.pending)
-    if result.kept_partial:
-        # ``out`` lives on in the partial sums; only the packed input goes
-        comm.free_after_use("release of the reduce_scatter buffers", (result.packed,))
+    if result.kept_partial:  # only the packed input goes
+        comm.free_after_use("release of the reduce_scatter buffers", result.let_go())
         return
     if hook is not None:
         hook(result.out)  # in place, before the division, as torch's FSDP2 calls it
     reduced = result.out / result.divide_by  # (per-rank numel,) the mean over ranks
-    comm.free_after_use(
-        "release of the reduce_scatter buffers",
-        (result.packed, result.out),
-        comm.reduce_scatter_stream,
-    )
+    # before the sharded gradients are allocated
+    where = "release of the reduce_scatter buffers"
+    comm.free_after_use(where, result.let_go(), comm.reduce_scatter_stream)
     blocks = reduced.split([p.block_shape.numel() for p in result.params])
     for p, block, add in zip(result.params, blocks, result.add):
         if add:
