@@ -24,3 +24,4 @@ bench simnet-ws64-memory --backend simnet --world 64 --link ib --preset small --
     --per-rank 2 --warmup 2 --steps 6 --repeat 2
 $py -m twinshard.cli bench sweep --repeat 2 --out "$out" 2>&1 | grep --line-buffered -v -i warning \
     | tee "$out/$day-sweep.log"
+for f in "$out"/sweep.json "$out"/sweep-*.png; do mv "$f" "$out/$day-$(basename "$f")"; done
