@@ -12,6 +12,14 @@ comes first and prefetches the last block. ``set_modules_to_forward_prefetch`` /
 computes, so a wrong guess costs memory and time, never correctness. Every rank derives the
 same order from the same model, so the collectives stay matched across ranks. One group
 ahead keeps at most two groups' unsharded parameters in flight (plus the root's).
+
+[Note: in forward, the next all-gather goes out before the copy-out]
+A block's pre-forward issues the next group's all-gather before it waits for its own and
+copies it out, so the link goes from one all-gather straight to the next instead of idling
+through the copy-out and the copy-in. That keeps two all-gather outputs alive during the
+copy-out, one more group's worth than backward, which copies out first: backward holds the
+unsharded gradients of at least one group on top, so with groups of equal size the step's
+peak does not grow. The root, whose pre-forward starts the step, keeps the plain order.
 """
 
 from __future__ import annotations
@@ -57,15 +65,20 @@ class FSDPState(ReferenceState):
     @torch.compiler.disable
     def pre_forward(self, module, args, kwargs):
         self.lazy_init()
-        if self.is_root and (
-            self.group is None or self.group.state is not TrainingState.PRE_BACKWARD
-        ):
+        recompute = self.group is not None and self.group.state is TrainingState.PRE_BACKWARD
+        if self.is_root and not recompute:
             self.comm.current_order, self.comm.current_post_order = [], []
+        # see [Note: in forward, the next all-gather goes out before the copy-out]
+        early = self.group is not None and not self.is_root and not recompute
+        if early:
+            self.group.unshard_async()  # this group's own all-gather, unless prefetched
+            self.prefetch(self.forward_hint, self.comm.forward_order)
         args, kwargs = super().pre_forward(module, args, kwargs)
         if self.group is not None and self.group.state is TrainingState.FORWARD:
             if self.group not in self.comm.current_order:
                 self.comm.current_order.append(self.group)  # the order groups start forward
-            self.prefetch(self.forward_hint, self.comm.forward_order)
+            if not early:
+                self.prefetch(self.forward_hint, self.comm.forward_order)
         return args, kwargs
 
     @torch.compiler.disable

@@ -74,19 +74,20 @@ def _events(impl_name: str, n_blocks: int = 3) -> list[tuple[str, str]]:
 
 
 OPTIMIZED = [
-    # forward: the root starts first; each pre-forward prefetches the next group
+    # forward: the root starts first and prefetches the next group once its own is copied
+    # out; a block's pre-forward prefetches the next group before it waits for its own
     ("pre_forward", "root"),
     ("all-gather", "root"),
     ("wait", "root"),
     ("all-gather", "blocks.0"),
+    ("all-gather", "blocks.1"),
     ("pre_forward", "blocks.0"),
     ("wait", "blocks.0"),
-    ("all-gather", "blocks.1"),
     ("post_forward", "blocks.0"),
     ("reshard", "blocks.0"),
+    ("all-gather", "blocks.2"),
     ("pre_forward", "blocks.1"),
     ("wait", "blocks.1"),
-    ("all-gather", "blocks.2"),
     ("post_forward", "blocks.1"),
     ("reshard", "blocks.1"),
     ("pre_forward", "blocks.2"),

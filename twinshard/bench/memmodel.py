@@ -20,12 +20,12 @@ backward runs the blocks in reverse and the root last, from the end-of-backward 
                reshards first, then per parameter, a reduce-scatter whose output becomes the
                sharded gradient, and the parameter's unsharded gradient is dropped.
     optimized  copy-in into this rank's slot of the output + all-gather in place (recv, the
-               group); copy-out into the parameters, after which recv goes; the next group's all-gather is
-               issued before this group computes (one ahead in forward and backward). The
-               post-backward reshards first, packs the group's gradients (packed, S x its
-               block) into one buffer, drops them and reduce-scatters it; the next group's
-               post-backward adds the result (out, 1/S) to the sharded gradients, and then
-               packed and out go.
+               group); copy-out into the parameters, after which recv goes; the next group's
+               all-gather is issued one ahead: in a block's forward before its copy-out, in
+               backward after it. The post-backward reshards first, packs the group's
+               gradients (packed, S x its block) into one buffer, drops them and
+               reduce-scatters it; the next group's post-backward adds the result (out, 1/S)
+               to the sharded gradients, and then packed and out go.
     torch      all-gather in place into one output buffer (recv), copied out and dropped; the
                next group's all-gather is issued in backward before this group computes (its
                output buffer is alive from then until its copy-out). The
@@ -169,11 +169,11 @@ def _optimized(t: _Timeline, sizes: list) -> None:
     n = len(blocks)
 
     def gather(i):  # copy-in into this rank's slot of the output, and all-gather of group i
-        t.alloc("recv", "comm", sizes[i].unsharded)
+        t.alloc(f"recv{i}", "comm", sizes[i].unsharded)
 
     def copy_out(i):  # into the parameters; the buffers go right after
         t.alloc(f"U{i}", "unsharded", sizes[i].unsharded)
-        t.free("recv")
+        t.free(f"recv{i}")
 
     def reduce(i, prev):
         if prev is not None:  # finish the previous group's reduction; its buffers go
@@ -188,9 +188,9 @@ def _optimized(t: _Timeline, sizes: list) -> None:
     if n:
         gather(1)  # the root's pre-forward prefetches the first block
     for i in range(1, n + 1):
-        copy_out(i)
         if i < n:
-            gather(i + 1)  # prefetched before block i computes
+            gather(i + 1)  # prefetched before block i is copied out
+        copy_out(i)
         t.free(f"U{i}")
     if n:
         gather(n)  # the root's pre-backward prefetches the last block
