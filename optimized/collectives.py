@@ -84,12 +84,15 @@ class ReduceScatterResult:
     divide_by: float
     kept_partial: bool  # HSDP without all-reduce: the sums wait in the params; add nothing
 
-    def let_go(self) -> tuple:
-        """Hand over the buffers to release (``out`` stays where the partial sums keep it)
-        and forget them, so that releasing them frees their memory."""
-        buffers = (self.packed,) if self.kept_partial else (self.packed, self.out)
+    def release(self, comm: CommContext) -> None:
+        """Let the buffers go once their last use (on the current stream) is queued, and
+        forget them here, so that releasing them frees their memory."""
+        if self.kept_partial:  # ``out`` lives on in the partial sums; only ``packed`` goes
+            buffers, streams = (self.packed,), ()
+        else:  # ``out`` was allocated on the reduce-scatter stream
+            buffers, streams = (self.packed, self.out), (comm.reduce_scatter_stream,)
         self.packed = self.out = None
-        return buffers
+        comm.free_after_use("release of the reduce_scatter buffers", buffers, *streams)
 
 
 @torch.no_grad()
@@ -169,17 +172,17 @@ def reduce_scatter(
     blocking per-parameter reductions. ``group``: another process group over the shard
     ranks for the reduce-scatter (``set_separate_reduce_scatter_group``)."""
     used = [p.has_grad_to_reduce for p in params]
-    inputs = [p.reduce_scatter_input(dtype) for p in params]
-    taken = [(p, g, u) for p, g, u in zip(params, inputs, used) if g is not None]
-    del inputs
+    grads = [p.reduce_scatter_input(dtype) for p in params]  # None: frozen, takes no part
+    taken = [i for i, g in enumerate(grads) if g is not None]
     if not taken:
         return None
-    params, grads, used = (list(x) for x in zip(*taken))
+    params, used = [params[i] for i in taken], [used[i] for i in taken]
+    grads = [grads[i] for i in taken]
     S = info.shard_size
     # see [Note: the gradients go at the pack]
     packed = torch.cat([g.view(S, -1) for g in grads], dim=1).view(-1)  # (S * per-rank,)
     comm.streams.release(grads, "release of the unreduced gradients")
-    del taken, grads
+    del grads
     comm.reduce_scatter_stream.wait_stream(comm.current_stream())
     with comm.on(comm.reduce_scatter_stream):
         if S == 1:  # one rank in the shard group: the sum is the input itself
@@ -223,15 +226,13 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
     flat buffer), and add each parameter's block to its sharded gradient (replaces the end of
     ``ShardedParam.reduce_grad``: one division for the whole group)."""
     comm.wait(result.pending)
-    if result.kept_partial:  # only the packed input goes
-        comm.free_after_use("release of the reduce_scatter buffers", result.let_go())
+    if result.kept_partial:
+        result.release(comm)
         return
     if hook is not None:
         hook(result.out)  # in place, before the division, as torch's FSDP2 calls it
     reduced = result.out / result.divide_by  # (per-rank numel,) the mean over ranks
-    # before the sharded gradients are allocated
-    where = "release of the reduce_scatter buffers"
-    comm.free_after_use(where, result.let_go(), comm.reduce_scatter_stream)
+    result.release(comm)  # before the sharded gradients are allocated
     blocks = reduced.split([p.block_shape.numel() for p in result.params])
     for p, block, add in zip(result.params, blocks, result.add):
         if add:

@@ -2,8 +2,8 @@
 
 One ``CommContext`` per root module, shared by all its parameter groups. It owns the side
 streams and the state that must outlive one group's hook: the reduce-scatter whose gradients
-are not yet added, the buffers that may not be reused yet, the forward order of the groups
-(for implicit prefetch) and the post-optimizer event.
+are not yet added, the forward order of the groups (for implicit prefetch) and the
+post-optimizer event; ``free_after_use`` decides when a buffer that crossed streams goes.
 
 [Note: two ways to wait]
 A collective is issued on a side stream and described by a ``Pending``: on an accelerator (and
