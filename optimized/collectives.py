@@ -56,6 +56,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from twinshard.api import without_grad
+
 from .comm import CommContext, Pending
 
 # torch 2.13 renamed the single-tensor collectives; torch 2.11 has only the old names.
@@ -95,17 +97,15 @@ class ReduceScatterResult:
         comm.free_after_use("release of the reduce_scatter buffers", buffers, *streams)
 
 
-@torch.no_grad()
-def all_gather(
-    params: list, dtypes: list, group: dist.ProcessGroup, comm: CommContext, custom=None
-) -> AllGatherResult:
-    """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over
-    ``group`` (with the user's ``custom`` all-gather if one was set: it allocates the output
-    and is called once for the whole group). Replaces the reference's ``ShardedParam.unshard``
+@without_grad
+def all_gather(params: list, dtypes: list, mesh, comm: CommContext, custom=None) -> AllGatherResult:
+    """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over the
+    shard group of ``mesh`` (a ``MeshInfo``), with the user's ``custom`` all-gather if one was
+    set (it allocates the output and is called once for the whole group). Replaces the reference's ``ShardedParam.unshard``
     loop of one blocking all-gather per parameter; see [Note: one flat buffer per group]."""
     comm.before_all_gather()
     as_bytes = len(set(dtypes)) > 1 or any(d.itemsize == 1 and d.is_floating_point for d in dtypes)
-    ranks = dist.get_world_size(group)
+    ranks = mesh.shard_size
     with comm.on(comm.copy_in_stream):
         pieces = [p.all_gather_input(d).reshape(-1) for p, d in zip(params, dtypes)]
         pieces = [x.view(torch.uint8) for x in pieces] if as_bytes else pieces
@@ -117,7 +117,7 @@ def all_gather(
         size, dtype = (ranks * sum(x.numel() for x in pieces),), pieces[0].dtype
         recv = custom.allocate(size, dtype=dtype, device=pieces[0].device) if custom else None
         recv = pieces[0].new_empty(size) if recv is None else recv
-        send = recv.view(ranks, -1)[dist.get_rank(group)]  # this rank's slot
+        send = recv.view(ranks, -1)[mesh.shard_rank]  # this rank's slot
         torch.cat(pieces, out=send)
     comm.all_gather_stream.wait_stream(comm.copy_in_stream)
     with comm.on(comm.all_gather_stream):
@@ -125,14 +125,14 @@ def all_gather(
             custom or all_gather_into,
             recv,
             send,
-            group=group,
+            group=mesh.shard_group,
             stream=comm.all_gather_stream,
             about=params,
         )
     return AllGatherResult(pending, send, recv, ranks, params, dtypes, as_bytes)
 
 
-@torch.no_grad()
+@without_grad
 def copy_out(result: AllGatherResult, comm: CommContext) -> None:
     """Wait for the all-gather and copy every parameter out of it with one fused split-copy
     (replaces the reference's all-gather straight into each parameter's own buffer)."""
@@ -153,7 +153,7 @@ def copy_out(result: AllGatherResult, comm: CommContext) -> None:
     )
 
 
-@torch.no_grad()
+@without_grad
 def reduce_scatter(
     params: list,
     dtype: torch.dtype,
@@ -220,7 +220,7 @@ def reduce_scatter(
     return ReduceScatterResult(pending, packed, out, params, used, add, divide_by, kept)
 
 
-@torch.no_grad()
+@without_grad
 def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> None:
     """Wait for a reduction, run the user's all-reduce ``hook`` on it (once for the group's
     flat buffer), and add each parameter's block to its sharded gradient (replaces the end of

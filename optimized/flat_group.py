@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from twinshard.api import profiled
+from twinshard.api import profiled, without_grad
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
 
@@ -68,7 +68,7 @@ class FlatParamGroup(ParamGroup):
         self.reduce_scatter_group = SEPARATE_GROUPS[ranks]
 
     # --- unshard: one all-gather, issued early ---------------------------------------------------
-    @torch.no_grad()
+    @without_grad
     def unshard_async(self) -> None:
         """Issue the group's all-gather and return (replaces ``ParamGroup.unshard``'s loop of
         blocking per-parameter all-gathers)."""
@@ -82,10 +82,10 @@ class FlatParamGroup(ParamGroup):
         with profiled("twinshard::unshard"):
             dtypes = [self.param_dtype(p) for p in params]
             self.in_flight = all_gather(
-                params, dtypes, mesh.shard_group, self.own_comm(), self.comms.all_gather
+                params, dtypes, mesh, self.own_comm(), self.comms.all_gather
             )
 
-    @torch.no_grad()
+    @without_grad
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather in flight, if any, and copy the parameters out of it."""
         result, self.in_flight = self.in_flight, None
@@ -98,7 +98,7 @@ class FlatParamGroup(ParamGroup):
         self.unshard_async()
         self.wait_for_unshard()
 
-    @torch.no_grad()
+    @without_grad
     def reshard(self, after_forward: bool = False) -> None:
         self.wait_for_unshard()  # a prefetched gather that nobody used: finish, then free
         super().reshard(after_forward)

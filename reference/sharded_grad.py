@@ -100,9 +100,8 @@ class GradientPath:
     def accumulate_grad(self, block: torch.Tensor) -> None:
         """Add a reduced block (chunk, *rest) to the sharded ``DTensor`` gradient, dropping the
         padding rows and moving it to the shard's dtype and device."""
-        local_rows = self.sharded_param.to_local().shape[self.dim]
-        block = self.rows_first(block[:local_rows])  # back in the parameter's own layout
-        block = block.to(self.sharded_param.dtype).to(self.shard_device)
+        block = self.rows_first(block[: self.local_rows])  # back in the parameter's own layout
+        block = block.to(self.shard_device, self.sharded_param.dtype)
         if self.sharded_param.grad is None:
             # A gradient is laid out exactly like its parameter, so it takes the parameter's
             # DTensor spec as it is: ``DTensor.from_local`` would build and check a new one for

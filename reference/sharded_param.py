@@ -85,6 +85,8 @@ class ShardedParam(GradientPath):
         rows_shape = self.rows_first(torch.empty(whole.shape, device="meta")).shape
         self.chunk = padded_rows(rows_shape[0], info.shard_size)  # rows in each rank's block
         self.block_shape = torch.Size((self.chunk, *rows_shape[1:]))  # one rank's padded block
+        self.start = min(info.shard_rank * self.chunk, self.rows)  # this rank's first row
+        self.local_rows = min(self.chunk, self.rows - self.start)  # its rows, padding not counted
         self.unsharded_param: nn.Parameter | None = None  # created at the first unshard
         self.all_gather_buffer: torch.Tensor | None = None  # (S * chunk, *rest); holds it
         self.post_forward_block: torch.Tensor | None = None  # SHARDED_POST_FORWARD piece
@@ -104,9 +106,8 @@ class ShardedParam(GradientPath):
     def _shard(self, param: torch.Tensor) -> DTensor:
         """Cut this rank's block of rows out of the full parameter and wrap it as a DTensor."""
         rows = self.rows_first(param.detach())  # (rows, *rest)
-        start = min(self.info.shard_rank * self.chunk, rows.shape[0])
-        length = min(self.chunk, rows.shape[0] - start)
-        block = self.rows_first(rows.narrow(0, start, length))  # the parameter's own layout
+        block = rows.narrow(0, self.start, self.local_rows)  # (local_rows, *rest)
+        block = self.rows_first(block)  # the parameter's own layout
         device = param.device if param.device.type == "meta" else self.shard_device
         # our own, contiguous memory, not a view of the full tensor
         block = block.to(device).clone(memory_format=torch.contiguous_format)

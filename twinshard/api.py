@@ -17,6 +17,7 @@ types and a user can swap ``torch.distributed.fsdp.fully_shard`` for either one 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -174,6 +175,21 @@ def profiled(name: str):
     if torch._C._autograd._profiler_enabled():  # the check record_function makes itself
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
+
+
+def without_grad(fn):
+    """Decorator: run ``fn`` with gradients off, like ``@torch.no_grad()``, but enter
+    ``no_grad`` only when gradients are on. The hooks of the optimized path nest several such
+    functions, and ``torch.no_grad()`` costs about 2.5 us a call even when it changes nothing."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def is_container_without_forward(module: nn.Module) -> bool:
