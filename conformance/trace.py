@@ -94,6 +94,20 @@ def totals(calls: list[Call], op: str) -> tuple[int, int, set]:
     return len(mine), sum(c.numel for c in mine), {c.dtype for c in mine}
 
 
+def gloo_reduce_scatters(calls: list[Call]) -> list[Call]:
+    """``calls`` with every floating-point all-reduce counted as the reduce-scatter it stands
+    for. gloo has no reduce-scatter of its own: it all-reduces a copy of the whole input and
+    keeps this rank's block, so an implementation may as well all-reduce its packed gradients
+    in place (``twinshard.optimized`` does): the same sums and the same bytes on the wire. Use
+    it for a gloo run without HSDP, where no other all-reduce of gradients belongs in a step."""
+    return [
+        Call("reduce_scatter", c.dtype, c.numel)
+        if c.op == "all_reduce" and c.dtype.is_floating_point
+        else c
+        for c in calls
+    ]
+
+
 def padded_numel(param, shard_size: int) -> int:
     """Elements of a parameter once dim 0 is padded to a multiple of the shard group size."""
     rows = param.shape[0]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from twinshard.guard import check_collective
 
@@ -52,6 +53,7 @@ class CommContext:
     current_post_order: list = field(default_factory=list)  # likewise, as they finish
     pending_reduce: list = field(default_factory=list)  # (ReduceScatterResult, hook) in flight
     post_optim_event: Any = None  # set_post_optim_event: the next all-gather waits on it
+    backends: dict = field(default_factory=dict)  # process group -> its backend's name
 
     def __post_init__(self):
         self.streams = streams_for(self.device)
@@ -81,6 +83,14 @@ class CommContext:
         with self.on(stream):
             work = collective(*args, async_op=self.async_op, **kwargs)
             return Pending(work, stream.record_event())
+
+    def all_reduce_is_cheaper(self, group) -> bool:
+        """Whether ``group`` reduce-scatters by all-reducing a copy of the input (gloo), so that
+        all-reducing the input in place does the same with less; see [Note: reduce-scatter on
+        gloo] in ``collectives.py``."""
+        if group not in self.backends:
+            self.backends[group] = dist.get_backend(group)
+        return self.backends[group] == "gloo"
 
     def discard_pending(self) -> None:
         """After an aborted iteration: wait for the reductions in flight and drop them."""

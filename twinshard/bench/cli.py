@@ -143,7 +143,8 @@ def add_memory_model(summary: dict, base: RunConfig) -> None:
     pb, rb = (2, 4) if low else (4, 4)
     for name, row in summary.items():
         if name in SHARDED:
-            pred = memmodel.predict(groups, name, base.world // base.replicas, pb, rb)
+            gloo = base.backend == "gloo" and base.replicas == 1
+            pred = memmodel.predict(groups, name, base.world // base.replicas, pb, rb, gloo)
         else:
             pred = memmodel.predict_replicated(groups, name, pb)
         row["model"] = pred

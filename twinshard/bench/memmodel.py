@@ -25,7 +25,8 @@ backward runs the blocks in reverse and the root last, from the end-of-backward 
                backward after it. The post-backward reshards first, packs the group's
                gradients (packed, S x its block) into one buffer, drops them and
                reduce-scatters it; the next group's post-backward adds the result (out, 1/S)
-               to the sharded gradients, and then packed and out go.
+               to the sharded gradients, and then packed and out go. On gloo it all-reduces
+               packed in place instead, and out is a view of it.
     torch      all-gather in place into one output buffer (recv), copied out and dropped; the
                next group's all-gather is issued in backward before this group computes (its
                output buffer is alive from then until its copy-out). The
@@ -121,10 +122,22 @@ class _Timeline:
             self.alive.pop(key, None)
 
 
-def predict(groups: list[Group], impl: str, world: int, pb: int = 4, rb: int | None = None) -> dict:
-    """Peak bytes by category of one steady-state step on rank 0 (see the module docstring)."""
+def predict(
+    groups: list[Group],
+    impl: str,
+    world: int,
+    pb: int = 4,
+    rb: int | None = None,
+    gloo: bool = False,
+) -> dict:
+    """Peak bytes by category of one steady-state step on rank 0 (see the module docstring).
+    ``gloo``: a gloo run without HSDP, where ``optimized`` all-reduces the packed gradients in
+    place and its reduced block (out) is a view of them."""
     rb = rb or pb
     sizes = [_Sizes(g, world, pb, rb) for g in groups]
+    if gloo and impl == "optimized":
+        for s in sizes:
+            s.out = 0
     sharded = sum(s.sharded for s in sizes)
     t = _Timeline({"sharded": sharded, "optimizer": sharded})
     step = {"reference": _reference, "optimized": _optimized, "torch": _torch}.get(impl)

@@ -102,9 +102,12 @@ class Attributor:
         return tuple(total)
 
     def _candidates(self, c) -> list[tuple[GroupInfo, tuple[str, ...]]]:
-        numel, which = self.numels[c.index], "per_rank" if c.op == "all_reduce" else "full"
+        # An all-reduce carries a reduced block (HSDP, after the reduce-scatter) or, on gloo,
+        # the whole gradients: [Note: reduce-scatter on gloo] in twinshard/optimized.
+        numel = self.numels[c.index]
+        sizes = ("per_rank", "full") if c.op == "all_reduce" else ("full",)
         found = []
-        for g in self.groups:
+        for g, which in ((g, which) for g in self.groups for which in sizes):
             names = tuple(n for n, _, _ in g.params)
             if len(names) > 1 and g.numel(names, which) == numel:
                 found.append((g, names))

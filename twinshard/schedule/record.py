@@ -334,8 +334,8 @@ class Recorder:
                 self.in_flight[s[0]] = c
         if op == "all_gather":
             self.gathered += [weakref.ref(t) for t in outs]
-        elif op == "reduce_scatter":
-            self.reduced += [weakref.ref(t) for t in ins]
+        elif op == "reduce_scatter" or (op == "all_reduce" and big[0].is_floating_point()):
+            self.reduced += [weakref.ref(t) for t in ins]  # gradients, as they are reduced
 
     def _computed(self, args, kwargs) -> None:
         """Any other operator: time moves on by one; does it read a collective's result?"""
