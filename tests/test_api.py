@@ -63,3 +63,20 @@ def test_reference_exports_the_interface():
 def test_fully_shard_without_process_group_is_a_clear_error():
     with pytest.raises(api.FSDPUsageError, match="init_process_group"):
         reference.fully_shard(torch.nn.Linear(2, 2))
+
+
+def test_without_grad_turns_gradients_off_only_where_they_are_on():
+    seen = []
+
+    @api.without_grad
+    def inner(x):
+        seen.append(torch.is_grad_enabled())
+        return x * 2
+
+    x = torch.ones(2, requires_grad=True)
+    assert not inner(x).requires_grad  # called with gradients on: runs without them
+    assert torch.is_grad_enabled()  # and leaves them on afterwards
+    with torch.no_grad():
+        assert not inner(x).requires_grad
+    assert seen == [False, False]
+    assert inner.__name__ == "inner"

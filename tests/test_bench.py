@@ -142,6 +142,14 @@ def test_memory_model_toy_case():
     assert opt == dict(
         sharded=80, optimizer=80, sharded_grad=0, params=0, unsharded=160, grad=0, comm=128
     )
+    # A root with a larger weight, (16, 8), whose gradient comes last: the peak is while it is
+    # written (512 B, beside its 512 B of weights), and the block's reduction is still in
+    # flight: packed (8 * 4 * 4 = 128 B) and its reduced block (64 B). On gloo the reduced block
+    # is a view of packed ([Note: reduce-scatter on gloo]), so only the 128 B are there.
+    late = [memmodel.Group("root", [(16, 8)], [True]), memmodel.Group("blocks.0", [(8, 4)])]
+    for gloo, comm in ((False, 192), (True, 128)):
+        peak = memmodel.predict(late, "optimized", 2, gloo=gloo)
+        assert (peak["unsharded"], peak["grad"], peak["comm"]) == (512, 512, comm)
     plain = memmodel.predict_replicated(groups, "ddp")
     assert plain["params"] == plain["grad"] == plain["comm"] == (8 + 32) * 4
 

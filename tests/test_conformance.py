@@ -198,3 +198,21 @@ def test_report_counts_every_status():
     text = report(rows, "impl")
     assert "1 pass, 1 fail, 1 xfail" in text
     assert "| a | 2 | FAIL |" in report(rows, "impl", "markdown")
+
+
+def test_gloo_trace_counts_a_float_all_reduce_as_the_reduce_scatter():
+    import torch
+
+    from twinshard.conformance import trace
+
+    calls = [
+        trace.Call("all_gather", torch.float32, 8),
+        trace.Call("all_reduce", torch.float32, 16),
+        trace.Call("all_reduce", torch.int32, 3),  # bookkeeping stays what it is
+    ]
+    ops = [(c.op, c.dtype, c.numel) for c in trace.gloo_reduce_scatters(calls)]
+    assert ops == [
+        ("all_gather", torch.float32, 8),
+        ("reduce_scatter", torch.float32, 16),
+        ("all_reduce", torch.int32, 3),
+    ]
