@@ -107,7 +107,18 @@ def test_optimized_issues_the_next_blocks_all_gather_before_this_block_computes(
         ]
         assert gather.event == _event(s, "pre_backward", BLOCKS[i]).index
     assert max(len([g for g in s.unsharded_groups(e) if g]) for e in s.events) == 1
-    assert max(e.unsharded_bytes for e in s.events) == ROOT + 2 * BLOCK  # one block in flight
+    # One block in flight: after a hook, at most one all-gather is issued and not yet read.
+    gathers = s.calls("all_gather")
+    in_flight = [
+        len([c for c in gathers if c.tick < e.tick and (c.used_tick or e.tick + 1) > e.tick])
+        for e in s.events
+    ]
+    assert max(in_flight) == 1, in_flight
+    # The bytes seen after a hook: the root, the block that computes and the one prefetched.
+    # gloo's worker thread may not yet have let go of the all-gather output that was just
+    # copied out when the hook ends; for that moment it shows as one block more.
+    peak = max(e.unsharded_bytes for e in s.events)
+    assert ROOT + 2 * BLOCK <= peak <= ROOT + 3 * BLOCK
 
 
 def test_torch_is_recorded_with_one_collective_per_group(recorded):
