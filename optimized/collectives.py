@@ -111,8 +111,9 @@ class ReduceScatterResult:
 def all_gather(params: list, dtypes: list, mesh, comm: CommContext, custom=None) -> AllGatherResult:
     """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over the
     shard group of ``mesh`` (a ``MeshInfo``), with the user's ``custom`` all-gather if one was
-    set (it allocates the output and is called once for the whole group). Replaces the reference's ``ShardedParam.unshard``
-    loop of one blocking all-gather per parameter; see [Note: one flat buffer per group]."""
+    set (it allocates the output and is called once for the whole group). Replaces the
+    reference's ``ShardedParam.unshard`` loop of one blocking all-gather per parameter; see
+    [Note: one flat buffer per group]."""
     comm.before_all_gather()
     as_bytes = len(set(dtypes)) > 1 or any(d.itemsize == 1 and d.is_floating_point for d in dtypes)
     ranks = mesh.shard_size

@@ -107,11 +107,12 @@ class Attributor:
         numel = self.numels[c.index]
         sizes = ("per_rank", "full") if c.op == "all_reduce" else ("full",)
         found = []
-        for g, which in ((g, which) for g in self.groups for which in sizes):
+        for g in self.groups:
             names = tuple(n for n, _, _ in g.params)
-            if len(names) > 1 and g.numel(names, which) == numel:
-                found.append((g, names))
-            found += [(g, (n,)) for n in names if g.numel((n,), which) == numel]
+            for which in sizes:
+                if len(names) > 1 and g.numel(names, which) == numel:
+                    found.append((g, names))
+                found += [(g, (n,)) for n in names if g.numel((n,), which) == numel]
         if c.index in self.values:
             dtype = getattr(torch, c.dtype)
             want = self.values[c.index]
