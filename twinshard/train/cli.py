@@ -26,6 +26,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -89,6 +90,25 @@ def _interrupted(result: dict, run_dir: Path, say: bool = True) -> int:
     return 128 + getattr(signal, result["interrupted"], signal.SIGTERM)
 
 
+def _let_collective_threads_finish() -> None:
+    """Give gloo's worker threads the interpreter before it shuts down.
+
+    [Note: a torchrun rank's exit]
+    A gloo worker thread drops its reference to a finished collective's tensors only after
+    ``wait()`` has returned on the main thread, and dropping a tensor that Python created
+    takes the GIL. If the main thread holds the GIL from there until the interpreter
+    finalizes, the worker asks for it during finalization; Python then ends that thread inside
+    a C++ destructor, and the process aborts ("terminate called without an active exception",
+    exit -6) after the run has finished and saved. ``destroy_process_group`` does not join
+    those threads once DCP or FSDP is imported (torch keeps the group alive). Ranks started by
+    ``twinshard.launch`` never finalize (multiprocessing ends them with ``os._exit``); a
+    ``torchrun`` rank does, so it sleeps briefly first: a waiting worker takes the GIL, lets
+    its tensors go, and goes back to its idle wait, which needs no GIL.
+    """
+    for _ in range(10):
+        time.sleep(0.01)  # each sleep releases the GIL; a late worker gets another chance
+
+
 def _run_torchrun(cfg: TrainConfig) -> int:
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
@@ -107,6 +127,7 @@ def _run_torchrun(cfg: TrainConfig) -> int:
         return 1
     finally:
         dist.destroy_process_group()
+        _let_collective_threads_finish()  # see [Note: a torchrun rank's exit]
 
 
 def run(args: argparse.Namespace) -> int:
