@@ -44,6 +44,9 @@ class FlatParamGroup(ParamGroup):
         self.comm: CommContext | None = None  # the root's, shared; set at its first forward
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
+        self.copy_out_views: dict = {}  # see [Note: the copy-out views are kept]
+        # each parameter's block, (numel, shape): fixed when the parameter was sharded
+        self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}
 
     def use_comm(self, comm: CommContext) -> None:
         """Share ``comm`` (the root's) from now on."""
@@ -80,7 +83,7 @@ class FlatParamGroup(ParamGroup):
         # A group's parameters change state together, so they all gather over the same mesh.
         mesh = params[0].all_gather_mesh(self.post_forward_info)
         with profiled("twinshard::unshard"):
-            dtypes = [self.param_dtype(p) for p in params]
+            dtypes = self.param_dtypes(params)
             self.in_flight = all_gather(
                 params, dtypes, mesh, self.own_comm(), self.comms.all_gather
             )
@@ -91,7 +94,7 @@ class FlatParamGroup(ParamGroup):
         result, self.in_flight = self.in_flight, None
         if result is not None:
             with profiled("twinshard::copy_out"):
-                copy_out(result, self.comm)
+                copy_out(result, self.comm, self.copy_out_views)
 
     def unshard(self) -> None:
         """Blocking unshard, as the reference's (used by the hooks and ``unshard()``)."""
@@ -111,8 +114,8 @@ class FlatParamGroup(ParamGroup):
         comm = self.own_comm()
         finish_reduce(comm)  # the previous group's gradients are added, its buffers freed
         by_dtype: dict[torch.dtype, list] = {}
-        for p in self.params:
-            by_dtype.setdefault(self.reduce_dtype(p), []).append(p)
+        for p, dtype in zip(self.params, self.reduce_dtypes(self.params)):
+            by_dtype.setdefault(dtype, []).append(p)
         for dtype, params in by_dtype.items():
             result = reduce_scatter(
                 params,
@@ -124,6 +127,7 @@ class FlatParamGroup(ParamGroup):
                 self.comms.reduce_scatter,
                 self.reduce_unused,
                 self.reduce_scatter_group,
+                self.blocks,
             )
             if result is not None:
                 self.usage.update(zip(result.params, result.used))

@@ -58,13 +58,16 @@ class ParamGroup:
         self.usage: dict[ShardedParam, bool] = {}  # this backward: which params had gradients
 
     # --- dtypes -------------------------------------------------------------------------------
-    def param_dtype(self, p: ShardedParam) -> torch.dtype:
-        """Compute dtype of ``p``: the policy's ``param_dtype``, else its own."""
-        return self.mp.param_dtype or p.sharded_param.dtype
+    def param_dtypes(self, params: list[ShardedParam]) -> list[torch.dtype]:
+        """The compute dtype of each of ``params``: the policy's ``param_dtype``, else its own."""
+        return [self.mp.param_dtype or p.sharded_param.dtype for p in params]
 
-    def reduce_dtype(self, p: ShardedParam) -> torch.dtype:
-        """Gradient reduction dtype: ``reduce_dtype``, else the compute dtype."""
-        return self.mp.reduce_dtype or self.param_dtype(p)
+    def reduce_dtypes(self, params: list[ShardedParam]) -> list[torch.dtype]:
+        """The gradient reduction dtype of each of ``params``: the policy's ``reduce_dtype``,
+        else the compute dtype."""
+        if self.mp.reduce_dtype is not None:
+            return [self.mp.reduce_dtype] * len(params)
+        return self.param_dtypes(params)
 
     def gradient_divisor(self) -> float:
         """What reduced gradients are divided by: ``set_gradient_divide_factor``'s factor, else
@@ -76,8 +79,8 @@ class ParamGroup:
     def unshard(self) -> None:
         """All-gather every parameter of the group (a no-op for those already unsharded)."""
         with profiled("twinshard::unshard"):
-            for p in self.params:
-                p.unshard(self.param_dtype(p), self.post_forward_info, self.comms.all_gather)
+            for p, dtype in zip(self.params, self.param_dtypes(self.params)):
+                p.unshard(dtype, self.post_forward_info, self.comms.all_gather)
 
     @torch.no_grad()
     def reshard(self, after_forward: bool = False) -> None:
@@ -112,8 +115,8 @@ class ParamGroup:
         reads them, and the reduction's buffers then never sit beside the unsharded weights."""
         self.state = TrainingState.POST_BACKWARD
         with profiled("twinshard::post_backward"):
-            for p in self.params:
-                p.take_grad(self.reduce_dtype(p))
+            for p, dtype in zip(self.params, self.reduce_dtypes(self.params)):
+                p.take_grad(dtype)
             if self.reshard_after_backward:
                 self.reshard()
             if self.reduce_grads:
@@ -124,9 +127,9 @@ class ParamGroup:
         trainable parameter takes part, with zeros where this rank computed no gradient, so
         that all ranks issue the same collectives (see ``usage.py``)."""
         divide_by = self.gradient_divisor()
-        for p in self.params:
+        for p, dtype in zip(self.params, self.reduce_dtypes(self.params)):
             used = p.reduce_grad(
-                self.reduce_dtype(p),
+                dtype,
                 divide_by,
                 self.all_reduce_grads,
                 self.comms,

@@ -33,7 +33,9 @@ class GradientPath:
         if not self.has_new_grad:
             return
         grad = self.unsharded_param.grad  # with tensor parallelism, a DTensor: take its piece
-        grad = (grad.to_local() if self.tp is not None else grad).to(reduce_dtype)  # (rows, *rest)
+        if self.tp is not None:
+            grad = grad.to_local()
+        grad = grad.to(dtype=reduce_dtype)  # (rows, *rest)
         self.unsharded_param.grad = None
         if self.grad_to_reduce is None:
             self.grad_to_reduce = grad

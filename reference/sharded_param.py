@@ -158,7 +158,7 @@ class ShardedParam(GradientPath):
                 )
             self.sharded_param = current
             self._register(current)
-        if self.sharded_param.device.type == "meta":
+        if self.sharded_param.is_meta:
             raise FSDPUsageError(
                 f"parameter '{self.fqn}' is still on the meta device; materialize it first, "
                 "e.g. model.to_empty(device=...) and then initialize or load the weights"
@@ -187,7 +187,9 @@ class ShardedParam(GradientPath):
         if self.state is ParamState.SHARDED_POST_FORWARD:
             return self.post_forward_block  # (S * chunk / N, *rest)
         self.refresh()
-        local = self.rows_first(self.sharded_param.to_local())  # (<= chunk, *rest)
+        # The DTensor's own local tensor: ``to_local()`` would return the same data, but for a
+        # parameter it makes a new view at every call (torch 2.13), twice per step and parameter.
+        local = self.rows_first(self.sharded_param._local_tensor)  # (<= chunk, *rest)
         return pad_rows(local.to(self.device, dtype), self.chunk).contiguous()  # (chunk, *rest)
 
     def all_gather_output(self, dtype: torch.dtype) -> torch.Tensor:

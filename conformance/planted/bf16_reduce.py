@@ -9,10 +9,10 @@ from ._common import *  # noqa: F401,F403
 
 
 class Bf16Reduce(ParamGroup):
-    def reduce_dtype(self, p):
+    def reduce_dtypes(self, params):
         if self.mp.param_dtype is not None:
-            return torch.bfloat16
-        return super().reduce_dtype(p)
+            return [torch.bfloat16] * len(params)
+        return super().reduce_dtypes(params)
 
 
 fully_shard = plant(bug_group_class=Bf16Reduce)
