@@ -18,7 +18,7 @@ from enum import Enum, auto
 import torch
 import torch.nn as nn
 
-from twinshard.api import CommHooks, MixedPrecisionPolicy, profiled
+from twinshard.api import CommHooks, MixedPrecisionPolicy, profiled, without_grad
 
 from .mesh import MeshInfo
 from .sharded_param import ShardedParam
@@ -75,14 +75,14 @@ class ParamGroup:
         return self.divide_factor or self.info.shard_size * self.info.replicate_size
 
     # --- unshard / reshard ----------------------------------------------------------------------
-    @torch.no_grad()
+    @without_grad
     def unshard(self) -> None:
         """All-gather every parameter of the group (a no-op for those already unsharded)."""
         with profiled("twinshard::unshard"):
             for p, dtype in zip(self.params, self.param_dtypes(self.params)):
                 p.unshard(dtype, self.post_forward_info, self.comms.all_gather)
 
-    @torch.no_grad()
+    @without_grad
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded parameters; after forward, an int setting keeps a 1/N piece."""
         with profiled("twinshard::reshard"):
@@ -108,7 +108,7 @@ class ParamGroup:
             with profiled("twinshard::pre_backward"):
                 self.unshard()
 
-    @torch.no_grad()
+    @without_grad
     def post_backward(self) -> None:
         """Reshard and reduce this group's gradients; safe to call when nothing was computed.
         The parameters are freed before the reduction: once their gradients are taken nothing
