@@ -196,10 +196,10 @@ def reduce_scatter(
     all_reduce: bool,
     divide_by: float,
     comm: CommContext,
+    blocks: dict,
     custom=None,
     keep_unused: bool = False,
     group: dist.ProcessGroup | None = None,
-    blocks: dict | None = None,
 ) -> ReduceScatterResult | None:
     """Pack the waiting gradients of ``params`` (all of reduce dtype ``dtype``; zeros for a
     trainable parameter this rank did not use) into one buffer and reduce-scatter it, with the
@@ -217,9 +217,7 @@ def reduce_scatter(
         return None
     params, used = [params[i] for i in taken], [used[i] for i in taken]
     grads = [grads[i] for i in taken]
-    blocks = blocks or {}
-    layout = [blocks.get(p) or (p.block_shape.numel(), tuple(p.block_shape)) for p in params]
-    sizes, shapes = [n for n, _ in layout], [shape for _, shape in layout]
+    sizes, shapes = [blocks[p][0] for p in params], [blocks[p][1] for p in params]
     S = info.shard_size
     # see [Note: the gradients go at the pack]
     packed = torch.cat([g.view(S, -1) for g in grads], dim=1).view(-1)  # (S * per-rank,)

@@ -124,10 +124,10 @@ class FlatParamGroup(ParamGroup):
                 self.all_reduce_grads,
                 self.gradient_divisor(),
                 comm,
+                self.blocks,
                 self.comms.reduce_scatter,
                 self.reduce_unused,
                 self.reduce_scatter_group,
-                self.blocks,
             )
             if result is not None:
                 self.usage.update(zip(result.params, result.used))
