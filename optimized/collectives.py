@@ -110,30 +110,39 @@ class ReduceScatterResult:
 
 
 @without_grad
-def all_gather(params: list, dtypes: list, mesh, comm: CommContext, custom=None) -> AllGatherResult:
+def all_gather(
+    params: list, dtypes: list, mesh, comm: CommContext, custom=None, kept=None
+) -> AllGatherResult:
     """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over the
     shard group of ``mesh`` (a ``MeshInfo``), with the user's ``custom`` all-gather if one was
-    set (it allocates the output and is called once for the whole group). Replaces the
-    reference's ``ShardedParam.unshard`` loop of one blocking all-gather per parameter; see
-    [Note: one flat buffer per group]."""
+    set (it allocates the output and is called once for the whole group). ``kept``: the
+    group's padded blocks, flat, kept ready (``FlatParamGroup.kept_shards``), concatenated as
+    they are. Replaces the reference's ``ShardedParam.unshard`` loop of one blocking all-gather per
+    parameter; see [Note: one flat buffer per group]."""
     comm.before_all_gather()
     first = dtypes[0]
     mixed = dtypes.count(first) != len(dtypes)
     as_bytes = mixed or (first.itemsize == 1 and first.is_floating_point)  # float8 too
+    kept = None if as_bytes else kept
     ranks = mesh.shard_size
     with comm.on(comm.copy_in_stream):
-        pieces = [p.all_gather_input(d).ravel() for p, d in zip(params, dtypes)]
-        pieces = [x.view(torch.uint8) for x in pieces] if as_bytes else pieces
+        if kept is None:
+            pieces = [p.all_gather_input(d).ravel() for p, d in zip(params, dtypes)]
+            pieces = [x.view(torch.uint8) for x in pieces] if as_bytes else pieces
+            numel, dtype, device = sum(x.numel() for x in pieces), pieces[0].dtype, pieces[0].device
+        else:  # see [Note: the group keeps its blocks padded] in flat_group.py
+            pieces = kept
+            numel, dtype, device = sum(x.numel() for x in kept), first, kept[0].device
         if ranks == 1:  # one rank: nothing to exchange, the copy-out reads the input itself
-            send = torch.cat(pieces)
+            send = torch.cat(pieces).to(dtype=dtype)  # a new tensor: the kept blocks stay
             pending = comm.done_on(comm.copy_in_stream)
             return AllGatherResult(pending, send, send, 1, params, dtypes, as_bytes)
         # see [Note: gathered in place]
-        size, dtype = (ranks * sum(x.numel() for x in pieces),), pieces[0].dtype
-        recv = custom.allocate(size, dtype=dtype, device=pieces[0].device) if custom else None
-        recv = pieces[0].new_empty(size) if recv is None else recv
+        size = (ranks * numel,)
+        recv = custom.allocate(size, dtype=dtype, device=device) if custom else None
+        recv = torch.empty(size, dtype=dtype, device=device) if recv is None else recv
         send = recv.view(ranks, -1)[mesh.shard_rank]  # this rank's slot
-        torch.cat(pieces, out=send)
+        torch.cat(pieces, out=send)  # kept blocks are cast to the compute dtype on the way
     comm.all_gather_stream.wait_stream(comm.copy_in_stream)
     with comm.on(comm.all_gather_stream):
         pending = comm.issue(

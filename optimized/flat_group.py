@@ -45,6 +45,9 @@ class FlatParamGroup(ParamGroup):
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
         self.copy_out_views: dict = {}  # see [Note: the copy-out views are kept]
+        # see [Note: the group keeps its blocks padded]; False where a parameter cannot be kept so
+        self.can_keep_shards = all(p.shard_storage_shape() is not None for p in self.params)
+        self.kept_blocks: list = []  # per parameter: its padded block, flat: (chunk * rest,)
         # each parameter's block, (numel, shape): fixed when the parameter was sharded
         self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}
 
@@ -84,9 +87,53 @@ class FlatParamGroup(ParamGroup):
         mesh = params[0].all_gather_mesh(self.post_forward_info)
         with profiled("twinshard::unshard"):
             dtypes = self.param_dtypes(params)
+            kept = self.kept_shards(params)
             self.in_flight = all_gather(
-                params, dtypes, mesh, self.own_comm(), self.comms.all_gather
+                params, dtypes, mesh, self.own_comm(), self.comms.all_gather, kept
             )
+
+    def kept_shards(self, params: list) -> list | None:
+        """Each parameter's padded block, flat, in storage the group keeps, ready to be
+        concatenated into the all-gather as they are; None where each block is taken through
+        ``all_gather_input`` (a group that cannot be kept so, of mixed dtypes, or with only a
+        post-forward piece to gather).
+
+        [Note: the group keeps its blocks padded]
+        Each parameter's block lives padded to ``chunk`` rows in a tensor the group allocated,
+        and the sharded ``DTensor``'s local tensor is a view of its first rows
+        (``ShardedParam.keep_shard_in``), so the optimizer steps that tensor. The copy-in is then
+        one concatenation (with the cast to the compute dtype) instead of taking, padding and
+        flattening each block at every unshard, which on small parameters costs more than the
+        data it moves. Blocks are moved in at the first unshard, and again for a parameter the
+        user gave new memory since (``ShardedParam.shard_is_kept``). One tensor per parameter,
+        not one buffer for the group: a view at an offset into a larger storage cannot be
+        pickled once ``state_dict`` detaches it (torch.save of such a ``DTensor`` fails), while
+        a view of the first rows can; DCP saves only the view."""
+        if not self.can_keep_shards or len(params) != len(self.params):
+            return None
+        if all(p.state is ParamState.SHARDED and p.shard_is_kept() for p in params):
+            return self.kept_blocks
+        if any(p.state is not ParamState.SHARDED for p in params):
+            return None
+        return self.keep_shards()
+
+    def keep_shards(self) -> list | None:
+        """Move every block not yet kept into storage of the group, allocated anew for a
+        parameter whose dtype changed; None for a group of mixed dtypes."""
+        for p in self.params:
+            p.refresh()  # adopt parameters the user replaced, before their dtype is read
+        dtypes = [p.sharded_param.dtype for p in self.params]
+        if dtypes.count(dtypes[0]) != len(dtypes):
+            return None
+        if len(self.kept_blocks) != len(self.params):
+            self.kept_blocks = [None] * len(self.params)
+        for i, p in enumerate(self.params):
+            kept = self.kept_blocks[i]  # (chunk * rest,) or None
+            if kept is None or kept.dtype != dtypes[0] or not p.shard_is_kept():
+                storage = torch.empty(p.shard_storage_shape(), dtype=dtypes[0], device=self.device)
+                p.keep_shard_in(storage)  # (chunk, *rest)
+                self.kept_blocks[i] = storage.view(-1)  # (chunk * rest,)
+        return self.kept_blocks
 
     @without_grad
     def wait_for_unshard(self) -> None:

@@ -102,7 +102,9 @@ class GradientPath:
     def accumulate_grad(self, block: torch.Tensor) -> None:
         """Add a reduced block (chunk, *rest) to the sharded ``DTensor`` gradient, dropping the
         padding rows and moving it to the shard's dtype and device."""
-        block = self.rows_first(block[: self.local_rows])  # back in the parameter's own layout
+        if self.local_rows < self.chunk:  # (slicing costs a microsecond even when it keeps all)
+            block = block[: self.local_rows]  # (local_rows, *rest)
+        block = self.rows_first(block)  # back in the parameter's own layout
         block = block.to(self.shard_device, self.sharded_param.dtype)
         if self.sharded_param.grad is None:
             # A gradient is laid out exactly like its parameter, so it takes the parameter's

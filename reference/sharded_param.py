@@ -23,6 +23,8 @@ time, and ``twinshard.optimized`` calls the very same methods around its batched
     unshard   all_gather_mesh -> all_gather_input -> (all-gather) -> all_gather_output
               -> finish_unshard                                   (``unshard`` does all five)
     reshard   reshard
+    keep      shard_storage_shape -> keep_shard_in; shard_is_kept at each unshard
+              (an implementation's own storage for the shards; the reference does not use it)
     reduce    take_grad -> reduce_scatter_input -> (reduce-scatter) -> combine_partial_sum
               -> (all-reduce) -> accumulate_grad                  (``reduce_grad`` does them all)
 """
@@ -92,6 +94,7 @@ class ShardedParam(GradientPath):
         self.post_forward_block: torch.Tensor | None = None  # SHARDED_POST_FORWARD piece
         self.grad_to_reduce: torch.Tensor | None = None  # (rows, *rest) unreduced gradient sum
         self.partial_sum: torch.Tensor | None = None  # HSDP: reduce-scattered, not all-reduced
+        self.kept_local: torch.Tensor | None = None  # keep_shard_in: the view it made the local
         self.sharded_param = nn.Parameter(self._shard(whole), requires_grad=param.requires_grad)
         self.state = ParamState.SHARDED
         self._register(self.sharded_param)
@@ -191,6 +194,40 @@ class ShardedParam(GradientPath):
         # parameter it makes a new view at every call (torch 2.13), twice per step and parameter.
         local = self.rows_first(self.sharded_param._local_tensor)  # (<= chunk, *rest)
         return pad_rows(local.to(self.device, dtype), self.chunk).contiguous()  # (chunk, *rest)
+
+    # --- the shard in storage the caller owns (one buffer per group) --------------------------
+    def shard_storage_shape(self) -> torch.Size | None:
+        """The (chunk, *rest) tensor ``keep_shard_in`` takes, or None where the shard cannot
+        live in a caller's storage: a tensor-parallel parameter, a ``Shard(dim)`` with dim > 0
+        (its block is not whole rows of memory) and an offloaded one (its shard stays on the
+        host while the all-gather runs on the compute device)."""
+        if self.tp is not None or self.dim != 0 or self.shard_device != self.device:
+            return None
+        return self.block_shape
+
+    def keep_shard_in(self, storage: torch.Tensor) -> None:
+        """Move this rank's block into ``storage`` (chunk, *rest), a slice of a buffer the caller
+        owns, in the sharded parameter's dtype: the block fills its first ``local_rows`` rows,
+        the padding rows are zeroed, and the sharded ``DTensor`` takes that view as its local
+        tensor. The ``DTensor`` stays the same object, so an optimizer holding it steps the
+        storage from now on. The reference keeps each block on its own and does not call this;
+        ``twinshard.optimized`` keeps a group's blocks side by side, ready to all-gather."""
+        self.refresh()  # a replaced parameter is adopted first; a meta one is refused
+        kept = storage.narrow(0, 0, self.local_rows)  # (local_rows, *rest)
+        kept.copy_(self.sharded_param._local_tensor)
+        storage.narrow(0, self.local_rows, self.chunk - self.local_rows).zero_()  # the padding
+        self.sharded_param._local_tensor = kept
+        self.kept_local = kept
+
+    def shard_is_kept(self) -> bool:
+        """Whether the module's sharded parameter still lives where ``keep_shard_in`` put it.
+        ``load_state_dict(assign=True)``, ``to_empty`` or ``module.to`` give it new memory;
+        loading values in place (``load_state_dict``, DCP, ``copy_``) keeps it there."""
+        module, name = self.owners[0]
+        return (
+            module._parameters[name] is self.sharded_param
+            and self.sharded_param._local_tensor is self.kept_local
+        )
 
     def all_gather_output(self, dtype: torch.dtype) -> torch.Tensor:
         """The tensor the all-gather fills, (S * chunk, *rest), with its memory (re)allocated.

@@ -3,7 +3,8 @@
 ``twinshard.optimized`` may use the reference only through public names: it never imports or
 touches an underscore name defined in ``reference/``, and it never assigns to the attributes
 of a ``ShardedParam`` (it moves parameters between states only through the contract methods).
-The contract methods themselves are documented, and both trees call them.
+The contract methods themselves are documented, and both trees call them (the few the reference
+offers without using them itself, the optimized path calls).
 """
 
 import ast
@@ -29,6 +30,9 @@ CONTRACT = (
     "refresh",
     "has_new_grad",
 )
+# Offered by the reference for an implementation that keeps the blocks in storage of its own;
+# the reference keeps each block on its own and does not call them.
+OFFERED = ("shard_storage_shape", "keep_shard_in", "shard_is_kept")
 BATCHED = (
     "all_gather_mesh",
     "all_gather_input",
@@ -123,3 +127,10 @@ def test_optimized_collectives_call_the_contract(name):
         in (ROOT / "optimized" / "collectives.py").read_text()
         + (ROOT / "optimized" / "flat_group.py").read_text()
     )
+
+
+@pytest.mark.parametrize("name", OFFERED)
+def test_offered_methods_are_documented_and_used_by_the_optimized_path(name):
+    doc = getattr(ShardedParam, name).__doc__
+    assert doc and len(doc.split()) >= 8, f"ShardedParam.{name} needs a docstring"
+    assert f".{name}(" in (ROOT / "optimized" / "flat_group.py").read_text()
