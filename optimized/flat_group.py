@@ -45,8 +45,13 @@ class FlatParamGroup(ParamGroup):
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
         self.copy_out_views: dict = {}  # see [Note: the copy-out views are kept]
-        # see [Note: the group keeps its blocks padded]; False where a parameter cannot be kept so
-        self.can_keep_shards = all(p.shard_storage_shape() is not None for p in self.params)
+        # see [Note: the group keeps its blocks padded]; False where a parameter cannot be kept
+        # so, and for a group of mixed dtypes (a frozen float8 weight beside float32 ones): its
+        # blocks are gathered as bytes, each from its own tensor
+        dtypes = [p.sharded_param.dtype for p in self.params]
+        self.can_keep_shards = dtypes.count(dtypes[0]) == len(dtypes) and all(
+            p.shard_storage_shape() is not None for p in self.params
+        )
         self.kept_blocks: list = []  # per parameter: its padded block, flat: (chunk * rest,)
         # each parameter's block, (numel, shape): fixed when the parameter was sharded
         self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}

@@ -3,7 +3,8 @@ sharded ``DTensor``'s local tensor ([Note: the group keeps its blocks padded] in
 ``optimized/flat_group.py``). Checked on 2 gloo ranks, with a layer of 5 rows (rank 1 holds two
 rows and one padding row): the parameters stay the same objects, their local tensors are views
 of the kept blocks, the padding is zero, the optimizer's updates reach the next all-gather, a
-parameter loaded with ``assign=True`` is moved in again, and the state dict still pickles.
+parameter loaded with ``assign=True`` is moved in again, the state dict still pickles, and a
+group whose dtypes became mixed takes each block on its own again.
 """
 
 import copy
@@ -13,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from twinshard.launch import launch
+from twinshard.reference.state import get_state
 
 
 def _plain_and_sharded():
@@ -27,8 +29,6 @@ def _plain_and_sharded():
 
 
 def _kept_blocks(model) -> list:
-    from twinshard.reference.state import get_state
-
     return [t for m in (model[0], model) for t in get_state(m).group.kept_blocks]
 
 
@@ -67,11 +67,19 @@ def _train_and_reload():
     found["assigned_objects"] = model[0].weight is not w
     found["assigned_kept"] = all(_is_kept(p, _kept_blocks(model)) for p in model.parameters())
     torch.save(model.state_dict(), io.BytesIO())  # raises if a kept view cannot be pickled
+    # one parameter of another dtype since: the group takes each block on its own again
+    first = model[0]
+    group = get_state(first).group
+    found["kept_before_mixed"] = group.kept_shards(group.params) is not None
+    wide = {"weight": first.weight.detach().to(torch.float64), "bias": first.bias.detach()}
+    first.load_state_dict(wide, assign=True)
+    found["kept_when_mixed"] = group.kept_shards(group.params) is not None
     return found
 
 
 def test_the_group_keeps_the_blocks_and_follows_replaced_parameters():
-    for found in launch(_train_and_reload, 2, backend="gloo"):
+    results = launch(_train_and_reload, 2, backend="gloo")
+    for found in results:
         assert found["same_objects"], "keeping the blocks must not replace the parameters"
         assert found["all_kept"], "a local tensor is not a view of its group's kept block"
         assert found["padding_zero"], "the padding rows of a kept block must be zero"
@@ -79,5 +87,6 @@ def test_the_group_keeps_the_blocks_and_follows_replaced_parameters():
         assert found["assigned_objects"]
         assert found["assigned_kept"], "an assigned parameter was not moved into the storage"
         assert found["after_assign"] < 1e-5, found
-    by_rank = [f["local_rows"] for f in launch(_train_and_reload, 2, backend="gloo")]
-    assert by_rank == [3, 2]
+        assert found["kept_before_mixed"]
+        assert not found["kept_when_mixed"], "a group of mixed dtypes cannot keep one layout"
+    assert [f["local_rows"] for f in results] == [3, 2]
