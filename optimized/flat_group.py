@@ -52,7 +52,8 @@ class FlatParamGroup(ParamGroup):
         self.can_keep_shards = dtypes.count(dtypes[0]) == len(dtypes) and all(
             p.shard_storage_shape() is not None for p in self.params
         )
-        self.kept_blocks: list = []  # per parameter: its padded block, flat: (chunk * rest,)
+        # per parameter: its padded block, flat, (chunk * rest,); None until it moves in
+        self.kept_blocks: list = [None] * len(self.params)
         # each parameter's block, (numel, shape): fixed when the parameter was sharded
         self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}
 
@@ -116,25 +117,22 @@ class FlatParamGroup(ParamGroup):
         a view of the first rows can; DCP saves only the view."""
         if not self.can_keep_shards or len(params) != len(self.params):
             return None
-        if all(p.state is ParamState.SHARDED and p.shard_is_kept() for p in params):
-            return self.kept_blocks
         if any(p.state is not ParamState.SHARDED for p in params):
             return None
+        if all(p.shard_is_kept() for p in params):
+            return self.kept_blocks
         return self.keep_shards()
 
     def keep_shards(self) -> list | None:
-        """Move every block not yet kept into storage of the group, allocated anew for a
-        parameter whose dtype changed; None for a group of mixed dtypes."""
+        """Move every block not yet kept (or given new memory since) into a new tensor of
+        the group, in the parameter's dtype; None for a group whose dtypes became mixed."""
         for p in self.params:
             p.refresh()  # adopt parameters the user replaced, before their dtype is read
         dtypes = [p.sharded_param.dtype for p in self.params]
         if dtypes.count(dtypes[0]) != len(dtypes):
             return None
-        if len(self.kept_blocks) != len(self.params):
-            self.kept_blocks = [None] * len(self.params)
         for i, p in enumerate(self.params):
-            kept = self.kept_blocks[i]  # (chunk * rest,) or None
-            if kept is None or kept.dtype != dtypes[0] or not p.shard_is_kept():
+            if not p.shard_is_kept():
                 storage = torch.empty(p.shard_storage_shape(), dtype=dtypes[0], device=self.device)
                 p.keep_shard_in(storage)  # (chunk, *rest)
                 self.kept_blocks[i] = storage.view(-1)  # (chunk * rest,)

@@ -195,7 +195,7 @@ class ShardedParam(GradientPath):
         local = self.rows_first(self.sharded_param._local_tensor)  # (<= chunk, *rest)
         return pad_rows(local.to(self.device, dtype), self.chunk).contiguous()  # (chunk, *rest)
 
-    # --- the shard in storage the caller owns (one buffer per group) --------------------------
+    # --- the shard in storage the caller owns (a tensor per block, kept by the group) ----------
     def shard_storage_shape(self) -> torch.Size | None:
         """The (chunk, *rest) tensor ``keep_shard_in`` takes, or None where the shard cannot
         live in a caller's storage: a tensor-parallel parameter, a ``Shard(dim)`` with dim > 0
@@ -206,12 +206,12 @@ class ShardedParam(GradientPath):
         return self.block_shape
 
     def keep_shard_in(self, storage: torch.Tensor) -> None:
-        """Move this rank's block into ``storage`` (chunk, *rest), a slice of a buffer the caller
-        owns, in the sharded parameter's dtype: the block fills its first ``local_rows`` rows,
+        """Move this rank's block into ``storage`` (chunk, *rest), a tensor the caller owns, in
+        the sharded parameter's dtype: the block fills its first ``local_rows`` rows,
         the padding rows are zeroed, and the sharded ``DTensor`` takes that view as its local
         tensor. The ``DTensor`` stays the same object, so an optimizer holding it steps the
         storage from now on. The reference keeps each block on its own and does not call this;
-        ``twinshard.optimized`` keeps a group's blocks side by side, ready to all-gather."""
+        ``twinshard.optimized`` keeps a group's blocks padded, ready to be concatenated."""
         self.refresh()  # a replaced parameter is adopted first; a meta one is refused
         kept = storage.narrow(0, 0, self.local_rows)  # (local_rows, *rest)
         kept.copy_(self.sharded_param._local_tensor)
