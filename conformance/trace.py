@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from twinshard.schedule.record import gathered_in_place
+
 # c10d operator name -> the collective it is
 OPS = {
     "_allgather_base_": "all_gather",
@@ -31,12 +33,13 @@ OPS = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast",
+    "alltoall_base_": "all_to_all",
 }
 
 
 @dataclass(frozen=True)
 class Call:
-    op: str  # all_gather | reduce_scatter | all_reduce | broadcast
+    op: str  # all_gather | reduce_scatter | all_reduce | broadcast | all_to_all
     dtype: torch.dtype
     numel: int  # of the larger side: the gathered output / the reduce-scatter input
 
@@ -55,7 +58,10 @@ class CollectiveTrace(TorchDispatchMode):
             tensors = _tensors(args)
             if tensors:
                 big = max(tensors, key=lambda t: t.numel())
-                self.calls.append(Call(OPS[name], big.dtype, big.numel()))
+                op, numel = OPS[name], big.numel()
+                if op == "all_to_all" and (whole := gathered_in_place(tensors[:1], tensors[1:2])):
+                    op, numel = "all_gather", whole  # two ranks exchanging their blocks
+                self.calls.append(Call(op, big.dtype, numel))
         return func(*args, **(kwargs or {}))
 
 

@@ -26,6 +26,18 @@ The copy-in writes this rank's blocks straight into its slot of the all-gather's
 that slot is the collective's input: no separate send buffer (1/S of the group) is allocated.
 The output is therefore allocated on the copy-in stream, before the copy-in.
 
+[Note: all-gather on gloo]
+gloo's all-gather costs several times the CPU of the exchange it amounts to. Measured on the
+2-core CPU machine with 2 ranks and 5M fp32 elements per rank, ``all_gather_into_tensor`` took
+30-33 ms of CPU per call and an ``all_to_all_single`` that sends this rank's slot to the peer
+and receives the peer's slot 6-8 ms (1M elements: 6 ms against 1.2 ms). With a shard group of
+two ranks the all-gather is exactly that exchange, received straight into the peer's slot of
+the output, so on gloo such a group issues it instead: the same bytes on the wire, the same
+result bit for bit, no buffer added. Traces and recorded schedules count an exchange in place
+as the all-gather it is (``twinshard.schedule.record.gathered_in_place``). A larger group keeps
+the all-gather: ``all_to_all_single`` takes one input split per peer, so it would need this
+rank's slot once per peer, a copy of the whole group.
+
 [Note: mixed dtypes in one group]
 A group may hold parameters of several dtypes (a frozen float8 weight beside float32 ones). A
 flat buffer has one dtype, and float8 has no type promotion, so such a group is gathered as
@@ -145,14 +157,30 @@ def all_gather(
         torch.cat(pieces, out=send)  # kept blocks are cast to the compute dtype on the way
     comm.all_gather_stream.wait_stream(comm.copy_in_stream)
     with comm.on(comm.all_gather_stream):
-        pending = comm.issue(
-            custom or all_gather_into,
-            recv,
-            send,
-            group=mesh.shard_group,
-            stream=comm.all_gather_stream,
-            about=params,
-        )
+        if ranks == 2 and custom is None and comm.runs_on_gloo(mesh.shard_group):
+            # see [Note: all-gather on gloo]
+            peer = 1 - mesh.shard_rank
+            splits = [0, 0]
+            splits[peer] = numel  # send this rank's slot to the peer, take the peer's
+            pending = comm.issue(
+                dist.all_to_all_single,
+                recv.view(ranks, -1)[peer],  # (per-rank numel,) the peer's slot
+                send,
+                output_split_sizes=splits,
+                input_split_sizes=splits,
+                group=mesh.shard_group,
+                stream=comm.all_gather_stream,
+                about=params,
+            )
+        else:
+            pending = comm.issue(
+                custom or all_gather_into,
+                recv,
+                send,
+                group=mesh.shard_group,
+                stream=comm.all_gather_stream,
+                about=params,
+            )
     return AllGatherResult(pending, send, recv, ranks, params, dtypes, as_bytes)
 
 
@@ -236,7 +264,7 @@ def reduce_scatter(
     with comm.on(comm.reduce_scatter_stream):
         if S == 1:  # one rank in the shard group: the sum is the input itself
             out, pending = packed, comm.done_on(comm.reduce_scatter_stream)
-        elif custom is None and info.replicate_group is None and comm.all_reduce_is_cheaper(group):
+        elif custom is None and info.replicate_group is None and comm.runs_on_gloo(group):
             # see [Note: reduce-scatter on gloo]
             out = packed.view(S, -1)[info.shard_rank]  # (per-rank numel,) this rank's block
             pending = comm.issue(

@@ -84,10 +84,10 @@ class CommContext:
             work = collective(*args, async_op=self.async_op, **kwargs)
             return Pending(work, stream.record_event())
 
-    def all_reduce_is_cheaper(self, group) -> bool:
-        """Whether ``group`` reduce-scatters by all-reducing a copy of the input (gloo), so that
-        all-reducing the input in place does the same with less; see [Note: reduce-scatter on
-        gloo] in ``collectives.py``."""
+    def runs_on_gloo(self, group) -> bool:
+        """Whether ``group``'s backend is gloo, whose all-gather and reduce-scatter cost more
+        than the exchanges they stand for; see [Note: all-gather on gloo] and [Note:
+        reduce-scatter on gloo] in ``collectives.py``."""
         if group not in self.backends:
             self.backends[group] = dist.get_backend(group)
         return self.backends[group] == "gloo"

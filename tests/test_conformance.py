@@ -216,3 +216,15 @@ def test_gloo_trace_counts_a_float_all_reduce_as_the_reduce_scatter():
         ("reduce_scatter", torch.float32, 16),
         ("all_reduce", torch.int32, 3),
     ]
+
+
+def test_an_exchange_in_place_counts_as_the_all_gather_it_stands_for():
+    import torch
+
+    from twinshard.schedule.record import gathered_in_place
+
+    buffer = torch.zeros(2, 5)  # two ranks' slots: this rank sends row 0 and receives row 1
+    assert gathered_in_place([buffer[1]], [buffer[0]]) == 10
+    assert gathered_in_place([buffer[1, :3]], [buffer[0]]) is None  # part of the buffer only
+    assert gathered_in_place([torch.zeros(5)], [buffer[0]]) is None  # memory not shared
+    assert gathered_in_place([buffer[1], buffer[0]], [buffer[0]]) is None  # not one of each

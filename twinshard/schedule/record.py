@@ -48,7 +48,27 @@ OPS = {
     "allreduce_": ("all_reduce", "tensors", "tensors"),
     "allreduce_coalesced_": ("all_reduce", "tensors", "tensors"),
     "broadcast_": ("broadcast", "tensors", "tensors"),
+    "alltoall_base_": ("all_to_all", "output", "input"),
 }
+
+
+def gathered_in_place(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> int | None:
+    """The elements of the all-gather that an all-to-all stands for, or None when it is not one.
+
+    Two ranks all-gather by exchanging their blocks: each sends its slot of a buffer and
+    receives the other's slot of the same buffer (twinshard's optimized path does so on gloo:
+    [Note: all-gather on gloo]). Such an all-to-all is recognised by its tensors alone: one
+    output and one input that share their memory and together cover it exactly. Any other
+    all-to-all stays one."""
+    if len(outputs) != 1 or len(inputs) != 1:
+        return None
+    out, inp = outputs[0], inputs[0]
+    if is_traceable_wrapper_subclass(out) or is_traceable_wrapper_subclass(inp):
+        return None
+    memory = out.untyped_storage()
+    numel = out.numel() + inp.numel()
+    shared = memory.data_ptr() == inp.untyped_storage().data_ptr()
+    return numel if shared and memory.nbytes() == numel * out.element_size() else None
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
@@ -307,6 +327,9 @@ class Recorder:
         bound.update(kwargs)
         outs, ins = _tensors(bound[out_name]), _tensors(bound[in_name])
         big = outs if sum(t.numel() for t in outs) >= sum(t.numel() for t in ins) else ins
+        numel = sum(t.numel() for t in big)
+        if op == "all_to_all" and (whole := gathered_in_place(outs, ins)) is not None:
+            op, numel = "all_gather", whole  # an exchange in place between two ranks
         try:
             ranks = dist.ProcessGroup.unbox(bound["process_group"]).size()
         except Exception:  # noqa: BLE001 - an unknown process-group object: size unknown
@@ -317,7 +340,7 @@ class Recorder:
             len(self.collectives),
             op,
             str(big[0].dtype).removeprefix("torch."),
-            sum(t.numel() * t.element_size() for t in big),
+            numel * big[0].element_size(),
             ranks,
             blocking,
             tick,
@@ -325,7 +348,7 @@ class Recorder:
         )
         self.busy = True
         try:
-            self.attributor.note_values(c, ins, sum(t.numel() for t in big))
+            self.attributor.note_values(c, ins, numel)
         finally:
             self.busy = False
         self.collectives.append(c)
