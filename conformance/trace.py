@@ -57,12 +57,19 @@ class CollectiveTrace(TorchDispatchMode):
         if namespace == "c10d" and name in OPS:
             tensors = _tensors(args)
             if tensors:
-                big = max(tensors, key=lambda t: t.numel())
-                op, numel = OPS[name], big.numel()
-                if op == "all_to_all" and (whole := gathered_in_place(tensors[:1], tensors[1:2])):
-                    op, numel = "all_gather", whole  # two ranks exchanging their blocks
-                self.calls.append(Call(op, big.dtype, numel))
+                op, numel = collective_size(name, tensors)
+                self.calls.append(Call(op, tensors[0].dtype, numel))
         return func(*args, **(kwargs or {}))
+
+
+def collective_size(name: str, tensors: list[torch.Tensor]) -> tuple[str, int]:
+    """The collective that the c10d operator ``name`` (a key of ``OPS``) issues on ``tensors``
+    (its output, then its input), and its elements: those of the larger side, or for an
+    exchange in place between two ranks the whole buffer it fills, as the all-gather it is."""
+    op = OPS[name]
+    if op == "all_to_all" and (whole := gathered_in_place(tensors[:1], tensors[1:2])):
+        return "all_gather", whole
+    return op, max(t.numel() for t in tensors)
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from twinshard.conformance.trace import OPS
+from twinshard.conformance.trace import OPS, collective_size
 
 CATEGORIES = ("sharded", "sharded_grad", "optimizer", "params", "unsharded", "grad", "comm")
 TRACKED = ("unsharded", "grad", "comm")  # what FSDP adds on top of the persistent state
@@ -150,9 +150,13 @@ class Probe(TorchDispatchMode):
         return now
 
     # --- collectives --------------------------------------------------------------------------
-    def saw_collective(self, op: str, tensors: list[torch.Tensor]) -> None:
-        big = max(tensors, key=lambda t: t.numel())
-        self.collectives.append((op, big.numel() * big.element_size()))
+    def saw_collective(
+        self, op: str, tensors: list[torch.Tensor], numel: int | None = None
+    ) -> None:
+        """Count collective ``op`` on ``tensors`` and the ``numel`` elements it moves (default:
+        those of its largest tensor)."""
+        numel = max(t.numel() for t in tensors) if numel is None else numel
+        self.collectives.append((op, numel * tensors[0].element_size()))
         for t in tensors:
             self._remember("comm", t)
         self.sample()
@@ -162,7 +166,8 @@ class Probe(TorchDispatchMode):
         name = func.__name__.split(".")[0] if hasattr(func, "__name__") else ""
         if getattr(func, "namespace", "") == "c10d" and name in OPS:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            self.saw_collective(OPS[name], tensors)
+            op, numel = collective_size(name, tensors)
+            self.saw_collective(op, tensors, numel)
         else:
             self.sample()
         return out
