@@ -171,6 +171,7 @@ def all_gather(
                 group=mesh.shard_group,
                 stream=comm.all_gather_stream,
                 about=params,
+                stands_for="all_gather",
             )
         else:
             pending = comm.issue(

@@ -76,10 +76,12 @@ class CommContext:
     def current_stream(self):
         return self.streams.current()
 
-    def issue(self, collective, *args, stream, about=(), **kwargs) -> Pending:
+    def issue(self, collective, *args, stream, about=(), stands_for=None, **kwargs) -> Pending:
         """Run ``collective(*args, **kwargs)`` on ``stream`` and say how to wait for it.
-        ``about``: the parameters it carries, named by the guard's checks in debug mode."""
-        check_collective(collective, args[-1], kwargs.get("group"), about)
+        ``about``: the parameters it carries, named by the guard's checks in debug mode;
+        ``stands_for``: the collective it amounts to, as those checks name it ("all_gather"
+        for an exchange between two ranks), if not its own."""
+        check_collective(stands_for or collective, args[-1], kwargs.get("group"), about)
         with self.on(stream):
             work = collective(*args, async_op=self.async_op, **kwargs)
             return Pending(work, stream.record_event())
