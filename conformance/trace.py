@@ -58,7 +58,8 @@ class CollectiveTrace(TorchDispatchMode):
             tensors = _tensors(args)
             if tensors:
                 op, numel = collective_size(name, tensors)
-                self.calls.append(Call(op, tensors[0].dtype, numel))
+                big = max(tensors, key=lambda t: t.numel())
+                self.calls.append(Call(op, big.dtype, numel))
         return func(*args, **(kwargs or {}))
 
 

@@ -155,8 +155,9 @@ class Probe(TorchDispatchMode):
     ) -> None:
         """Count collective ``op`` on ``tensors`` and the ``numel`` elements it moves (default:
         those of its largest tensor)."""
-        numel = max(t.numel() for t in tensors) if numel is None else numel
-        self.collectives.append((op, numel * tensors[0].element_size()))
+        big = max(tensors, key=lambda t: t.numel())
+        numel = big.numel() if numel is None else numel
+        self.collectives.append((op, numel * big.element_size()))
         for t in tensors:
             self._remember("comm", t)
         self.sample()
