@@ -229,7 +229,8 @@ class Recorder:
     # --- recording -----------------------------------------------------------------------------
     def __enter__(self) -> Recorder:
         self.events, self.collectives, self.in_flight = [], [], {}
-        self.gathered, self.reduced = [], []  # weak references to communication buffers
+        self.gathered = []  # (weak reference, Collective): all-gather outputs
+        self.reduced = []  # weak references to the gradients being reduced
         self.ticks, self.phase, self.callback_queued = itertools.count(), "forward", False
         self.attributor = Attributor(self.groups)
         self.watch = _Watch(self)
@@ -314,9 +315,15 @@ class Recorder:
                     params.update([_storage(t) or (0, 0)])
                     if t.grad is not None:
                         grads.update([_storage(t.grad) or (0, 0)])
-        self.gathered = [r for r in self.gathered if r() is not None]
+        # An all-gather's output counts while it is in flight, until something reads it (the
+        # copy-out): from then on the parameters hold the data, and a backend thread that has
+        # not yet let go of the output (gloo's, for a moment after the wait) is not the
+        # implementation's memory.
+        self.gathered = [
+            (r, c) for r, c in self.gathered if r() is not None and c.used_tick is None
+        ]
         self.reduced = [r for r in self.reduced if r() is not None]
-        params.update(_storage(r()) or (0, 0) for r in self.gathered)
+        params.update(_storage(r()) or (0, 0) for r, _ in self.gathered)
         grads.update(_storage(r()) or (0, 0) for r in self.reduced)
         return sum(params.values()), sum(grads.values())
 
@@ -356,7 +363,7 @@ class Recorder:
             if not blocking and (s := _storage(t)):
                 self.in_flight[s[0]] = c
         if op == "all_gather":
-            self.gathered += [weakref.ref(t) for t in outs]
+            self.gathered += [(weakref.ref(t), c) for t in outs]
         elif op == "reduce_scatter" or (op == "all_reduce" and big[0].is_floating_point()):
             self.reduced += [weakref.ref(t) for t in ins]  # gradients, as they are reduced
 
