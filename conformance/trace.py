@@ -57,20 +57,20 @@ class CollectiveTrace(TorchDispatchMode):
         if namespace == "c10d" and name in OPS:
             tensors = _tensors(args)
             if tensors:
-                op, numel = collective_size(name, tensors)
-                big = max(tensors, key=lambda t: t.numel())
+                op, numel, big = collective_size(name, tensors)
                 self.calls.append(Call(op, big.dtype, numel))
         return func(*args, **(kwargs or {}))
 
 
-def collective_size(name: str, tensors: list[torch.Tensor]) -> tuple[str, int]:
+def collective_size(name: str, tensors: list[torch.Tensor]) -> tuple[str, int, torch.Tensor]:
     """The collective that the c10d operator ``name`` (a key of ``OPS``) issues on ``tensors``
-    (its output, then its input), and its elements: those of the larger side, or for an
-    exchange in place between two ranks the whole buffer it fills, as the all-gather it is."""
-    op = OPS[name]
+    (its output, then its input), its elements and its largest tensor (whose dtype it runs
+    in). The elements are the largest tensor's, or for an exchange in place between two ranks
+    the whole buffer it fills, as the all-gather it is."""
+    op, big = OPS[name], max(tensors, key=lambda t: t.numel())
     if op == "all_to_all" and (whole := gathered_in_place(tensors[:1], tensors[1:2])):
-        return "all_gather", whole
-    return op, max(t.numel() for t in tensors)
+        return "all_gather", whole, big
+    return op, big.numel(), big
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -151,13 +151,14 @@ class Probe(TorchDispatchMode):
 
     # --- collectives --------------------------------------------------------------------------
     def saw_collective(
-        self, op: str, tensors: list[torch.Tensor], numel: int | None = None
+        self, op: str, tensors: list[torch.Tensor], nbytes: int | None = None
     ) -> None:
-        """Count collective ``op`` on ``tensors`` and the ``numel`` elements it moves (default:
-        those of its largest tensor)."""
-        big = max(tensors, key=lambda t: t.numel())
-        numel = big.numel() if numel is None else numel
-        self.collectives.append((op, numel * big.element_size()))
+        """Count collective ``op`` on ``tensors`` and the ``nbytes`` it moves (default: those of
+        its largest tensor)."""
+        if nbytes is None:
+            big = max(tensors, key=lambda t: t.numel())
+            nbytes = big.numel() * big.element_size()
+        self.collectives.append((op, nbytes))
         for t in tensors:
             self._remember("comm", t)
         self.sample()
@@ -167,8 +168,8 @@ class Probe(TorchDispatchMode):
         name = func.__name__.split(".")[0] if hasattr(func, "__name__") else ""
         if getattr(func, "namespace", "") == "c10d" and name in OPS:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            op, numel = collective_size(name, tensors)
-            self.saw_collective(op, tensors, numel)
+            op, numel, big = collective_size(name, tensors)
+            self.saw_collective(op, tensors, numel * big.element_size())
         else:
             self.sample()
         return out
