@@ -129,8 +129,8 @@ def all_gather(
     shard group of ``mesh`` (a ``MeshInfo``), with the user's ``custom`` all-gather if one was
     set (it allocates the output and is called once for the whole group). ``kept``: the
     group's padded blocks, flat, kept ready (``FlatParamGroup.kept_shards``), concatenated as
-    they are. Replaces the reference's ``ShardedParam.unshard`` loop of one blocking all-gather per
-    parameter; see [Note: one flat buffer per group]."""
+    they are, and their total numel. Replaces the reference's ``ShardedParam.unshard`` loop of
+    one blocking all-gather per parameter; see [Note: one flat buffer per group]."""
     comm.before_all_gather()
     first = dtypes[0]
     mixed = dtypes.count(first) != len(dtypes)
@@ -143,8 +143,8 @@ def all_gather(
             pieces = [x.view(torch.uint8) for x in pieces] if as_bytes else pieces
             numel, dtype, device = sum(x.numel() for x in pieces), pieces[0].dtype, pieces[0].device
         else:  # see [Note: the group keeps its blocks padded] in flat_group.py
-            pieces = kept
-            numel, dtype, device = sum(x.numel() for x in kept), first, kept[0].device
+            pieces, numel = kept
+            dtype, device = first, pieces[0].device
         if ranks == 1:  # one rank: nothing to exchange, the copy-out reads the input itself
             send = torch.cat(pieces).to(dtype=dtype)  # a new tensor: the kept blocks stay
             pending = comm.done_on(comm.copy_in_stream)
@@ -153,7 +153,7 @@ def all_gather(
         size = (ranks * numel,)
         recv = custom.allocate(size, dtype=dtype, device=device) if custom else None
         recv = torch.empty(size, dtype=dtype, device=device) if recv is None else recv
-        send = recv.view(ranks, -1)[mesh.shard_rank]  # this rank's slot
+        send = recv.narrow(0, mesh.shard_rank * numel, numel)  # this rank's slot
         torch.cat(pieces, out=send)  # kept blocks are cast to the compute dtype on the way
     comm.all_gather_stream.wait_stream(comm.copy_in_stream)
     with comm.on(comm.all_gather_stream):
@@ -258,7 +258,8 @@ def reduce_scatter(
     sizes, shapes = [blocks[p][0] for p in params], [blocks[p][1] for p in params]
     S = info.shard_size
     # see [Note: the gradients go at the pack]
-    packed = torch.cat([g.view(S, -1) for g in grads], dim=1).view(-1)  # (S * per-rank,)
+    # rank-major: block r of every gradient, for r = 0 .. S-1 (one op instead of a view each)
+    packed = torch._chunk_cat(grads, dim=0, num_chunks=S).view(-1)  # (S * per-rank,)
     comm.streams.release(grads, "release of the unreduced gradients")
     del grads
     comm.reduce_scatter_stream.wait_stream(comm.current_stream())

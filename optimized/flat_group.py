@@ -56,6 +56,7 @@ class FlatParamGroup(ParamGroup):
         self.kept_blocks: list = [None] * len(self.params)
         # each parameter's block, (numel, shape): fixed when the parameter was sharded
         self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}
+        self.kept_numel = sum(numel for numel, _ in self.blocks.values())  # all blocks, per rank
 
     def use_comm(self, comm: CommContext) -> None:
         """Share ``comm`` (the root's) from now on."""
@@ -80,12 +81,15 @@ class FlatParamGroup(ParamGroup):
         self.reduce_scatter_group = SEPARATE_GROUPS[ranks]
 
     # --- unshard: one all-gather, issued early ---------------------------------------------------
-    @without_grad
     def unshard_async(self) -> None:
         """Issue the group's all-gather and return (replaces ``ParamGroup.unshard``'s loop of
-        blocking per-parameter all-gathers)."""
-        if self.in_flight is not None:
-            return
+        blocking per-parameter all-gathers). The hooks call it for a group that a prefetch may
+        have started already; then there is nothing to do, and that costs one test."""
+        if self.in_flight is None:
+            self.issue_all_gather()
+
+    @without_grad
+    def issue_all_gather(self) -> None:
         params = [p for p in self.params if p.state is not ParamState.UNSHARDED]
         if not params:
             return
@@ -98,11 +102,11 @@ class FlatParamGroup(ParamGroup):
                 params, dtypes, mesh, self.own_comm(), self.comms.all_gather, kept
             )
 
-    def kept_shards(self, params: list) -> list | None:
+    def kept_shards(self, params: list) -> tuple[list, int] | None:
         """Each parameter's padded block, flat, in storage the group keeps, ready to be
-        concatenated into the all-gather as they are; None where each block is taken through
-        ``all_gather_input`` (a group that cannot be kept so, of mixed dtypes, or with only a
-        post-forward piece to gather).
+        concatenated into the all-gather as they are, and their total numel; None where each
+        block is taken through ``all_gather_input`` (a group that cannot be kept so, of mixed
+        dtypes, or with only a post-forward piece to gather).
 
         [Note: the group keeps its blocks padded]
         Each parameter's block lives padded to ``chunk`` rows in a tensor the group allocated,
@@ -120,12 +124,13 @@ class FlatParamGroup(ParamGroup):
         if any(p.state is not ParamState.SHARDED for p in params):
             return None
         if all(p.shard_is_kept() for p in params):
-            return self.kept_blocks
+            return self.kept_blocks, self.kept_numel
         return self.keep_shards()
 
-    def keep_shards(self) -> list | None:
+    def keep_shards(self) -> tuple[list, int] | None:
         """Move every block not yet kept (or given new memory since) into a new tensor of
-        the group, in the parameter's dtype; None for a group whose dtypes became mixed."""
+        the group, in the parameter's dtype, as ``kept_shards`` returns them; None for a group
+        whose dtypes became mixed."""
         for p in self.params:
             p.refresh()  # adopt parameters the user replaced, before their dtype is read
         dtypes = [p.sharded_param.dtype for p in self.params]
@@ -136,9 +141,8 @@ class FlatParamGroup(ParamGroup):
                 storage = torch.empty(p.shard_storage_shape(), dtype=dtypes[0], device=self.device)
                 p.keep_shard_in(storage)  # (chunk, *rest)
                 self.kept_blocks[i] = storage.view(-1)  # (chunk * rest,)
-        return self.kept_blocks
+        return self.kept_blocks, self.kept_numel
 
-    @without_grad
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather in flight, if any, and copy the parameters out of it."""
         result, self.in_flight = self.in_flight, None
@@ -151,7 +155,6 @@ class FlatParamGroup(ParamGroup):
         self.unshard_async()
         self.wait_for_unshard()
 
-    @without_grad
     def reshard(self, after_forward: bool = False) -> None:
         self.wait_for_unshard()  # a prefetched gather that nobody used: finish, then free
         super().reshard(after_forward)

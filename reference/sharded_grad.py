@@ -108,10 +108,11 @@ class GradientPath:
         block = block.to(self.shard_device, self.sharded_param.dtype)
         if self.sharded_param.grad is None:
             # A gradient is laid out exactly like its parameter, so it takes the parameter's
-            # DTensor spec as it is: ``DTensor.from_local`` would build and check a new one for
-            # every parameter at every step, which costs more than the reduction on small models.
+            # spec as it is, through ``DTensor.__new__``: ``from_local`` (a new spec, checked) and
+            # calling the class (its empty ``__init__`` sits behind a compiler guard) cost more.
             spec = self.sharded_param._spec  # mesh, placements, global shape, stride, dtype
-            self.sharded_param.grad = DTensor(block.contiguous(), spec, requires_grad=False)
+            grad = DTensor.__new__(DTensor, block.contiguous(), spec, requires_grad=False)
+            self.sharded_param.grad = grad
         else:
             self.sharded_param.grad.to_local().add_(block)
         # Autograd never accumulates into the sharded parameter, so it never runs the hooks
