@@ -37,7 +37,9 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _join_simulated_world(config: RunConfig) -> None:
+def join_simulated_world(config: RunConfig) -> None:
+    """Make this process rank 0 of a world of ``config.world``: PyTorch's fake process group
+    (collectives do nothing) or the simulated network (``simnet``)."""
     if config.backend == "fake":
         import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
 
@@ -73,7 +75,7 @@ def run_rank(config: RunConfig) -> dict:
     """One implementation on this rank: step times, memory, collectives (see the module doc)."""
     if config.simulated:
         torch.set_num_threads(int(os.environ.get("TWINSHARD_THREADS", "1") or "0") or 1)
-        _join_simulated_world(config)
+        join_simulated_world(config)
     net = None
     if config.backend == "simnet":
         from . import simnet

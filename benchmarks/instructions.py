@@ -1,0 +1,112 @@
+"""Instructions per parameter group and step, counted by valgrind: the hook-overhead setting of
+``twinshard bench hooks`` (fake process group, world size 8, 64 blocks of width 32 plus the root).
+
+    python benchmarks/instructions.py                       # plain, reference, optimized, torch
+    python benchmarks/instructions.py --impls plain,optimized
+
+CPU time on a shared 2-core VM moves by 5-10% from one process to the next, more than a change
+of a few percent in the hooks. The number of instructions the CPU executes for the same steps
+varies by about 0.3% from run to run, so it tells such changes apart. Each implementation
+runs twice under ``valgrind --tool=callgrind``, for 2 and for 10 training steps
+after the same set-up; the difference divided by 8 steps and 65 groups is the count per group
+and step, and the plain model's count subtracted from it is the implementation's overhead.
+Instructions are not time (a cache miss costs more than an add), so quote CPU time from
+``twinshard bench hooks`` and use this to compare two versions of the code.
+
+``--run IMPL STEPS`` is the part that runs under valgrind: it builds the model and takes the
+steps, nothing else. Needs ``valgrind`` (Debian: ``apt-get install valgrind``); about two and a
+half minutes per implementation on the 2-core VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+GROUPS = 65  # 64 blocks and the root
+STEPS = (2, 10)  # the two runs whose difference is counted
+
+
+def take_steps(impl: str, steps: int) -> None:
+    import torch
+
+    from twinshard.bench.cli import DEFAULTS
+    from twinshard.bench.config import RunConfig, build
+    from twinshard.bench.runner import join_simulated_world
+
+    d = DEFAULTS["hooks"]
+    model = dict(n_layers=d["layers"], dim=d["dim"], n_heads=d["heads"], vocab_size=d["vocab"])
+    config = RunConfig(
+        impl=impl,
+        preset=d["preset"],
+        model=model,
+        backend=d["backend"],
+        world=d["world"],
+        seq=d["seq"],
+        per_rank=d["per_rank"],
+    )
+    torch.set_num_threads(1)
+    join_simulated_world(config)
+    tokens = torch.randint(0, d["vocab"], (d["per_rank"], d["seq"] + 1))
+    model, opt = build(config, torch.device("cpu"))
+    for _ in range(steps):
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def count(impl: str, steps: int) -> int:
+    """Instructions of a whole process that takes ``steps`` steps with ``impl``."""
+    cmd = [
+        "valgrind",
+        "--tool=callgrind",
+        "--callgrind-out-file=/dev/null",
+        os.path.realpath(sys.executable),  # the interpreter itself, not a launcher script
+        os.path.abspath(__file__),
+        "--run",
+        impl,
+        str(steps),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    found = re.search(r"Collected : (\d+)", out)
+    if found is None:
+        raise RuntimeError(f"valgrind printed no instruction count for {impl}:\n{out[-2000:]}")
+    return int(found.group(1))
+
+
+def per_group_step(impl: str) -> int:
+    with ThreadPoolExecutor(2) as pool:  # the two runs side by side, one per core
+        few, many = pool.map(lambda n: count(impl, n), STEPS)
+    return (many - few) // ((STEPS[1] - STEPS[0]) * GROUPS)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impls", default="plain,reference,optimized,torch")
+    parser.add_argument("--run", nargs=2, metavar=("IMPL", "STEPS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        take_steps(args.run[0], int(args.run[1]))
+        return 0
+    if shutil.which("valgrind") is None:
+        sys.exit("benchmarks/instructions.py needs valgrind (Debian: apt-get install valgrind)")
+    impls = [i for i in args.impls.split(",") if i]
+    counts = {impl: per_group_step(impl) for impl in impls}
+    floor = counts.get("plain", 0)
+    torch_over = counts["torch"] - floor if "torch" in counts else None
+    print("| impl | instructions per group and step | overhead over plain | vs torch |")
+    print("|---|---|---|---|")
+    for impl, n in counts.items():
+        over = n - floor
+        ratio = f"{over / torch_over:.3f}x" if torch_over and impl != "plain" else "-"
+        print(f"| {impl} | {n:,} | {over:,} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
