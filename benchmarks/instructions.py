@@ -6,7 +6,7 @@
 
 CPU time on a shared 2-core VM moves by 5-10% from one process to the next, more than a change
 of a few percent in the hooks. The number of instructions the CPU executes for the same steps
-varies by about 0.3% from run to run, so it tells such changes apart. Each implementation
+varies by less than 0.5% from run to run, so it tells such changes apart. Each implementation
 runs twice under ``valgrind --tool=callgrind``, for 2 and for 10 training steps
 after the same set-up; the difference divided by 8 steps and 65 groups is the count per group
 and step, and the plain model's count subtracted from it is the implementation's overhead.
@@ -28,34 +28,35 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-GROUPS = 65  # 64 blocks and the root
 STEPS = (2, 10)  # the two runs whose difference is counted
+
+
+def hooks_config(impl: str):
+    """The ``RunConfig`` that ``twinshard bench hooks`` runs, for ``impl``."""
+    from dataclasses import replace
+
+    from twinshard.bench.cli import add_arguments, config_from, resolve
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["hooks"])
+    resolve(args)
+    return replace(config_from(args), impl=impl)
 
 
 def take_steps(impl: str, steps: int) -> None:
     import torch
 
-    from twinshard.bench.cli import DEFAULTS
-    from twinshard.bench.config import RunConfig, build
+    from twinshard.bench.config import build, forward_backward
     from twinshard.bench.runner import join_simulated_world
 
-    d = DEFAULTS["hooks"]
-    model = dict(n_layers=d["layers"], dim=d["dim"], n_heads=d["heads"], vocab_size=d["vocab"])
-    config = RunConfig(
-        impl=impl,
-        preset=d["preset"],
-        model=model,
-        backend=d["backend"],
-        world=d["world"],
-        seq=d["seq"],
-        per_rank=d["per_rank"],
-    )
+    config = hooks_config(impl)
     torch.set_num_threads(1)
     join_simulated_world(config)
-    tokens = torch.randint(0, d["vocab"], (d["per_rank"], d["seq"] + 1))
+    tokens = torch.randint(0, config.llama().vocab_size, (config.per_rank, config.seq + 1))
     model, opt = build(config, torch.device("cpu"))
     for _ in range(steps):
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        forward_backward(model, tokens)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -72,7 +73,8 @@ def count(impl: str, steps: int) -> int:
         impl,
         str(steps),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict and set orders every run
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stderr
     found = re.search(r"Collected : (\d+)", out)
     if found is None:
         raise RuntimeError(f"valgrind printed no instruction count for {impl}:\n{out[-2000:]}")
@@ -80,9 +82,10 @@ def count(impl: str, steps: int) -> int:
 
 
 def per_group_step(impl: str) -> int:
+    groups = hooks_config(impl).llama().n_layers + 1  # the blocks and the root
     with ThreadPoolExecutor(2) as pool:  # the two runs side by side, one per core
         few, many = pool.map(lambda n: count(impl, n), STEPS)
-    return (many - few) // ((STEPS[1] - STEPS[0]) * GROUPS)
+    return (many - few) // ((STEPS[1] - STEPS[0]) * groups)
 
 
 def main() -> int:
