@@ -3,6 +3,7 @@
 
     python benchmarks/instructions.py                       # plain, reference, optimized, torch
     python benchmarks/instructions.py --impls plain,optimized
+    python benchmarks/instructions.py --foreach auto        # the CPU's loop over the parameters
 
 CPU time on a shared 2-core VM moves by 5-10% from one process to the next, more than a change
 of a few percent in the hooks. The number of instructions the CPU executes for the same steps
@@ -13,8 +14,8 @@ and step, and the plain model's count subtracted from it is the implementation's
 Instructions are not time (a cache miss costs more than an add), so quote CPU time from
 ``twinshard bench hooks`` and use this to compare two versions of the code.
 
-``--run IMPL STEPS`` is the part that runs under valgrind: it builds the model and takes the
-steps, nothing else. Needs ``valgrind`` (Debian: ``apt-get install valgrind``); about two and a
+``--run IMPL STEPS FOREACH`` is the part that runs under valgrind: it builds the model and
+takes the steps, nothing else. Needs ``valgrind`` (Debian: ``apt-get install valgrind``); about two and a
 half minutes per implementation on the 2-core VM.
 """
 
@@ -31,26 +32,26 @@ from concurrent.futures import ThreadPoolExecutor
 STEPS = (2, 10)  # the two runs whose difference is counted
 
 
-def hooks_config(impl: str):
-    """The ``RunConfig`` that ``twinshard bench hooks`` runs, for ``impl``."""
+def hooks_config(impl: str, foreach: str = "on"):
+    """The ``RunConfig`` that ``twinshard bench hooks --foreach FOREACH`` runs, for ``impl``."""
     from dataclasses import replace
 
     from twinshard.bench.cli import add_arguments, config_from, resolve
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["hooks"])
+    args = parser.parse_args(["hooks", "--foreach", foreach])
     resolve(args)
     return replace(config_from(args), impl=impl)
 
 
-def take_steps(impl: str, steps: int) -> None:
+def take_steps(impl: str, steps: int, foreach: str) -> None:
     import torch
 
     from twinshard.bench.config import build, forward_backward
     from twinshard.bench.runner import join_simulated_world
 
-    config = hooks_config(impl)
+    config = hooks_config(impl, foreach)
     torch.set_num_threads(1)
     join_simulated_world(config)
     tokens = torch.randint(0, config.llama().vocab_size, (config.per_rank, config.seq + 1))
@@ -61,7 +62,7 @@ def take_steps(impl: str, steps: int) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def count(impl: str, steps: int) -> int:
+def count(impl: str, steps: int, foreach: str) -> int:
     """Instructions of a whole process that takes ``steps`` steps with ``impl``."""
     cmd = [
         "valgrind",
@@ -72,6 +73,7 @@ def count(impl: str, steps: int) -> int:
         "--run",
         impl,
         str(steps),
+        foreach,
     ]
     env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict and set orders every run
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stderr
@@ -81,25 +83,33 @@ def count(impl: str, steps: int) -> int:
     return int(found.group(1))
 
 
-def per_group_step(impl: str) -> int:
+def per_group_step(impl: str, foreach: str) -> int:
     groups = hooks_config(impl).llama().n_layers + 1  # the blocks and the root
     with ThreadPoolExecutor(2) as pool:  # the two runs side by side, one per core
-        few, many = pool.map(lambda n: count(impl, n), STEPS)
+        few, many = pool.map(lambda n: count(impl, n, foreach), STEPS)
     return (many - few) // ((STEPS[1] - STEPS[0]) * groups)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impls", default="plain,reference,optimized,torch")
-    parser.add_argument("--run", nargs=2, metavar=("IMPL", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--foreach",
+        choices=("auto", "on", "off"),
+        default="on",
+        help="the optimizer's foreach, as in twinshard bench hooks (default: on, as there)",
+    )
+    parser.add_argument(
+        "--run", nargs=3, metavar=("IMPL", "STEPS", "FOREACH"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.run:
-        take_steps(args.run[0], int(args.run[1]))
+        take_steps(args.run[0], int(args.run[1]), args.run[2])
         return 0
     if shutil.which("valgrind") is None:
         sys.exit("benchmarks/instructions.py needs valgrind (Debian: apt-get install valgrind)")
     impls = [i for i in args.impls.split(",") if i]
-    counts = {impl: per_group_step(impl) for impl in impls}
+    counts = {impl: per_group_step(impl, args.foreach) for impl in impls}
     floor = counts.get("plain", 0)
     torch_over = counts["torch"] - floor if "torch" in counts else None
     print("| impl | instructions per group and step | overhead over plain | vs torch |")

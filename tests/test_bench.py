@@ -160,6 +160,46 @@ def test_profile_categories():
     assert hooks.category("~", "<method 'add_'>") == "C++ ops and builtins"
 
 
+def test_hooks_ratio_by_repetition_pairs_the_runs_of_one_round():
+    runs = {
+        "plain": [{"cpu_s": [1.0, 1.2, 1.0]}, {"cpu_s": [2.0]}],
+        "optimized": [{"cpu_s": [2.0]}, {"cpu_s": [3.0]}],
+        "torch": [{"cpu_s": [3.0]}, {"cpu_s": [6.0]}],
+    }
+    summary = {name: {} for name in runs}
+    hooks.add_ratio_by_repetition(summary, runs)
+    assert summary["optimized"]["vs_torch_by_repetition"] == [0.5, 0.25]
+    assert "vs_torch_by_repetition" not in summary["torch"]
+
+
+def test_hooks_mode_steps_the_optimizer_as_an_accelerator_does():
+    from dataclasses import replace
+
+    import torch
+
+    from twinshard.bench.config import build
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    chosen = {}
+    for words in (["hooks"], ["hooks", "--foreach", "auto"], ["hooks", "--foreach", "off"], []):
+        args = parser.parse_args(words)
+        cli.resolve(args)
+        chosen[" ".join(words)] = cli.config_from(args).foreach
+    assert chosen == {
+        "hooks": True,
+        "hooks --foreach auto": None,
+        "hooks --foreach off": False,
+        "": None,
+    }
+    args = parser.parse_args(["hooks"])
+    cli.resolve(args)
+    config = replace(cli.config_from(args), impl="plain", model={"n_layers": 1, "dim": 16})
+    for foreach in (True, None):
+        _, opt = build(replace(config, foreach=foreach), torch.device("cpu"))
+        assert opt.defaults["foreach"] is foreach
+
+
 def test_progress_prints_one_line_per_step_off_a_terminal():
     out = io.StringIO()
     bar = Progress(2, "bench", stream=out)

@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hsdp", type=int, default=1, help="replicas of a 2D (HSDP) mesh")
     parser.add_argument("--link", default="ib", help="simnet: nvlink, ib, or GB/s")
     parser.add_argument("--latency-us", type=float, default=None, help="simnet: link latency")
+    parser.add_argument(
+        "--foreach",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="the optimizer's foreach: auto is torch's choice (a loop over the parameters on the "
+        "CPU, multi-tensor operations on an accelerator); hooks mode defaults to on",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved repetitions")
@@ -72,7 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # What each mode runs unless told otherwise (see the module docstring).
 DEFAULTS = {
-    "compare": dict(impls=",".join(IMPLS), preset="small", world=2, seq=128, per_rank=4, steps=10),
+    "compare": dict(
+        impls=",".join(IMPLS),
+        preset="small",
+        world=2,
+        seq=128,
+        per_rank=4,
+        steps=10,
+        foreach="auto",
+    ),
     # tiny blocks, so that compute is negligible and the hooks' own CPU time shows
     "hooks": dict(
         impls="plain,reference,optimized,torch",
@@ -86,6 +101,9 @@ DEFAULTS = {
         seq=8,
         per_rank=1,
         steps=40,
+        # the optimizer as it runs on an accelerator, the setting this mode stands for:
+        # multi-tensor operations, not the CPU's loop of DTensor dispatches per parameter
+        foreach="on",
     ),
 }
 
@@ -109,6 +127,7 @@ def config_from(args) -> RunConfig:
         backend=backend,
         replicas=args.hsdp,
         memory=not args.no_memory,
+        foreach={"auto": None, "on": True, "off": False}[args.foreach or "auto"],
         **{name: getattr(args, name) for name in same},
     )
 

@@ -55,6 +55,9 @@ class RunConfig:
     latency_us: float | None = None  # simnet: overrides the link's latency
     memory: bool = True  # one more (untimed) step that tracks memory by category
     profile: str | None = None  # a directory: write a cProfile of the timed steps there
+    # the optimizer's ``foreach``: None is torch's own choice, multi-tensor operations over all
+    # parameters on an accelerator and a loop over the parameters on the CPU (see ``build``)
+    foreach: bool | None = None
 
     @property
     def simulated(self) -> bool:
@@ -84,7 +87,13 @@ def mesh_for(config: RunConfig, device: torch.device):
 
 
 def build(config: RunConfig, device: torch.device):
-    """The model of ``config``, wrapped by its implementation, and an SGD optimizer."""
+    """The model of ``config``, wrapped by its implementation, and an SGD optimizer.
+
+    The optimizer steps ``DTensor`` parameters under the sharded implementations. On an
+    accelerator torch's SGD does that with a few multi-tensor (``foreach``) operations over all
+    parameters; on the CPU it loops over the parameters, and every ``DTensor`` operation in the loop goes
+    through ``DTensor``'s Python dispatch. ``config.foreach`` chooses between the two on any
+    device (``twinshard bench hooks`` takes the accelerator's)."""
     torch.manual_seed(0)
     model = Llama(config.llama())
     low = DTYPES[config.dtype]
@@ -110,7 +119,7 @@ def build(config: RunConfig, device: torch.device):
             _no_usage_count(model)
     else:
         raise ValueError(f"unknown implementation {config.impl!r}; use one of {', '.join(IMPLS)}")
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=config.foreach)
     return model, opt
 
 

@@ -8,16 +8,21 @@ collective calls cost on the CPU. ``twinshard bench hooks`` measures, per implem
 
 with groups = blocks + the root, on world size 8 and 64 blocks by default, from interleaved
 repetitions of many steps (CPU time of the process, which a busy machine disturbs less than
-wall time). Then it runs each implementation once more under ``cProfile`` and splits that
-time by where it is spent (the table of categories below, and the functions that cost most).
-cProfile adds a fixed cost to every Python call, so its shares are approximate; the totals
-above are measured without it.
+wall time). The optimizer runs as it does on an accelerator: SGD's step is a few multi-tensor
+(``foreach``) operations over all parameters. ``--foreach auto`` gives the CPU's default
+instead, a loop in which each parameter's update goes through ``DTensor``'s Python dispatch
+(the same cost under every sharded implementation, and none of their hooks). Then it runs
+each implementation once more under ``cProfile`` and splits that time by where it is spent
+(the table of categories below, and the functions that cost most). cProfile adds a fixed
+cost to every Python call, so its shares are approximate; the totals above are measured
+without it.
 """
 
 from __future__ import annotations
 
 import os
 import pstats
+import statistics
 import tempfile
 from dataclasses import replace
 
@@ -84,6 +89,7 @@ def run_hooks(args) -> int:
         row["phase_overhead_per_group_s"] = [
             (a - b) / groups for a, b in zip(row["phases_cpu_s"], phase_floor)
         ]
+    add_ratio_by_repetition(summary, result["runs"])
     profile_dir = args.profile or tempfile.mkdtemp(prefix="twinshard-hooks-")
     profiles = {}
     for impl in impls:
@@ -103,16 +109,33 @@ def run_hooks(args) -> int:
     return 0
 
 
+def add_ratio_by_repetition(summary: dict, runs: dict) -> None:
+    """Each implementation's overhead over torch's, repetition by repetition: the k-th runs of
+    plain, the implementation and torch ran one after the other, so each ratio compares
+    processes that saw the machine in the same state. Their range shows how far the figure
+    moves from one repetition to the next."""
+    if "plain" not in runs or "torch" not in runs:
+        return
+    floor = [statistics.median(r["cpu_s"]) for r in runs["plain"]]
+    torch_over = [statistics.median(r["cpu_s"]) - f for r, f in zip(runs["torch"], floor)]
+    for name, reps in runs.items():
+        if name in ("plain", "torch"):
+            continue
+        over = [statistics.median(r["cpu_s"]) - f for r, f in zip(reps, floor)]
+        summary[name]["vs_torch_by_repetition"] = [a / b for a, b in zip(over, torch_over) if b > 0]
+
+
 def overhead_table(summary: dict, base, groups: int) -> str:
     torch_row = summary.get("torch")
     lines = [
         f"{base.backend} world {base.world}, {groups - 1} blocks + root = {groups} groups, "
-        f"dim {base.llama().dim}, {base.per_rank} x {base.seq} tokens; CPU time per step; overhead "
+        f"dim {base.llama().dim}, {base.per_rank} x {base.seq} tokens; SGD {_optimizer(base)}; "
+        "CPU time per step; overhead "
         "per group = (CPU time - plain's) / groups, in total and by phase (us)",
         "",
         "| impl | CPU ms/step | wall ms/step | overhead us/group | vs torch "
-        "| forward | backward | optimizer |",
-        "|---|---|---|---|---|---|---|---|",
+        "| vs torch, by repetition | forward | backward | optimizer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary.items():
         per = r["overhead_per_group_s"]
@@ -122,11 +145,19 @@ def overhead_table(summary: dict, base, groups: int) -> str:
             else "-"
         )
         split = " | ".join(f"{x * 1e6:.0f}" for x in r["phase_overhead_per_group_s"])
+        reps = r.get("vs_torch_by_repetition")
+        spread = f"{min(reps):.2f}-{max(reps):.2f}x" if reps else "-"
         lines.append(
             f"| {name} | {r['cpu_s'] * 1e3:.2f} | {r['step_s'] * 1e3:.2f} | "
-            f"{per * 1e6:.0f} | {ratio} | {split} |"
+            f"{per * 1e6:.0f} | {ratio} | {spread} | {split} |"
         )
     return "\n".join(lines)
+
+
+def _optimizer(config) -> str:
+    if config.foreach is None:
+        return "as torch chooses on the CPU (a loop over the parameters)"
+    return "foreach (multi-tensor operations)" if config.foreach else "a loop over the parameters"
 
 
 def profile_tables(profiles: dict) -> str:
