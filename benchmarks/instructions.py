@@ -15,8 +15,8 @@ Instructions are not time (a cache miss costs more than an add), so quote CPU ti
 ``twinshard bench hooks`` and use this to compare two versions of the code.
 
 ``--run IMPL STEPS FOREACH`` is the part that runs under valgrind: it builds the model and
-takes the steps, nothing else. Needs ``valgrind`` (Debian: ``apt-get install valgrind``); about two and a
-half minutes per implementation on the 2-core VM.
+takes the steps, nothing else. Needs ``valgrind`` (Debian: ``apt-get install valgrind``);
+about two and a half minutes per implementation on the 2-core VM.
 """
 
 from __future__ import annotations

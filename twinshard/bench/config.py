@@ -91,9 +91,9 @@ def build(config: RunConfig, device: torch.device):
 
     The optimizer steps ``DTensor`` parameters under the sharded implementations. On an
     accelerator torch's SGD does that with a few multi-tensor (``foreach``) operations over all
-    parameters; on the CPU it loops over the parameters, and every ``DTensor`` operation in the loop goes
-    through ``DTensor``'s Python dispatch. ``config.foreach`` chooses between the two on any
-    device (``twinshard bench hooks`` takes the accelerator's)."""
+    parameters; on the CPU it loops over the parameters, and each ``DTensor`` operation in the
+    loop goes through ``DTensor``'s Python dispatch. ``config.foreach`` chooses between the two
+    on any device (``twinshard bench hooks`` takes the accelerator's)."""
     torch.manual_seed(0)
     model = Llama(config.llama())
     low = DTYPES[config.dtype]
