@@ -79,15 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # What each mode runs unless told otherwise (see the module docstring).
 DEFAULTS = {
-    "compare": dict(
-        impls=",".join(IMPLS),
-        preset="small",
-        world=2,
-        seq=128,
-        per_rank=4,
-        steps=10,
-        foreach="auto",
-    ),
+    "compare": dict(impls=",".join(IMPLS), preset="small", world=2, seq=128, per_rank=4, steps=10),
     # tiny blocks, so that compute is negligible and the hooks' own CPU time shows
     "hooks": dict(
         impls="plain,reference,optimized,torch",

@@ -117,12 +117,15 @@ def add_ratio_by_repetition(summary: dict, runs: dict) -> None:
     if "plain" not in runs or "torch" not in runs:
         return
     floor = [statistics.median(r["cpu_s"]) for r in runs["plain"]]
-    torch_over = [statistics.median(r["cpu_s"]) - f for r, f in zip(runs["torch"], floor)]
+
+    def overheads(reps: list) -> list:  # per repetition: median CPU time over plain's
+        return [statistics.median(r["cpu_s"]) - f for r, f in zip(reps, floor)]
+
+    torch_over = overheads(runs["torch"])
     for name, reps in runs.items():
-        if name in ("plain", "torch"):
-            continue
-        over = [statistics.median(r["cpu_s"]) - f for r, f in zip(reps, floor)]
-        summary[name]["vs_torch_by_repetition"] = [a / b for a, b in zip(over, torch_over) if b > 0]
+        if name not in ("plain", "torch"):
+            ratios = [a / b for a, b in zip(overheads(reps), torch_over) if b > 0]
+            summary[name]["vs_torch_by_repetition"] = ratios
 
 
 def overhead_table(summary: dict, base, groups: int) -> str:
@@ -155,9 +158,9 @@ def overhead_table(summary: dict, base, groups: int) -> str:
 
 
 def _optimizer(config) -> str:
-    if config.foreach is None:
-        return "as torch chooses on the CPU (a loop over the parameters)"
-    return "foreach (multi-tensor operations)" if config.foreach else "a loop over the parameters"
+    foreach = config.device != "cpu" if config.foreach is None else config.foreach
+    how = "foreach (multi-tensor operations)" if foreach else "a loop over the parameters"
+    return how if config.foreach is not None else f"as torch chooses: {how}"
 
 
 def profile_tables(profiles: dict) -> str:
