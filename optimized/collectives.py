@@ -191,10 +191,9 @@ def copy_out(result: AllGatherResult, comm: CommContext, views: dict) -> None:
     (replaces the reference's all-gather straight into each parameter's own buffer).
     ``views``: the group's cache for ``gathered_views``."""
     comm.wait(result.pending)
-    ranks = result.ranks
-    outs = gathered_views(result, views)
-    recv = result.recv.view(ranks, -1)  # (ranks, per-rank numel)
-    torch.split_with_sizes_copy(recv, [o.shape[1] for o in outs], dim=1, out=outs)
+    outs, sizes = gathered_views(result, views)
+    recv = result.recv.view(result.ranks, -1)  # (ranks, per-rank numel)
+    torch.split_with_sizes_copy(recv, sizes, dim=1, out=outs)
     for p in result.params:
         p.finish_unshard()
     comm.free_after_use(
@@ -205,9 +204,10 @@ def copy_out(result: AllGatherResult, comm: CommContext, views: dict) -> None:
     )
 
 
-def gathered_views(result: AllGatherResult, cache: dict) -> list:
+def gathered_views(result: AllGatherResult, cache: dict) -> tuple[list, list]:
     """Each parameter's all-gather output (``all_gather_output``, its memory allocated again)
-    viewed as (ranks, numel per rank), as bytes for a group of mixed dtypes.
+    viewed as (ranks, numel per rank), as bytes for a group of mixed dtypes, and the numel per
+    rank of each view (the split sizes of the copy-out).
 
     [Note: the copy-out views are kept]
     A parameter's all-gather output is one tensor for the whole run: resharding frees its
@@ -218,12 +218,22 @@ def gathered_views(result: AllGatherResult, cache: dict) -> list:
     outs = [p.all_gather_output(d) for p, d in zip(result.params, result.dtypes)]
     key = (result.ranks, result.as_bytes)
     kept = cache.get(key)
-    if kept is None or len(kept[0]) != len(outs) or any(a is not b for a, b in zip(kept[0], outs)):
+    if kept is None or not same_tensors(kept[0], outs):
         views = [o.view(result.ranks, -1) for o in outs]  # (ranks, numel per rank)
         if result.as_bytes:
             views = [v.view(torch.uint8) for v in views]  # (ranks, bytes per rank)
-        kept = cache[key] = (outs, views)
-    return kept[1]
+        kept = cache[key] = (outs, views, [v.shape[1] for v in views])
+    return kept[1], kept[2]
+
+
+def same_tensors(a: list, b: list) -> bool:
+    """Whether ``a`` and ``b`` hold the very same tensor objects, in the same order."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is not y:
+            return False
+    return True
 
 
 @without_grad

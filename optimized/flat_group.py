@@ -43,6 +43,7 @@ class FlatParamGroup(ParamGroup):
         super().__init__(*args, **kwargs)
         self.comm: CommContext | None = None  # the root's, shared; set at its first forward
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
+        self.holds_unsharded = False  # copied out since the last reshard
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
         self.copy_out_views: dict = {}  # see [Note: the copy-out views are kept]
         # see [Note: the group keeps its blocks padded]; False where a parameter cannot be kept
@@ -54,6 +55,8 @@ class FlatParamGroup(ParamGroup):
         )
         # per parameter: its padded block, flat, (chunk * rest,); None until it moves in
         self.kept_blocks: list = [None] * len(self.params)
+        self.kept_dtypes: list = []  # their compute dtypes; set when they move in
+        self.gathered_kept = False  # whether the last all-gather took every block as kept
         # each parameter's block, (numel, shape): fixed when the parameter was sharded
         self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}
         self.kept_numel = sum(numel for numel, _ in self.blocks.values())  # all blocks, per rank
@@ -96,8 +99,10 @@ class FlatParamGroup(ParamGroup):
         # A group's parameters change state together, so they all gather over the same mesh.
         mesh = params[0].all_gather_mesh(self.post_forward_info)
         with profiled("twinshard::unshard"):
-            dtypes = self.param_dtypes(params)
             kept = self.kept_shards(params)
+            self.gathered_kept = kept is not None
+            # kept blocks keep the dtype they were moved in with (``keep_shards``)
+            dtypes = self.kept_dtypes if kept is not None else self.param_dtypes(params)
             self.in_flight = all_gather(
                 params, dtypes, mesh, self.own_comm(), self.comms.all_gather, kept
             )
@@ -121,11 +126,22 @@ class FlatParamGroup(ParamGroup):
         a view of the first rows can; DCP saves only the view."""
         if not self.can_keep_shards or len(params) != len(self.params):
             return None
-        if any(p.state is not ParamState.SHARDED for p in params):
-            return None
-        if all(p.shard_is_kept() for p in params):
-            return self.kept_blocks, self.kept_numel
-        return self.keep_shards()
+        for p in params:  # loops, not any()/all() over generators: a group checks at every unshard
+            if p.state is not ParamState.SHARDED:
+                return None
+        for p in params:
+            if not p.shard_is_kept():
+                return self.keep_shards()
+        return self.kept_blocks, self.kept_numel
+
+    def param_dtypes(self, params: list) -> list:
+        """The reference's ``param_dtypes``; for the whole group, when its last all-gather
+        took every block as kept, the dtypes found when they moved in, without asking each
+        ``DTensor`` again. A kept block cannot change dtype, and the gradients to reduce were
+        computed from that all-gather. The reductions ask twice per step (``reduce_dtypes``)."""
+        if params is self.params and self.gathered_kept:
+            return self.kept_dtypes
+        return super().param_dtypes(params)
 
     def keep_shards(self) -> tuple[list, int] | None:
         """Move every block not yet kept (or given new memory since) into a new tensor of
@@ -141,12 +157,14 @@ class FlatParamGroup(ParamGroup):
                 storage = torch.empty(p.shard_storage_shape(), dtype=dtypes[0], device=self.device)
                 p.keep_shard_in(storage)  # (chunk, *rest)
                 self.kept_blocks[i] = storage.view(-1)  # (chunk * rest,)
+        self.kept_dtypes = super().param_dtypes(self.params)  # compute dtypes, asked anew
         return self.kept_blocks, self.kept_numel
 
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather in flight, if any, and copy the parameters out of it."""
         result, self.in_flight = self.in_flight, None
         if result is not None:
+            self.holds_unsharded = True  # before the copy-out: a failed one is freed too
             with profiled("twinshard::copy_out"):
                 copy_out(result, self.comm, self.copy_out_views)
 
@@ -156,8 +174,15 @@ class FlatParamGroup(ParamGroup):
         self.wait_for_unshard()
 
     def reshard(self, after_forward: bool = False) -> None:
+        """Free the unsharded parameters (the reference's ``reshard``), first finishing an
+        all-gather still in flight; nothing to do for a group that holds none. The copy-out
+        is the only way parameters of this group become unsharded, so ``holds_unsharded``
+        tells, without asking each parameter: the end of every backward reshards all groups,
+        and most have been resharded by their post-backward already."""
         self.wait_for_unshard()  # a prefetched gather that nobody used: finish, then free
-        super().reshard(after_forward)
+        if self.holds_unsharded:
+            super().reshard(after_forward)
+            self.holds_unsharded = False
 
     # --- reduce: one reduce-scatter, finished one group later ---------------------------------------
     def reduce_grads_now(self) -> None:

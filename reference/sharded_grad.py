@@ -30,9 +30,9 @@ class GradientPath:
 
     def take_grad(self, reduce_dtype: torch.dtype) -> None:
         """Move autograd's unsharded ``.grad`` into the sum waiting to be reduced."""
-        if not self.has_new_grad:
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if grad is None:  # with tensor parallelism a DTensor, of which we take our piece
             return
-        grad = self.unsharded_param.grad  # with tensor parallelism, a DTensor: take its piece
         if self.tp is not None:
             grad = grad.to_local()
         grad = grad.to(dtype=reduce_dtype)  # (rows, *rest)

@@ -247,9 +247,11 @@ class ShardedParam(GradientPath):
                 self.tp.unsharded(whole) if self.tp is not None else whole,
                 requires_grad=self.sharded_param.requires_grad,
             )
+            # its memory, and how many bytes of it, kept for the resizes of every later step
+            self.all_gather_storage = self.all_gather_buffer.untyped_storage()
+            self.all_gather_bytes = self.all_gather_storage.nbytes()
         else:
-            buffer = self.all_gather_buffer
-            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            self.all_gather_storage.resize_(self.all_gather_bytes)
         return self.all_gather_buffer
 
     def finish_unshard(self) -> None:
@@ -261,10 +263,8 @@ class ShardedParam(GradientPath):
         self.state = ParamState.UNSHARDED
 
     def reshard(self, post_forward: MeshInfo | None = None) -> None:
-        """Free the unsharded memory and put the DTensor back on the module.
-
-        With ``post_forward`` (an int ``reshard_after_forward``), keep this rank's 1/N piece.
-        """
+        """Free the unsharded memory and put the DTensor back on the module; with
+        ``post_forward`` (an int ``reshard_after_forward``), keep this rank's 1/N piece."""
         if self.state is not ParamState.UNSHARDED:
             return
         buffer = self.all_gather_buffer  # (S * chunk, *rest)
@@ -272,7 +272,7 @@ class ShardedParam(GradientPath):
             piece = buffer.shape[0] // post_forward.shard_size
             start = post_forward.shard_rank * piece
             self.post_forward_block = buffer[start : start + piece].clone()  # (S*chunk/N, *rest)
-        buffer.untyped_storage().resize_(0)  # the memory FSDP saves
+        self.all_gather_storage.resize_(0)  # the memory FSDP saves
         self._register(self.sharded_param)
         keep_piece = self.post_forward_block is not None
         self.state = ParamState.SHARDED_POST_FORWARD if keep_piece else ParamState.SHARDED

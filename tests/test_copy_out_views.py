@@ -34,12 +34,13 @@ def _result(params, ranks, dtypes=None, as_bytes=False):
 def test_views_are_kept_and_still_see_the_memory_after_a_reshard():
     params = [StandInParam(4, 3), StandInParam(2, 5)]
     cache: dict = {}
-    first = gathered_views(_result(params, 2), cache)
+    first, sizes = gathered_views(_result(params, 2), cache)
     assert [tuple(v.shape) for v in first] == [(2, 6), (2, 5)]
+    assert sizes == [6, 5]  # the split sizes of the copy-out
     for p in params:
         p.reshard()
         assert p.buffer.untyped_storage().nbytes() == 0
-    again = gathered_views(_result(params, 2), cache)
+    again, _ = gathered_views(_result(params, 2), cache)
     assert all(a is b for a, b in zip(again, first, strict=True))  # the same view objects
     for p, view in zip(params, again, strict=True):
         view.copy_(torch.arange(view.numel(), dtype=view.dtype).view(view.shape))
@@ -50,16 +51,17 @@ def test_views_are_kept_and_still_see_the_memory_after_a_reshard():
 def test_views_are_made_again_for_other_outputs_or_another_number_of_ranks():
     params = [StandInParam(4, 3), StandInParam(2, 5)]
     cache: dict = {}
-    first = gathered_views(_result(params, 2), cache)
-    halves = gathered_views(_result(params, 1), cache)  # a post-forward mesh of one rank
-    assert [tuple(v.shape) for v in halves] == [(1, 12), (1, 10)]
+    first, _ = gathered_views(_result(params, 2), cache)
+    halves, sizes = gathered_views(_result(params, 1), cache)  # a post-forward mesh of one rank
+    assert [tuple(v.shape) for v in halves] == [(1, 12), (1, 10)] and sizes == [12, 10]
     other = [params[0], StandInParam(2, 5)]
-    mixed = gathered_views(_result(other, 2), cache)
+    mixed, _ = gathered_views(_result(other, 2), cache)
     assert mixed[0] is not first[0] and mixed[1].data_ptr() == other[1].buffer.data_ptr()
-    as_bytes = gathered_views(_result(params, 2, as_bytes=True), cache)
+    as_bytes, sizes = gathered_views(_result(params, 2, as_bytes=True), cache)
     assert [(v.dtype, tuple(v.shape)) for v in as_bytes] == [
         (torch.uint8, (2, 24)),
         (torch.uint8, (2, 20)),
     ]
-    fewer = gathered_views(_result(params[:1], 2), cache)
+    assert sizes == [24, 20]  # bytes per rank
+    fewer, _ = gathered_views(_result(params[:1], 2), cache)
     assert len(fewer) == 1 and fewer[0].shape == (2, 6)

@@ -151,6 +151,11 @@ def map_tensors(fn, obj: Any) -> Any:
     """Apply ``fn`` to every tensor in a nested structure, rebuilding the structure."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    kind = type(obj)
+    if kind is tuple or kind is list:  # the usual arguments: no namedtuple or dataclass tests
+        return kind([map_tensors(fn, v) for v in obj])
+    if kind is dict:
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
     if isinstance(obj, dict):
         return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
@@ -168,26 +173,36 @@ def map_tensors(fn, obj: Any) -> Any:
     return obj
 
 
+# One context that does nothing, shared: entering and leaving ``contextlib.nullcontext`` does
+# nothing, so the same object serves every block, nested or not, without being built each time.
+NOT_PROFILED = contextlib.nullcontext()
+
+
 def profiled(name: str):
     """Context manager: label the work inside it ``name`` in a profiler trace. Outside a
     profiler it does nothing; ``torch.profiler.record_function`` alone costs about 5 us per
     call even then, which on small models is a measurable share of a hook."""
     if torch._C._autograd._profiler_enabled():  # the check record_function makes itself
         return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+    return NOT_PROFILED
 
 
 def without_grad(fn):
-    """Decorator: run ``fn`` with gradients off, like ``@torch.no_grad()``, but enter
-    ``no_grad`` only when gradients are on. The hooks of the optimized path nest several such
-    functions, and ``torch.no_grad()`` costs about 2.5 us a call even when it changes nothing."""
+    """Decorator: run ``fn`` with gradients off, like ``@torch.no_grad()``, but switch the
+    mode only when gradients are on, and switch it directly. The hooks of the optimized path
+    nest several such functions; ``with torch.no_grad()`` builds three objects and makes
+    several Python calls to do the same (about 19,000 instructions under valgrind, against
+    about 3,000 for the two switches here)."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        with torch.no_grad():
+        torch._C._set_grad_enabled(False)
+        try:
             return fn(*args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(True)
 
     return run
 
