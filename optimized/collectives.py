@@ -49,8 +49,18 @@ its own. Reductions need arithmetic, so those are grouped by dtype instead (``fl
 The partial sum of earlier backwards (``set_requires_all_reduce(False)``) is added on the
 reduce-scatter stream, right after the reduce-scatter: the stream that allocated those
 buffers is the one that reads and drops them, so no other stream can be using them. Only then
-does the all-reduce stream take over. On the CPU that addition needs the reduce-scatter's
-data, so the CPU waits for it there; without HSDP nothing waits before ``accumulate``.
+does the all-reduce stream take over; where none follows (one replica, or the sum kept for a
+later backward), the event that ``accumulate`` waits on is recorded after the addition, not after
+the reduce-scatter. On the CPU that addition needs the reduce-scatter's data, so the CPU waits
+for it there; without HSDP nothing waits before ``accumulate``.
+
+[Note: HSDP with one shard]
+With a shard group of one rank there is no reduce-scatter: the packed gradients are the sum. Plain
+FSDP then reads them where they are. HSDP keeps partial sums as views of the reduced buffer, adds
+to them on the reduce-scatter stream and frees them there, so that buffer must come from the
+reduce-scatter stream's memory: it is copied there once (mesh (R, 1), that is DDP, one group's
+gradients per reduction). Kept as views of ``packed``, allocated on the compute stream, they
+would be freed to the compute stream's pool while the reduce-scatter stream may still add to them.
 
 [Note: the gradients go at the pack]
 The group's unsharded gradients are packed on the stream that autograd wrote them on (the
@@ -123,15 +133,23 @@ class ReduceScatterResult:
 
 @without_grad
 def all_gather(
-    params: list, dtypes: list, mesh, comm: CommContext, custom=None, kept=None
+    params: list,
+    dtypes: list,
+    mesh,
+    comm: CommContext,
+    custom=None,
+    kept=None,
+    after_current: bool = False,
 ) -> AllGatherResult:
     """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over the
     shard group of ``mesh`` (a ``MeshInfo``), with the user's ``custom`` all-gather if one was
     set (it allocates the output and is called once for the whole group). ``kept``: the
     group's padded blocks, flat, kept ready (``FlatParamGroup.kept_shards``), concatenated as
-    they are, and their total numel. Replaces the reference's ``ShardedParam.unshard`` loop of
-    one blocking all-gather per parameter; see [Note: one flat buffer per group]."""
-    comm.before_all_gather()
+    they are, and their total numel. ``after_current``: shards were written on the current
+    stream since the optimizer step (``CommContext.before_all_gather``). Replaces the
+    reference's ``ShardedParam.unshard`` loop of one blocking all-gather per parameter; see
+    [Note: one flat buffer per group]."""
+    comm.before_all_gather(after_current)
     first = dtypes[0]
     mixed = dtypes.count(first) != len(dtypes)
     as_bytes = mixed or (first.itemsize == 1 and first.is_floating_point)  # float8 too
@@ -275,7 +293,9 @@ def reduce_scatter(
     comm.reduce_scatter_stream.wait_stream(comm.current_stream())
     with comm.on(comm.reduce_scatter_stream):
         if S == 1:  # one rank in the shard group: the sum is the input itself
-            out, pending = packed, comm.done_on(comm.reduce_scatter_stream)
+            # see [Note: HSDP with one shard]
+            out = packed.clone() if info.replicate_group is not None else packed
+            pending = comm.done_on(comm.reduce_scatter_stream)
         elif custom is None and info.replicate_group is None and comm.runs_on_gloo(group):
             # see [Note: reduce-scatter on gloo]
             out = packed.view(S, -1)[info.shard_rank]  # (per-rank numel,) this rank's block
@@ -307,6 +327,8 @@ def reduce_scatter(
             for p, piece, shape in zip(params, pieces, shapes):
                 p.combine_partial_sum(piece.view(*shape), all_reduce)
             kept = not all_reduce
+            # what waits for this reduction must also wait for the sums just added
+            pending = comm.done_on(comm.reduce_scatter_stream)
     if info.replicate_group is not None and all_reduce and info.replicate_size > 1:
         comm.all_reduce_stream.wait_stream(comm.reduce_scatter_stream)
         pending = comm.issue(

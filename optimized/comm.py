@@ -130,11 +130,14 @@ class CommContext:
         step) rather than on everything the current stream has queued."""
         self.post_optim_event = event
 
-    def before_all_gather(self) -> None:
-        """Order the copy-in stream after the compute that produced the shards (or only after
-        the optimizer step's event, when one was given)."""
-        if self.post_optim_event is not None:
-            self.copy_in_stream.wait_event(self.post_optim_event)
-            self.post_optim_event = None
-        else:
+    def before_all_gather(self, after_current: bool = False) -> None:
+        """Order the copy-in stream after the compute that produced the shards: after all that
+        the current stream has queued, or, when ``set_post_optim_event`` gave an event, only
+        after that event. ``after_current``: the current stream wrote shards after the event
+        (the group moved blocks into its storage, or the user gave parameters new memory), so
+        the copy-in waits for it as well."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:
+            self.copy_in_stream.wait_event(event)
+        if event is None or after_current:
             self.copy_in_stream.wait_stream(self.current_stream())

@@ -57,6 +57,8 @@ class FlatParamGroup(ParamGroup):
         self.kept_blocks: list = [None] * len(self.params)
         self.kept_dtypes: list = []  # their compute dtypes; set when they move in
         self.gathered_kept = False  # whether the last all-gather took every block as kept
+        self.moved_blocks = False  # keep_shards moved blocks since the last all-gather
+        self.gathered_from: dict = {}  # per ShardedParam: the DTensor its last all-gather read
         # each parameter's block, (numel, shape): fixed when the parameter was sharded
         self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}
         self.kept_numel = sum(numel for numel, _ in self.blocks.values())  # all blocks, per rank
@@ -101,11 +103,35 @@ class FlatParamGroup(ParamGroup):
         with profiled("twinshard::unshard"):
             kept = self.kept_shards(params)
             self.gathered_kept = kept is not None
+            if kept is not None:  # see [Note: shards written after the optimizer step]
+                written, self.moved_blocks = self.moved_blocks, False
+            else:
+                written = self.replaced_since_gather(params)
             # kept blocks keep the dtype they were moved in with (``keep_shards``)
             dtypes = self.kept_dtypes if kept is not None else self.param_dtypes(params)
             self.in_flight = all_gather(
-                params, dtypes, mesh, self.own_comm(), self.comms.all_gather, kept
+                params, dtypes, mesh, self.own_comm(), self.comms.all_gather, kept, written
             )
+
+    def replaced_since_gather(self, params: list) -> bool:
+        """Whether the user gave any of ``params`` new memory (``load_state_dict(assign=True)``,
+        ``to_empty``) since its last all-gather; each one is adopted
+        (``ShardedParam.refresh``).
+
+        [Note: shards written after the optimizer step]
+        With ``set_post_optim_event`` the copy-in waits only on that event, not on everything the
+        compute stream queued. Whatever writes shards on the compute stream after the event
+        must therefore make the copy-in wait for the compute stream too: moving blocks into the
+        group's storage (``keep_shards``) and parameters given new memory, which the user's
+        code wrote there. Values loaded in place after the event are the user's to order, as
+        with torch's ``fully_shard``."""
+        replaced = False
+        for p in params:
+            p.refresh()
+            if self.gathered_from.get(p) is not p.sharded_param:
+                self.gathered_from[p] = p.sharded_param
+                replaced = True
+        return replaced
 
     def kept_shards(self, params: list) -> tuple[list, int] | None:
         """Each parameter's padded block, flat, in storage the group keeps, ready to be
@@ -157,6 +183,7 @@ class FlatParamGroup(ParamGroup):
                 storage = torch.empty(p.shard_storage_shape(), dtype=dtypes[0], device=self.device)
                 p.keep_shard_in(storage)  # (chunk, *rest)
                 self.kept_blocks[i] = storage.view(-1)  # (chunk * rest,)
+                self.moved_blocks = True  # on the current stream: the copy-in waits for it
         self.kept_dtypes = super().param_dtypes(self.params)  # compute dtypes, asked anew
         return self.kept_blocks, self.kept_numel
 

@@ -158,3 +158,81 @@ def test_stand_in_events_answer_like_device_events(streams):
     event.synchronize()
     assert repr(side) == "StandInStream('side')" and event.stream == "side"
     assert streams.new_stream("side").name == "side#2"  # names stay unique in the log
+
+
+def _hsdp_partial_sums(shape: tuple):
+    """Two steps on the HSDP mesh ``shape`` under the checks, the first micro-batch of
+    each with ``set_requires_all_reduce(False)``: the partial sums are kept, added to on the
+    reduce-scatter stream and read by the next reduction."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import twinshard.optimized as O
+    from twinshard.models import MLPStack
+    from twinshard.optimized.standin import standin_streams
+
+    streams = standin_streams()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = MLPStack(dim=15, hidden=37, n_blocks=2)
+    for block in model.blocks:
+        O.fully_shard(block, mesh=mesh)
+    O.fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with streams.checking():
+        for _ in range(2):
+            for micro in range(2):
+                model.set_requires_all_reduce(micro == 1)
+                model(torch.randn(4, 15)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.grad is None for p in model.parameters()]
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)], ids=["one-shard", "one-replica"])
+def test_hsdp_with_one_shard_or_one_replica_orders_its_partial_sums(shape):
+    """Hazards of a shard group of one rank (mesh (2, 1): the partial sums were views of a
+    buffer of the compute stream, freed while the reduce-scatter stream added to them) and of a
+    replicate group of one rank (mesh (1, 2): the event the accumulation waited on was recorded
+    before the partial sums were added on the reduce-scatter stream)."""
+    env = {"TWINSHARD_STANDIN_STREAMS": "1"}
+    cleared = launch(_hsdp_partial_sums, 2, shape, env=env)
+    assert all(all(r) for r in cleared), cleared  # two full steps ran on both ranks
+
+
+def _assign_load_after_post_optim_event(mixed: bool):
+    """Steps with ``set_post_optim_event``, each followed by ``load_state_dict(assign=True)``:
+    every parameter gets new memory after the event. ``mixed``: a group whose blocks cannot be
+    kept in the group's storage (a frozen bf16 weight beside fp32 ones)."""
+    import twinshard.optimized as O
+    from twinshard.models import MLPStack
+    from twinshard.optimized.standin import standin_streams
+
+    streams = standin_streams()
+    torch.manual_seed(0)
+    model = MLPStack(dim=15, hidden=37, n_blocks=2)
+    if mixed:  # block 0 gains a frozen bf16 weight: its group is gathered as bytes
+        frozen = torch.nn.Parameter(torch.randn(15, 15).bfloat16(), requires_grad=False)
+        model.blocks[0].register_parameter("frozen", frozen)
+        model.blocks[0].register_forward_pre_hook(lambda m, args: (args[0] @ m.frozen.float(),))
+    for block in model.blocks:
+        O.fully_shard(block)
+    O.fully_shard(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with streams.checking():
+        for _ in range(3):
+            model(torch.randn(4, 15)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            model.set_post_optim_event(streams.current().record_event())
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(state, assign=True)  # new memory, after the event
+            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    return True
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["kept-blocks", "mixed-dtypes"])
+def test_new_memory_after_the_post_optim_event_is_waited_for(mixed):
+    """Parameters given new memory after ``set_post_optim_event`` were moved into the group's
+    storage on the compute stream after the event while the copy-in waited only on the event."""
+    env = {"TWINSHARD_STANDIN_STREAMS": "1"}
+    assert launch(_assign_load_after_post_optim_event, 2, mixed, env=env) == [True, True]
