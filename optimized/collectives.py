@@ -117,7 +117,7 @@ class ReduceScatterResult:
     sizes: list  # per param: its block's numel, so ``out`` splits into the blocks
     used: list  # per param: whether this rank had a gradient (else it sent zeros)
     add: list  # per param: whether to add its block to the sharded gradient
-    divide_by: float
+    divide_after: float  # the sum becomes the mean (``ParamGroup.gradient_divisors``)
     kept_partial: bool  # HSDP without all-reduce: the sums wait in the params; add nothing
 
     def release(self, comm: CommContext) -> None:
@@ -260,7 +260,7 @@ def reduce_scatter(
     dtype: torch.dtype,
     info,
     all_reduce: bool,
-    divide_by: float,
+    divisors: tuple,
     comm: CommContext,
     blocks: dict,
     custom=None,
@@ -271,7 +271,9 @@ def reduce_scatter(
     trainable parameter this rank did not use) into one buffer and reduce-scatter it, with the
     user's ``custom`` reduce-scatter if one was set; for HSDP add the partial sums and
     all-reduce across replicas. Replaces the reference's ``ShardedParam.reduce_grad`` loop of
-    blocking per-parameter reductions. ``group``: another process group over the shard
+    blocking per-parameter reductions. ``divisors``: what the gradients are divided by
+    before the sum (None: nothing) and after it (``ParamGroup.gradient_divisors``; the second
+    is applied by ``accumulate``). ``group``: another process group over the shard
     ranks for the reduce-scatter (``set_separate_reduce_scatter_group``). ``blocks``: each
     parameter's block as (numel, shape tuple), computed once by the group (``view(*shape)``
     takes 0.9 us, ``view(torch.Size)`` 2.2 us: the group's blocks are viewed at every step)."""
@@ -292,6 +294,8 @@ def reduce_scatter(
     del grads
     comm.reduce_scatter_stream.wait_stream(comm.current_stream())
     with comm.on(comm.reduce_scatter_stream):
+        if divisors[0] is not None:  # fp16: see ``ParamGroup.gradient_divisors``
+            packed.div_(divisors[0])
         if S == 1:  # one rank in the shard group: the sum is the input itself
             # see [Note: HSDP with one shard]
             out = packed.clone() if info.replicate_group is not None else packed
@@ -340,7 +344,7 @@ def reduce_scatter(
         )
     add = [u or keep_unused for u in used]
     return ReduceScatterResult(
-        pending, packed, out, params, shapes, sizes, used, add, divide_by, kept
+        pending, packed, out, params, shapes, sizes, used, add, divisors[1], kept
     )
 
 
@@ -355,7 +359,7 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
         return
     if hook is not None:
         hook(result.out)  # in place, before the division, as torch's FSDP2 calls it
-    reduced = result.out / result.divide_by  # (per-rank numel,) the mean over ranks
+    reduced = result.out / result.divide_after  # (per-rank numel,) the mean over ranks
     result.release(comm)  # before the sharded gradients are allocated
     blocks = torch.split_with_sizes(reduced, result.sizes)
     for p, block, shape, add in zip(result.params, blocks, result.shapes, result.add):

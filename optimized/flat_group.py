@@ -227,7 +227,7 @@ class FlatParamGroup(ParamGroup):
                 dtype,
                 self.info,
                 self.all_reduce_grads,
-                self.gradient_divisor(),
+                self.gradient_divisors(dtype),
                 comm,
                 self.blocks,
                 self.comms.reduce_scatter,

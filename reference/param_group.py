@@ -69,10 +69,21 @@ class ParamGroup:
             return [self.mp.reduce_dtype] * len(params)
         return self.param_dtypes(params)
 
-    def gradient_divisor(self) -> float:
-        """What reduced gradients are divided by: ``set_gradient_divide_factor``'s factor, else
-        the number of data-parallel ranks (the sum over ranks becomes their mean)."""
-        return self.divide_factor or self.info.shard_size * self.info.replicate_size
+    def gradient_divisors(self, dtype: torch.dtype) -> tuple[float | None, float]:
+        """What gradients reduced in ``dtype`` are divided by before the sum and after it:
+        together ``set_gradient_divide_factor``'s factor, else the number of data-parallel ranks
+        (the sum over ranks becomes their mean). fp32 and bf16 have range to spare, so the sum
+        is divided once, after. In fp16 the sum of N gradients can overflow where their mean
+        would not, so each gradient is first divided by the smallest power of two whose square
+        reaches the factor (a power of two only moves the exponent: no rounding), the sum by the
+        rest: the same split as torch's ``fully_shard``."""
+        factor = self.divide_factor or self.info.shard_size * self.info.replicate_size
+        if dtype in (torch.float32, torch.bfloat16):
+            return None, factor
+        before = 1
+        while before * before < factor:
+            before *= 2
+        return float(before), factor / before
 
     # --- unshard / reshard ----------------------------------------------------------------------
     @without_grad
@@ -126,11 +137,10 @@ class ParamGroup:
         """Reduce-scatter (and for HSDP all-reduce) each waiting gradient, one by one. Every
         trainable parameter takes part, with zeros where this rank computed no gradient, so
         that all ranks issue the same collectives (see ``usage.py``)."""
-        divide_by = self.gradient_divisor()
         for p, dtype in zip(self.params, self.reduce_dtypes(self.params)):
             used = p.reduce_grad(
                 dtype,
-                divide_by,
+                self.gradient_divisors(dtype),
                 self.all_reduce_grads,
                 self.comms,
                 self.reduce_unused,

@@ -43,15 +43,20 @@ class GradientPath:
             self.grad_to_reduce += grad
 
     def reduce_grad(
-        self, dtype: torch.dtype, divide_by: float, all_reduce: bool, comms: CommHooks, keep_unused
+        self, dtype: torch.dtype, divisors: tuple, all_reduce: bool, comms: CommHooks, keep_unused
     ) -> bool | None:
         """Reduce-scatter the waiting gradient (and all-reduce it across HSDP replicas), then
-        add this rank's block to the sharded ``DTensor`` gradient. Returns whether this rank had
-        a gradient (None for a frozen parameter, which takes no part)."""
+        add this rank's block to the sharded ``DTensor`` gradient. ``divisors``: what to divide
+        by before the sum (None: nothing) and after it (``ParamGroup.gradient_divisors``).
+        Returns whether this rank had a gradient (None for a frozen parameter, which takes no
+        part)."""
+        before, after = divisors
         used = self.has_grad_to_reduce
         grad = self.reduce_scatter_input(dtype)  # (S * chunk, *rest), zeros if unused here
         if grad is None:
             return None
+        if before is not None:
+            grad.div_(before)  # fp16: a sum of N gradients must not overflow
         check_collective("reduce_scatter", grad, self.info.shard_group, self.fqn)
         block = reduce_scatter_rows(grad, self.info.shard_group, comms.reduce_scatter)
         if self.info.replicate_group is not None:  # block: (chunk, *rest) summed
@@ -63,7 +68,7 @@ class GradientPath:
         if comms.all_reduce_hook is not None:
             comms.all_reduce_hook(block)  # the user's hook, in place, once per parameter here
         if used or keep_unused:
-            self.accumulate_grad(block / divide_by)  # the sum over ranks becomes their mean
+            self.accumulate_grad(block / after)  # the sum over ranks becomes their mean
         return used
 
     @property
