@@ -187,7 +187,7 @@ class FSDPState:
             groups = [state.group for state in self.all_states if state.group is not None]
             for group in groups:
                 group.finish_backward()
-            check_usage(groups)
+            check_usage(self, groups)
 
 
 class PostBackwardMarker(torch.autograd.Function):

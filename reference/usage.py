@@ -8,47 +8,45 @@ different number of them (a hang), or, worse, same-sized collectives of differen
 reduction, with zeros from the ranks that did not use it: the sums are then exact, because a
 rank that did not use a parameter contributes nothing to its gradient.
 
-Whether that is what the user meant is another question. After each backward the root counts,
-over the ranks, who had a gradient for each parameter (one small integer all-reduce per mesh).
-A parameter used on some ranks but not all is reported by name, unless the user said it is
-expected with ``set_reduce_scatter_unused_params(True)``; then nothing is counted and the
+Whether that is what the user meant is another question. After each backward the root tells
+the other ranks of each mesh which parameters it had no gradient for, through the job's
+key-value store rather than a collective (``twinshard.guard.usage``: on an accelerator a
+collective of host counts fails, and reading device counts back would stall every step), and
+learns the tally of the backward before. A parameter used on some ranks but not all is reported
+by name, one backward late (in the same backward with ``TWINSHARD_DEBUG=1``), unless the user said
+it is expected with ``set_reduce_scatter_unused_params(True)``; then nothing is tallied and the
 zero-filled reduction is the result, as in torch's FSDP2.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 from twinshard.api import FSDPUsageError
+from twinshard.guard import mesh_ranks, tally_unused
 
 from .param_group import ParamGroup
 
 
-def check_usage(groups: list[ParamGroup]) -> None:
-    """Raise on every rank if some parameter had a gradient on some ranks but not all."""
-    by_mesh: dict[tuple, list] = {}  # groups on the same ranks share one count
+def check_usage(root, groups: list[ParamGroup]) -> None:
+    """Post which parameters this rank used in ``root``'s backward (the root's state); raise on
+    every rank if the tally read back names one that had a gradient on some ranks but not all."""
+    by_mesh: dict[tuple, list] = {}  # groups on the same ranks share one tally
     for group in groups:
         if group.usage and not group.reduce_unused:
-            key = (id(group.info.shard_group), id(group.info.replicate_group))
-            by_mesh.setdefault(key, []).append(group)
-    partly = []
+            by_mesh.setdefault(mesh_ranks(group.info.mesh), []).append(group)
+    partly, when = [], -1
     for mesh_groups in by_mesh.values():
-        info = mesh_groups[0].info
-        world = info.shard_size * info.replicate_size
-        params = [(p, used) for g in mesh_groups for p, used in g.usage.items()]
-        if world > 1:
-            counts = torch.tensor([int(used) for _, used in params], dtype=torch.int32)  # (P,)
-            dist.all_reduce(counts, group=info.shard_group)
-            if info.replicate_group is not None:
-                dist.all_reduce(counts, group=info.replicate_group)
-            partly += [(p, int(n), world) for (p, _), n in zip(params, counts) if 0 < n < world]
+        mesh = mesh_groups[0].info.mesh
+        unused = [p.fqn for g in mesh_groups for p, used in g.usage.items() if not used]
+        n, found = tally_unused(root, mesh, unused)
+        partly += [(name, used, mesh.size()) for name, used in found]
+        when = max(when, n)
     for group in groups:
         group.usage.clear()
     if partly:
-        names = ", ".join(f"'{p.fqn}' ({n} of {w} ranks)" for p, n, w in partly[:5])
+        names = ", ".join(f"'{name}' ({n} of {w} ranks)" for name, n, w in partly[:5])
         raise FSDPUsageError(
-            f"parameters used on some ranks only got gradients from those ranks alone: {names}; "
-            "if that is expected (routing, branches), call set_reduce_scatter_unused_params(True) "
-            "on the module for exact sums, else make every rank use them"
+            f"parameters used on some ranks only got gradients from those ranks alone "
+            f"(backward {when} of these ranks): {names}; if that is expected (routing, "
+            "branches), call set_reduce_scatter_unused_params(True) on the module for exact "
+            "sums, else make every rank use them"
         )

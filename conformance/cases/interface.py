@@ -168,7 +168,8 @@ def case_unused_on_some_ranks(ctx):
 @case("interface", needs=lambda ctx: ctx.world > 1, why="one rank uses every parameter it has")
 def case_unused_reported(ctx):
     """Without set_reduce_scatter_unused_params, a parameter used on some ranks only is named
-    in a clear error at the end of backward (twinshard; torch aborts inside gloo instead)."""
+    in a clear error at the end of the next backward (twinshard tallies over the store, one
+    backward late; torch aborts inside gloo instead)."""
     checker = Checker("fp32")
     if not _is_twinshard(ctx):
         checker.notes.append("skipped: the error is twinshard's behaviour, torch aborts")

@@ -61,7 +61,8 @@ NOTES: dict[tuple[str, str | None], str] = {
     ("FSDPModule.set_all_reduce_hook", "twinshard.optimized"): "called once per group on its flat "
     "reduced buffer, before the division",
     ("FSDPModule.set_reduce_scatter_unused_params", None): "without it, twinshard names the "
-    "parameters used on some ranks only at the end of backward (torch aborts inside the backend)",
+    "parameters used on some ranks only at the end of the next backward, tallied over the store "
+    "(the same backward with TWINSHARD_DEBUG=1; torch aborts inside the backend)",
     ("FSDPModule.set_separate_reduce_scatter_group", "twinshard.reference"): "accepted; one stream",
     (
         "FSDPModule.set_symm_mem_for_comm",

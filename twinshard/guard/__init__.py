@@ -38,6 +38,10 @@ the store: a peer waiting in another group's check stops with it instead of at i
 Only a rank that is inside a check can report: a rank that finished early (the extra-step case)
 waits elsewhere, and is named by the ranks that wait for it.
 
+- **Parameters used on some ranks only** (always on, for twinshard's roots). After each
+  backward every rank posts the names of the trainable parameters it had no gradient for, and
+  reads the tally of the backward before (``usage.py``): no collective, no device value read.
+
 Cost. Debug off: one test of a module-level boolean per collective, and one fingerprint
 exchange per root (a few store round trips, once). Debug on: per collective a ``set``, a
 ``check``, a ``multi_get`` and a ``delete_key`` on the store, plus the wait for the slowest
@@ -49,6 +53,7 @@ from __future__ import annotations
 from .channel import ENV, TIMEOUT_ENV, GuardError, refresh, set_debug
 from .collectives import check_collective, forward_started, watch
 from .model import check_model, fingerprint
+from .usage import mesh_ranks, tally_unused
 
 __all__ = [
     "ENV",
@@ -59,8 +64,10 @@ __all__ = [
     "debug_enabled",
     "fingerprint",
     "forward_started",
+    "mesh_ranks",
     "refresh",
     "set_debug",
+    "tally_unused",
     "watch",
 ]
 

@@ -53,7 +53,8 @@ def set_debug(on: bool) -> None:
 
 def connection():
     """The guard's own connection to the job's store, or None where there is nobody to ask
-    (no process group, one rank, or one process playing every rank on an in-process store)."""
+    (no process group, one rank, or one process playing every rank: PyTorch's fake process
+    group, or an in-process store)."""
     global _conn
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -63,10 +64,15 @@ def connection():
     if _conn is not None and _conn[0] is world:
         return _conn[1]
     seq.clear(), _members_of.clear()
+    from .usage import exchanges_values
+
     store = base = c10d._get_default_store()
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
-    if dist.get_world_size() == 1 or type(base).__name__ in ("HashStore", "FakeStore"):
+    # PyTorch's fake process group (one process playing one rank of many) has nobody to ask,
+    # whatever its store: a FakeStore comes back from a PrefixStore as a plain Store
+    alone = dist.get_world_size() == 1 or not exchanges_values(world)
+    if alone or type(base).__name__ in ("HashStore", "FakeStore"):
         _conn = (world, None)
         return None
     try:  # our own socket: its timeout bounds every call without touching torch's

@@ -1,0 +1,136 @@
+"""Which ranks used which parameters, tallied over the job's store one backward late.
+
+After a backward that reduced gradients every rank knows, on its own, which trainable parameters
+it had no gradient for (``reference/usage.py`` says why that matters). Telling the others must
+cost no collective and read no device value: an all-reduce of host counts fails outright where
+the process group has no host backend (``init_process_group("nccl")``), and one of device counts
+would need a host read of the result, a synchronization in every step. So the ranks tally over
+the key-value store that every ``torch.distributed`` job has, and read the tally one backward
+late, when every rank has long posted its part:
+
+- at the end of backward n each rank adds ``1 + K * has_unused`` to the counter of backward n
+  (``K`` is one more than the number of ranks, so the sum holds both counts), after appending
+  the names of its unused parameters (none, almost always) to that backward's list; the rank
+  whose addition completes the count writes the tally, how many ranks had unused parameters;
+- before that, it reads the tally of backward n - 1 (a parameter unused everywhere is fine;
+  unused on some ranks only is reported) and the lowest rank deletes the keys of backward n - 2,
+  which every rank has read by then.
+
+One store round trip to post, one to read; a list is fetched only when some rank had unused
+parameters. In debug mode (``TWINSHARD_DEBUG=1``) the tally of backward n is read right after
+posting it, so the error comes in the same backward; every rank then waits for the slowest, as
+the debug checks of every collective do anyway. A run's last backward is read only in debug
+mode. Nothing is tallied without a store to share (one process playing every rank, as with
+PyTorch's fake process group) or with one rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import weakref
+
+import torch.distributed as dist
+
+from . import channel
+
+PREFIX = "twinshard-usage"
+
+
+class _Ranks:
+    """The tally of one root on one set of ranks: how many backwards it posted, the store."""
+
+    def __init__(self, store, ranks: tuple, root: int):
+        self.store, self.ranks = store, ranks
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # keys of a fresh attempt
+        self.base = f"{PREFIX}/{attempt}/{root}/{'-'.join(map(str, ranks))}"
+        self.posted = 0  # backwards posted so far; the next one is number ``posted``
+
+    def key(self, n: int, what: str) -> str:
+        return f"{self.base}/{n}/{what}"
+
+    def post(self, unused: list[str]) -> int:
+        """Post this rank's unused parameters for the next backward; returns its number."""
+        n, world = self.posted, len(self.ranks)
+        if unused:
+            self.store.append(self.key(n, "unused"), json.dumps(unused) + "\n")
+        total = self.store.add(self.key(n, "count"), 1 + (world + 1) * bool(unused))
+        if total % (world + 1) == world:  # the last rank to post writes the tally
+            self.store.set(self.key(n, "tally"), str(total // (world + 1)))
+        self.posted += 1
+        return n
+
+    def read(self, n: int) -> list[tuple[str, int]]:
+        """The parameters of backward ``n`` that some ranks used and others did not, with the
+        number of ranks that used them; waits (up to the store's timeout) for every rank."""
+        world = len(self.ranks)
+        try:
+            ranks_with_unused = int(self.store.get(self.key(n, "tally")))
+            lists = self.store.get(self.key(n, "unused")) if ranks_with_unused else b""
+        except Exception as e:  # noqa: BLE001 - the store's own timeout or connection error
+            raise RuntimeError(
+                f"twinshard: the ranks {list(self.ranks)} did not all finish backward {n} in time "
+                f"to tally which parameters they used ({type(e).__name__}: {e}); a rank stopped "
+                "or fell far behind"
+            ) from e
+        if dist.get_rank() == min(self.ranks) and n >= 1:
+            for what in ("count", "tally", "unused"):
+                self.store.delete_key(self.key(n - 1, what))
+        unused_on: dict[str, int] = {}
+        for line in lists.decode().splitlines():
+            for name in json.loads(line):
+                unused_on[name] = unused_on.get(name, 0) + 1
+        return [(name, world - k) for name, k in unused_on.items() if k < world]
+
+
+# per root (an object the caller keeps, such as its FSDP state): its number, the same on every
+# rank because every rank runs its roots' first backwards in the same order, and its tallies
+_roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_root_count = itertools.count()
+
+
+_ranks_of: dict[int, tuple] = {}  # id(mesh) -> (mesh, its ranks in order)
+
+
+def mesh_ranks(mesh) -> tuple:
+    """The global ranks of a ``DeviceMesh``, in order (read once per mesh)."""
+    hit = _ranks_of.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        hit = _ranks_of[id(mesh)] = (mesh, tuple(mesh.mesh.flatten().tolist()))
+    return hit[1]
+
+
+def tally_unused(root, mesh, unused: list[str]) -> tuple[int, list[tuple[str, int]]]:
+    """Post the names of this rank's trainable parameters that got no gradient in this
+    backward of ``root`` on ``mesh`` (a ``DeviceMesh``), and read a tally: the root's previous
+    backward's on those ranks, or in debug mode this one's. Returns (the number of the backward
+    read, its parameters used on some ranks only, each with the number of ranks that used it);
+    (-1, []) when there is nothing to read or nobody to tally with."""
+    store = channel.connection()
+    if store is None or mesh.size() == 1 or not exchanges_values(mesh.get_group(0)):
+        return -1, []
+    ranks = mesh_ranks(mesh)
+    if root not in _roots:
+        _roots[root] = (next(_root_count), {})
+    number, tallies = _roots[root]
+    tally = tallies.get(ranks)
+    if tally is None or tally.store is not store:
+        tally = tallies[ranks] = _Ranks(store, ranks, number)
+    if channel.debug:
+        n = tally.post(unused)
+        return n, tally.read(n)
+    previous = tally.posted - 1
+    partly = tally.read(previous) if previous >= 0 else []
+    tally.post(unused)
+    return previous, partly
+
+
+def exchanges_values(group) -> bool:
+    """Whether ``group``'s collectives carry values between processes: PyTorch's fake process
+    group (one process playing one rank of many) answers every collective without any."""
+    try:
+        backends = [group._get_backend(d) for d in group._device_types]
+    except (AttributeError, RuntimeError):
+        return True
+    return not any(type(b).__name__ == "FakeProcessGroup" for b in backends)
