@@ -107,7 +107,7 @@ def tally_unused(root, mesh, unused: list[str]) -> tuple[int, list[tuple[str, in
     backward's on those ranks, or in debug mode this one's. Returns (the number of the backward
     read, its parameters used on some ranks only, each with the number of ranks that used it);
     (-1, []) when there is nothing to read or nobody to tally with."""
-    store = channel.connection()
+    store = tally_connection()
     if store is None or mesh.size() == 1 or not exchanges_values(mesh.get_group(0)):
         return -1, []
     ranks = mesh_ranks(mesh)
@@ -124,6 +124,31 @@ def tally_unused(root, mesh, unused: list[str]) -> tuple[int, list[tuple[str, in
     partly = tally.read(previous) if previous >= 0 else []
     tally.post(unused)
     return previous, partly
+
+
+_connection: tuple | None = None  # (the guard's connection, the tally's own)
+
+
+def tally_connection():
+    """A connection to the job's store for the tally, or None where the guard has nobody to ask.
+    Its own, with the store's timeout as ``init_process_group`` set it (the bound a collective
+    would have), not the guard's short one: a rank may fall a step behind (saving a checkpoint
+    while the others run ahead on queued collectives), and the read waits for it."""
+    global _connection
+    guard = channel.connection()
+    if guard is None:
+        return None
+    if _connection is None or _connection[0] is not guard:
+        from torch.distributed import distributed_c10d as c10d
+
+        own = guard
+        try:
+            own = guard.clone()
+            own.set_timeout(c10d._get_default_store().timeout)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            pass  # a store without clone(): share the guard's
+        _connection = (guard, own)
+    return _connection[1]
 
 
 def exchanges_values(group) -> bool:
