@@ -21,6 +21,14 @@ only then drops it. Every buffer goes at a fixed point of the schedule, as soon 
 use is queued: the all-gather's buffers after the copy-out, the reduce-scatter's after their
 sum is added to the sharded gradients. The waits cost no overlap: the next collective of the
 same kind is issued after that point anyway, and its stream waits for the current one there.
+
+[Note: stream priorities]
+The copy-in, all-gather and reduce-scatter streams are created with priority -1, above the
+compute stream's 0, as in torch's FSDP2: when the device has a free slot, the small kernels
+that start a collective (the copy-in, the collective's own launch) go before the next compute
+kernel, so the collective starts as early as the schedule allows instead of waiting behind a
+long run of compute kernels. The HSDP all-reduce is not on the critical path of the next layer
+and keeps the default priority.
 """
 
 from __future__ import annotations
@@ -59,12 +67,13 @@ class CommContext:
         self.streams = streams_for(self.device)
         # issue collectives blocking where a stream orders them; see [Note: two ways to wait]
         self.async_op = not self.streams.collectives_follow_streams
+        # see [Note: stream priorities]
         # builds the flat all-gather input while the previous group still computes
-        self.copy_in_stream = self.streams.new_stream("copy_in")
+        self.copy_in_stream = self.streams.new_stream("copy_in", priority=-1)
         # runs all-gathers beside compute
-        self.all_gather_stream = self.streams.new_stream("all_gather")
+        self.all_gather_stream = self.streams.new_stream("all_gather", priority=-1)
         # runs reduce-scatters beside the backward of earlier layers
-        self.reduce_scatter_stream = self.streams.new_stream("reduce_scatter")
+        self.reduce_scatter_stream = self.streams.new_stream("reduce_scatter", priority=-1)
         # HSDP: runs the all-reduce across replicas after the reduce-scatter
         self.all_reduce_stream = self.streams.new_stream("all_reduce")
 

@@ -45,10 +45,11 @@ class StandInEvent:
 class StandInStream:
     """A named queue of work with a vector clock; see the module docstring."""
 
-    def __init__(self, name: str, log: list):
+    def __init__(self, name: str, log: list, priority: int = 0):
         self.name = name
         self.clock = {name: 0}
         self.log = log
+        self.priority = priority  # as a device stream's: lower is served first
 
     def tick(self) -> int:
         self.clock[self.name] += 1
@@ -89,9 +90,9 @@ class StandInStreams:
         self._names: dict[str, int] = {}
         self.sanitizer = StreamSanitizer(self)
 
-    def new_stream(self, name: str) -> StandInStream:
+    def new_stream(self, name: str, priority: int = 0) -> StandInStream:
         count = self._names[name] = self._names.get(name, 0) + 1
-        return StandInStream(name if count == 1 else f"{name}#{count}", self.log)
+        return StandInStream(name if count == 1 else f"{name}#{count}", self.log, priority)
 
     def current(self) -> StandInStream:
         return getattr(self._local, "stream", self.default)

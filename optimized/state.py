@@ -44,7 +44,6 @@ def unguarded(hook):
 REFERENCE_PRE_FORWARD = unguarded(ReferenceState.pre_forward)
 REFERENCE_POST_FORWARD = unguarded(ReferenceState.post_forward)
 REFERENCE_PRE_BACKWARD = unguarded(ReferenceState.pre_backward)
-REFERENCE_FINAL_CALLBACK = unguarded(ReferenceState.final_callback)
 
 
 class FSDPState(ReferenceState):
@@ -122,11 +121,15 @@ class FSDPState(ReferenceState):
         if self.is_root and self.comm is not None:
             self.comm.discard_pending()  # the failed iteration's reductions are dropped
 
-    @torch.compiler.disable
-    def final_callback(self) -> None:
-        finish_reduce(self.comm)  # the last group's reduce-scatter
-        REFERENCE_FINAL_CALLBACK(self)
-        finish_reduce(self.comm)  # groups whose post-backward ran only just now
+    def finish_groups(self) -> list:
+        """The reference's end of backward for every group, between the additions of the
+        reductions still in flight: the last group's before, and after, those of groups whose
+        post-backward ran only just now. The root's final callback then waits for offloaded
+        gradients and tallies which parameters were used."""
+        finish_reduce(self.comm)
+        groups = super().finish_groups()
+        finish_reduce(self.comm)
+        return groups
 
     # --- prefetch ---------------------------------------------------------------------------
     def prefetch(self, hint: list | None, order: list, backward: bool = False) -> None:

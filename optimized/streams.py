@@ -40,9 +40,10 @@ class DeviceStreams:
         self.streams_do_nothing = device.type == "cpu"
         self.nothing = contextlib.nullcontext()
 
-    def new_stream(self, name: str) -> Any:
-        """A new stream on the current device; ``name`` only labels stand-in streams."""
-        return self.module.Stream()
+    def new_stream(self, name: str, priority: int = 0) -> Any:
+        """A new stream on the current device; ``name`` only labels stand-in streams. A lower
+        ``priority`` is served first when streams compete (-1: higher than compute's 0)."""
+        return self.module.Stream(priority=priority)
 
     def current(self) -> Any:
         return self.module.current_stream()

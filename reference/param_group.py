@@ -168,6 +168,16 @@ class ParamGroup:
             self.reshard()  # parameters that got no gradient are still freed
         self.state = TrainingState.IDLE
 
+    def grad_copies_in_flight(self) -> bool:
+        """Whether gradients were copied to pinned host memory without waiting (CPU offload)
+        since the last call; the root then waits for the device once."""
+        if not self.params or not self.params[0].pin:  # one offload policy per group
+            return False
+        found = any([p.grad_in_flight for p in self.params])
+        for p in self.params:
+            p.grad_in_flight = False
+        return found
+
     def modules_with_params(self) -> set[nn.Module]:
         """Every module that holds one of the group's parameters."""
         return {m for p in self.params for m, _ in p.owners}

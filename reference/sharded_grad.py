@@ -23,6 +23,8 @@ from .collectives import all_reduce_sum, pad_rows, reduce_scatter_rows
 class GradientPath:
     """The gradient methods of ``ShardedParam`` (which also holds the attributes they use)."""
 
+    grad_in_flight = False  # offload: a copy to host memory not yet waited for (``to_host``)
+
     @property
     def has_new_grad(self) -> bool:
         """Whether autograd wrote an unsharded ``.grad`` that ``take_grad`` has not taken."""
@@ -109,8 +111,9 @@ class GradientPath:
         padding rows and moving it to the shard's dtype and device."""
         if self.local_rows < self.chunk:  # (slicing costs a microsecond even when it keeps all)
             block = block[: self.local_rows]  # (local_rows, *rest)
-        block = self.rows_first(block)  # back in the parameter's own layout
-        block = block.to(self.shard_device, self.sharded_param.dtype)
+        block = self.rows_first(block).to(dtype=self.sharded_param.dtype)  # (rows, *rest)
+        if block.device != self.shard_device:
+            block = self.to_host(block)
         if self.sharded_param.grad is None:
             # A gradient is laid out exactly like its parameter, so it takes the parameter's
             # spec as it is, through ``DTensor.__new__``: ``from_local`` (a new spec, checked) and
@@ -125,6 +128,17 @@ class GradientPath:
         # does (an optimizer stepped inside backward relies on them).
         for hook in (self.sharded_param._post_accumulate_grad_hooks or {}).values():
             hook(self.sharded_param)
+
+    def to_host(self, block: torch.Tensor) -> torch.Tensor:
+        """Copy a reduced block of an offloaded parameter to host memory. A new gradient goes
+        to pinned memory without the host waiting (the root waits for all of them once, at the
+        end of backward: ``ParamGroup.grad_copies_in_flight``); one added to an earlier
+        gradient, or read by a hook right away, must be there first, so that copy waits."""
+        hooks = self.sharded_param._post_accumulate_grad_hooks
+        if not self.pin or self.sharded_param.grad is not None or hooks:
+            return block.to(self.shard_device)
+        self.grad_in_flight = True
+        return block.to(self.shard_device, non_blocking=True)  # torch pins what it copies to
 
     def discard_grads(self) -> None:
         """Drop every gradient not yet reduced (after an aborted iteration)."""

@@ -166,6 +166,10 @@ class ShardedParam(GradientPath):
                 f"parameter '{self.fqn}' is still on the meta device; materialize it first, "
                 "e.g. model.to_empty(device=...) and then initialize or load the weights"
             )
+        local = self.sharded_param._local_tensor
+        if local.device != self.shard_device:  # offloaded, then moved with the module (to_empty)
+            local = local.to(self.shard_device)
+            self.sharded_param._local_tensor = local.pin_memory() if self.pin else local
 
     # --- unshard and reshard ----------------------------------------------------------------
     def unshard(self, dtype: torch.dtype, post_forward: MeshInfo | None, comm=None) -> None:
@@ -193,7 +197,8 @@ class ShardedParam(GradientPath):
         # The DTensor's own local tensor: ``to_local()`` would return the same data, but for a
         # parameter it makes a new view at every call (torch 2.13), twice per step and parameter.
         local = self.rows_first(self.sharded_param._local_tensor)  # (<= chunk, *rest)
-        return pad_rows(local.to(self.device, dtype), self.chunk).contiguous()  # (chunk, *rest)
+        local = local.to(self.device, dtype, non_blocking=self.pin)  # pinned: the host goes on
+        return pad_rows(local, self.chunk).contiguous()  # (chunk, *rest)
 
     # --- the shard in storage the caller owns (a tensor per block, kept by the group) ----------
     def shard_storage_shape(self) -> torch.Size | None:

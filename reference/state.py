@@ -184,10 +184,18 @@ class FSDPState:
         """Runs once autograd has finished the whole backward."""
         self.callback_queued = False
         with profiled("twinshard::final_callback"):
-            groups = [state.group for state in self.all_states if state.group is not None]
-            for group in groups:
-                group.finish_backward()
+            groups = self.finish_groups()
+            offloaded = [g for g in groups if g.grad_copies_in_flight()]
+            if offloaded:  # one wait for every gradient copied to host memory in this backward
+                torch.get_device_module(offloaded[0].device.type).synchronize()
             check_usage(self, groups)
+
+    def finish_groups(self) -> list[ParamGroup]:
+        """Finish every group's backward (``ParamGroup.finish_backward``); returns the groups."""
+        groups = [state.group for state in self.all_states if state.group is not None]
+        for group in groups:
+            group.finish_backward()
+        return groups
 
 
 class PostBackwardMarker(torch.autograd.Function):

@@ -41,8 +41,12 @@ def test_whole_reference_is_small():
     # meshes only. FSDP2's whole interface (tensor parallelism, the list form, communication
     # hooks, parameters used on some ranks, Shard(dim), torch.compile) costs about a tenth
     # more, written as plainly: the bound moved to 1,600, and each file still reads in one go.
+    # Running as on an accelerator (issue 23) added about 60 more: fp16 gradients divided before
+    # and after their sum, offloaded gradients copied to host memory without waiting and
+    # waited for once, the usage tally over the store instead of a collective, the default
+    # mesh from the accelerator API. The bound moved to 1,700.
     total = sum(len(p.read_text().splitlines()) for p in FILES)
-    assert total < 1600, f"reference/ has {total} lines; keep it under 1,600"
+    assert total < 1700, f"reference/ has {total} lines; keep it under 1,700"
 
 
 def test_tensor_lines_carry_shape_comments():

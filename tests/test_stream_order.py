@@ -236,3 +236,33 @@ def test_new_memory_after_the_post_optim_event_is_waited_for(mixed):
     storage on the compute stream after the event while the copy-in waited only on the event."""
     env = {"TWINSHARD_STANDIN_STREAMS": "1"}
     assert launch(_assign_load_after_post_optim_event, 2, mixed, env=env) == [True, True]
+
+
+def test_side_streams_are_created_with_priority(monkeypatch):
+    """The copy-in, all-gather and reduce-scatter streams run at priority -1 (above compute),
+    as torch's FSDP2 makes them; the HSDP all-reduce stream keeps the default."""
+    from twinshard.optimized.comm import CommContext
+    from twinshard.optimized.streams import DeviceStreams
+
+    made = []
+
+    class Module:  # a device module that records the streams it is asked for
+        @staticmethod
+        def Stream(priority=0):
+            made.append(priority)
+            return object()
+
+    def device_streams(device):
+        streams = DeviceStreams.__new__(DeviceStreams)  # as for an accelerator, with Module
+        streams.module, streams.collectives_follow_streams = Module, True
+        return streams
+
+    monkeypatch.setattr("twinshard.optimized.comm.streams_for", device_streams)
+    comm = CommContext(torch.device("cpu"))
+    assert comm.copy_in_stream is not None and made == [-1, -1, -1, 0]
+    monkeypatch.undo()
+    monkeypatch.setenv("TWINSHARD_STANDIN_STREAMS", "1")
+    comm = CommContext(torch.device("cpu"))
+    priorities = [s.priority for s in (comm.copy_in_stream, comm.all_gather_stream)]
+    priorities += [comm.reduce_scatter_stream.priority, comm.all_reduce_stream.priority]
+    assert priorities == [-1, -1, -1, 0], priorities
