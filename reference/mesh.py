@@ -9,6 +9,11 @@ Gradients are reduce-scattered inside a row and then all-reduced down each colum
 keeping the whole parameter after forward and keeping 1/S of it: after forward each rank keeps
 1/N, gathered again in backward among N neighbouring ranks. That needs one more process group,
 built here as a second mesh that views the ranks as rows of N.
+
+Without a mesh, ``fully_shard`` builds a 1D one over every rank, on the device this rank
+computes on. As in PyTorch's FSDP2, the accelerator API says which (``default_device_type``):
+the backend's name does not, since a group made with no backend, or with
+``"cpu:gloo,cuda:nccl"``, reaches the GPU as well as one made with ``"nccl"``.
 """
 
 from __future__ import annotations
@@ -50,15 +55,42 @@ class MeshInfo:
         return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
+def backends_by_device(group=None) -> dict[str, str]:
+    """Which backend runs a collective of each device type in ``group`` (default: the default
+    group): ``{"cpu": "gloo", "cuda": "nccl"}`` for ``"cpu:gloo,cuda:nccl"``; plain ``"gloo"``
+    serves both the CPU and cuda, plain ``"nccl"`` cuda only."""
+    config = dist.get_backend_config(group)  # "cpu:gloo,cuda:nccl"
+    pairs = (item.split(":", 1) for item in config.split(",") if ":" in item)
+    return {device.strip(): name.strip() for device, name in pairs}
+
+
+def default_device_type() -> str:
+    """The device type this rank computes on, asked as PyTorch's FSDP2 asks it.
+
+    The device the default group is bound to (``init_process_group(device_id=...)``); else the
+    accelerator that ``torch.accelerator`` names, if one is available and the default group
+    has a backend for its device type; else the CPU. Never the backend's name: ``"nccl"``, no
+    backend at all and ``"cpu:gloo,cuda:nccl"`` all mean cuda on a GPU machine, and an XPU or
+    an out-of-tree device answers the same way.
+    """
+    bound = dist.group.WORLD.bound_device_id
+    if bound is not None:
+        return bound.type
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is not None and accelerator.type in backends_by_device():
+        return accelerator.type
+    return "cpu"
+
+
 def default_mesh() -> DeviceMesh:
-    """A 1D mesh over every rank of the default process group (plain FSDP)."""
+    """A 1D mesh over every rank of the default process group (plain FSDP), on the device
+    type this rank computes on (``default_device_type``)."""
     if not dist.is_initialized():
         raise FSDPUsageError(
             "fully_shard needs torch.distributed: call init_process_group first "
             "(twinshard.launch does it for you) or pass mesh=..."
         )
-    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(kind, (dist.get_world_size(),))
+    return init_device_mesh(default_device_type(), (dist.get_world_size(),))
 
 
 def mesh_info(mesh: DeviceMesh) -> MeshInfo:

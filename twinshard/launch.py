@@ -30,9 +30,20 @@ Fork or spawn. ``spawn`` starts a fresh interpreter that imports ``fn`` by modul
 name. It is the safer choice, but it cannot run a lambda, a closure, a nested
 function, or a function from a notebook, ``python -c`` or another ``__main__``
 without a file. With ``start_method=None``, ``launch`` forks for those (the child is
-a copy of the parent; nothing is imported) and spawns otherwise. Forking after CUDA
-is initialized is unsafe, so GPU code should use module-level functions. Forcing
-``"spawn"`` with an unpicklable ``fn`` or arguments raises ``TypeError`` up front.
+a copy of the parent; nothing is imported) and spawns otherwise. A child forked after
+this process initialized CUDA (or another accelerator's runtime:
+``twinshard.devices.initialized_accelerator``) cannot use the device, so then ``launch``
+spawns, and where ``fn`` can only be forked (or ``"fork"`` was asked for) it raises
+``RuntimeError`` naming ``fn`` and saying what to do. Forcing ``"spawn"`` with an
+unpicklable ``fn`` or arguments raises ``TypeError`` up front.
+
+Devices. With no ``backend``, the ranks run one per accelerator with its backend (nccl on
+CUDA, xccl on XPU) when there are enough devices, else on the CPU with gloo. A rank of a
+backend that runs on an accelerator only gets device ``local_rank``, made current and passed
+to ``init_process_group`` as ``device_id`` (torch's advice for NCCL: the communicator is
+made at once and bound to the rank's device); a rank of a host backend (gloo) computes on
+the CPU, even on a GPU machine. ``twinshard.devices`` remembers the choice, so the default
+mesh and ``twinshard train`` follow it (``twinshard.devices`` has the rules).
 
 Each child calls ``torch.set_num_threads(1)``, since a few ranks share a few cores;
 ``TWINSHARD_THREADS=n`` asks for ``n`` threads, ``0`` keeps torch's default. Inside
@@ -59,7 +70,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import watchdog
+from . import devices, watchdog
 from .supervise import HangError, LaunchError, Watch, collect, forwarding, stop
 
 __all__ = ["HangError", "LaunchError", "RankInfo", "get_rank_info", "launch"]
@@ -96,10 +107,9 @@ def _free_port() -> int:
 
 
 def _resolve_backend(backend: str | None, nprocs: int) -> str:
-    # device_count() asks NVML first, so it does not initialize CUDA and fork stays safe.
-    gpus = torch.cuda.device_count()
+    # The device counts come from NVML where they can (on CUDA), so fork stays safe.
     if backend is None:
-        return "nccl" if 0 < nprocs <= gpus and dist.is_nccl_available() else "gloo"
+        return devices.accelerator_backend(nprocs) or "gloo"
     name = backend.lower() if isinstance(backend, str) else backend
     if name not in dist.Backend.backend_list or name == "undefined":
         raise ValueError(
@@ -107,15 +117,18 @@ def _resolve_backend(backend: str | None, nprocs: int) -> str:
         )
     if not dist.is_backend_available(name):
         raise ValueError(f"backend {name!r} is not available in this build of torch")
-    if name == "nccl" and nprocs > gpus:
+    kind = devices.backend_device(name, 0).type
+    if kind != "cpu" and nprocs > (found := devices.device_count(kind)):
         raise ValueError(
-            f"backend 'nccl' needs one GPU per rank: nprocs={nprocs} but {gpus} GPU(s) visible"
+            f"backend {name!r} needs one {kind} device (GPU) per rank: nprocs={nprocs} but "
+            f"{found} visible; use fewer ranks or backend='gloo'"
         )
     return name
 
 
 def _pick_start_method(fn: Callable, args: tuple, kwargs: dict, start_method: str | None) -> str:
-    """Fork when a spawned child could not import ``fn`` by module and name, else spawn."""
+    """Fork when a spawned child could not import ``fn`` by module and name, else spawn; never
+    fork once this process has initialized an accelerator's runtime (``RuntimeError``)."""
     if start_method not in (None, "fork", "spawn", "forkserver"):
         raise ValueError(
             f"unknown start_method {start_method!r}; use None, 'fork', 'spawn' or 'forkserver'"
@@ -130,18 +143,37 @@ def _pick_start_method(fn: Callable, args: tuple, kwargs: dict, start_method: st
             and not (main_file and os.path.isfile(main_file))
         )
     )
+    runtime = devices.initialized_accelerator()  # a forked child could not use it
     if start_method == "fork" or (start_method is None and unimportable):
+        if runtime:
+            why = "a lambda, a nested function or from a __main__ without a file"
+            why = "start_method='fork' was asked for" if start_method else f"it is {why}"
+            raise RuntimeError(_fork_refused(fn, runtime, why))
         return "fork"
     try:
         pickle.dumps((fn, args, kwargs))
     except Exception as e:
         if start_method is None:
+            if runtime:
+                why = f"it or its arguments cannot be pickled ({type(e).__name__}: {e})"
+                raise RuntimeError(_fork_refused(fn, runtime, why)) from e
             return "fork"
         raise TypeError(
             f"with start_method={start_method!r}, fn must be a module-level function and its "
             f"arguments picklable ({type(e).__name__}: {e})"
         ) from e
     return start_method or "spawn"
+
+
+def _fork_refused(fn: Callable, runtime: str, why: str) -> str:
+    """The error for a launch that would fork after the accelerator runtime was initialized."""
+    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return (
+        f"launch cannot run {where}: {why}, so its ranks would be forked, but this process "
+        f"has already initialized {runtime}, which a forked rank cannot use. Make it a "
+        "module-level function in an importable file, with picklable arguments (launch then "
+        f"spawns the ranks), or call launch before the first {runtime} call of this process"
+    )
 
 
 class _Setup(NamedTuple):
@@ -214,10 +246,7 @@ def _worker(fn, args, kwargs, setup: _Setup, conn) -> None:
         threads = int(os.environ.get("TWINSHARD_THREADS", "1") or "0")
         if threads > 0:
             torch.set_num_threads(threads)
-        device = torch.device("cpu")
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
+        device = devices.backend_device(backend, rank)  # an accelerator each for nccl, xccl
         _RANK_INFO = RankInfo(rank, rank, world_size, backend, device)
         store = dist.TCPStore(
             "127.0.0.1", setup.port, None, False, timeout=timedelta(seconds=timeout)
@@ -227,8 +256,9 @@ def _worker(fn, args, kwargs, setup: _Setup, conn) -> None:
             watched = dist.PrefixStore(watchdog.PREFIX, store)
             watchdog.start_rank(watched, rank, setup.hang_timeout, stacks)
             watchdog.progress("joining the process group")
-        dist.init_process_group(
+        devices.join_group(  # device_id for an accelerator rank, as torch recommends
             backend,
+            rank,
             store=store,
             rank=rank,
             world_size=world_size,
@@ -274,7 +304,8 @@ def launch(
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return the results by rank.
 
-    ``backend``: default "nccl" (one GPU per rank) if there are enough GPUs, else "gloo".
+    ``backend``: default: the accelerator's (nccl, one GPU per rank) if there are enough
+    devices, else "gloo" (CPU ranks).
     ``timeout``: seconds, for the process group and as the deadline for ``fn``.
     ``start_method``: None picks fork or spawn (see the module docstring).
     ``env``: extra environment variables for the children.
@@ -283,6 +314,7 @@ def launch(
     ``twinshard.watchdog.progress("...")``; collectives count as progress by themselves.
     ``forward_signals``: pass SIGINT and SIGTERM on to the ranks (see the module docstring).
     Raises ``ValueError`` for bad arguments, ``TypeError`` if ``fn`` cannot be spawned,
+    ``RuntimeError`` if it would have to be forked after CUDA was initialized,
     ``LaunchError`` if a rank fails.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from twinshard.devices import current_device, rank_device_type
+
 from ..compare import Checker
 from ..driver import Recipe, compare, run_oracle, run_plain, run_sharded
 
@@ -26,6 +28,9 @@ class Context:
     mesh_shape: tuple[int, ...]
     tmpdir: str
     reference: object | None = None  # twinshard.reference, unless that is what is under test
+    # The runner's --device ("cpu", "cuda"); None: the device this rank was given
+    # (twinshard.devices: launch's choice, else the accelerator API), never the backend's name.
+    device_choice: str | None = None
     _mesh: object = None
 
     @property
@@ -46,13 +51,11 @@ class Context:
 
     @property
     def device_type(self) -> str:
-        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return self.device_choice or rank_device_type()
 
     @property
     def device(self) -> torch.device:
-        if self.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return current_device(self.device_type)
 
     @property
     def mesh(self):

@@ -45,7 +45,7 @@ def build_model(cfg: TrainConfig, device: torch.device, mesh) -> torch.nn.Module
             reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
         )
     if cfg.cpu_offload:
-        kwargs["offload_policy"] = CPUOffload(pin_memory=device.type == "cuda")
+        kwargs["offload_policy"] = CPUOffload(pin_memory=device.type != "cpu")
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from twinshard import watchdog
+from twinshard import devices, watchdog
 
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
@@ -109,11 +109,18 @@ def _let_collective_threads_finish() -> None:
         time.sleep(0.01)  # each sleep releases the GIL; a late worker gets another chance
 
 
+def _join_torchrun_group() -> torch.device:
+    """Join the group torchrun set up; return this rank's device. One accelerator per local
+    rank with its backend (nccl, xccl, ...) where the machine has one for each, bound to the
+    rank with ``device_id``; else gloo on the CPU (``twinshard.devices``)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    backend = devices.accelerator_backend(local_world) or "gloo"
+    return devices.join_group(backend, local_rank, timeout=timedelta(seconds=RUN_TIMEOUT))
+
+
 def _run_torchrun(cfg: TrainConfig) -> int:
-    backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=RUN_TIMEOUT))
+    _join_torchrun_group()
     if cfg.hang_timeout:
         watchdog.start_torchrun(cfg.hang_timeout)
     try:

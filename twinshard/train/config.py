@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import torch
-
+from twinshard import devices
 from twinshard.models import PRESETS, LlamaConfig
 from twinshard.watchdog import DEFAULT_HANG_TIMEOUT
 
@@ -90,7 +89,7 @@ def under_torchrun() -> bool:
 
 
 def _default_nproc() -> int:
-    return torch.cuda.device_count() or 2
+    return devices.accelerator_count() or 2  # one rank per GPU, else 2 CPU ranks
 
 
 def _world_size(cfg: TrainConfig) -> int:
@@ -220,7 +219,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
             f"rank(s) x {cfg.grad_accum} micro-batch(es); use a multiple of {split}, "
             f"e.g. --batch-size {near}"
         )
-    gpus = torch.cuda.device_count()
+    gpus = devices.accelerator_count()
     if not under_torchrun() and gpus and cfg.nproc > gpus:
         raise TrainError(
             f"--nproc {cfg.nproc} but only {gpus} GPU(s): NCCL needs one GPU per "

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from twinshard import watchdog
+from twinshard.devices import rank_device
 
 from . import checkpoint as ckpt
 from . import stop as stopping
@@ -35,12 +36,6 @@ from .build import build_model, build_optimizer, seed_rank_rngs
 from .config import TrainConfig, TrainError, fresh_run_name
 from .data import Windows, load_corpus
 from .report import Reporter, duration, log_summary, memory_mb
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _agree_on_out(cfg: TrainConfig) -> Path:
@@ -60,7 +55,7 @@ def rank_main(cfg: TrainConfig, lock_run_dir: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = _device()
+    device = rank_device()  # asked of the accelerator API, not of the backend's name
     with stopping.StopRequest(announce=rank == 0) as request:
         run_dir = _agree_on_out(cfg)
         lock = _prepare_run_dir(cfg, run_dir, lock_run_dir)

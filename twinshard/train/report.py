@@ -26,8 +26,8 @@ from .config import TrainConfig
 
 def memory_mb(device: torch.device) -> float:
     """Peak accelerator memory of this rank, or its resident CPU memory."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+    if device.type != "cpu":
+        return torch.get_device_module(device.type).max_memory_allocated(device) / 2**20
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
