@@ -118,7 +118,7 @@ def case_fsdp_module_methods(ctx):
         model.set_reduce_scatter_max_input_buffers(2)
         model.set_force_sum_reduction_for_comms(True)
         model.set_unshard_in_backward(True)
-        if ctx.device_type == "cuda":
+        if ctx.device_type != "cpu":  # an accelerator's backend
             model.set_separate_reduce_scatter_group(True)
             model.set_allocate_memory_from_process_group_for_comm(False)
         elif getattr(impl, "__name__", "").startswith("twinshard"):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch.distributed as dist
 import torch.nn as nn
+
+from twinshard.reference.mesh import backends_by_device
 
 from .. import models as M
 from .core import case, train_case
@@ -109,6 +110,6 @@ def case_gradient_divide_factor(ctx):
         scale = ctx.world / factor
         return loss * scale + (loss - loss * scale).detach()  # value: loss; gradient: scaled
 
-    gloo = dist.get_backend() == "gloo"
+    gloo = backends_by_device().get(ctx.device_type) == "gloo"  # "cpu:gloo,cuda:nccl" too
     reason = "torch reduces with ReduceOp.PREMUL_SUM, which gloo lacks" if gloo else None
     return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap, loss=loss), no_oracle=reason)
