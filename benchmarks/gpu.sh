@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # One call on a GPU machine (no network needed): install twinshard, then
 #   1. the conformance suite at world size 1 with NCCL,
-#   2. `twinshard bench` at world size 1 with NCCL: plain, DDP, reference, optimized and torch's
+#   2. the accelerator checks: the reference, the optimized path and torch's fully_shard train
+#      two steps on the GPU under torch.cuda.set_sync_debug_mode("error"), with the
+#      fake-accelerator run's checks on the real device (real tensors, PyTorch's fake process
+#      group registered for the GPU alone, so one GPU plays rank 0 of 8, of 64 and of HSDP 8x8;
+#      host syncs, host tensors in collectives, the collectives against the CPU run's, memory
+#      against the model), and the optimized path's order of waits and events on the real
+#      streams against the stand-in streams' log (benchmarks/stream_order.py),
+#   3. `twinshard bench` at world size 1 with NCCL: plain, DDP, reference, optimized and torch's
 #      fully_shard on a ~1B-parameter Llama in bf16,
-#   3. `twinshard bench` on the simulated network at world sizes 8 and 64 (the GPU stands in
+#   4. `twinshard bench` on the simulated network at world sizes 8 and 64 (the GPU stands in
 #      for rank 0; each collective keeps its stream busy for the NVLink time),
-#   4. the hook overhead (fake process group, 64 tiny blocks) with the GPU doing the compute.
+#   5. the hook overhead (fake process group, 64 tiny blocks) with the GPU doing the compute.
 # Results go to ${OUT:-benchmarks/results/gpu}. DEVICE=cpu SMOKE=1 runs the same commands on
-# the CPU with a tiny model (gloo instead of NCCL), to check the script without a GPU.
+# the CPU with a tiny model (gloo instead of NCCL; step 2 on the fake accelerator), to check
+# the script without a GPU. The exit status is 1 if a check of step 2 failed (after every step
+# has run); it names them last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/gpu}
@@ -32,6 +41,20 @@ fi
 $py -m twinshard.cli conform twinshard.optimized --device "$device" --world-sizes 1 \
     --report "$out/conform_optimized_$device.md" 2>&1 | tail -n 60 | tee "$out/conform.log" || true
 
+accel=fake  # step 2 on the CPU: the fake accelerator (twinshard.fakeaccel)
+[ "$device" = cuda ] && accel=cuda
+failed=()
+for mesh in "8" "64" "64 --hsdp 8 --offload --reshard-after-forward 4"; do
+    name=accel-ws${mesh// /}
+    name=${name//--/-}
+    # shellcheck disable=SC2086  # $mesh holds several flags
+    $py -m twinshard.fakeaccel --device "$accel" --world $mesh --json "$out/$name.json" \
+        --markdown "$out/$name.md" > "$out/$name.log" 2>&1 || failed+=("$name")
+    cat "$out/$name.md" 2>/dev/null || tail -n 30 "$out/$name.log"
+done
+$py benchmarks/stream_order.py --device "$accel" 2>&1 | tee "$out/stream-order.log" \
+    || failed+=(stream-order)
+
 $py -m twinshard.cli bench --device "$device" --backend "$backend" --world 1 "${model[@]}" \
     "${steps[@]}" --json "$out/bench-ws1.json" --markdown "$out/bench-ws1.md" \
     --plot "$out/bench-ws1.png" 2>&1 | tee "$out/bench-ws1.log"
@@ -44,3 +67,8 @@ done
 
 $py -m twinshard.cli bench hooks --device "$device" "${steps[@]}" \
     --json "$out/hooks.json" --markdown "$out/hooks.md" 2>&1 | tee "$out/hooks.log"
+
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "accelerator checks failed: ${failed[*]} (see $out/<name>.log)" >&2
+    exit 1
+fi

@@ -6,12 +6,16 @@
     twinshard bench hooks                             # CPU time per group and step, profiled
     twinshard bench sweep --out benchmarks/results    # model size, groups, world size
     twinshard bench --device cuda --world 1 --preset 1b --dtype bf16
+    twinshard bench --backend fakeaccel --world 64 --hsdp 8 --offload   # accelerator checks
 
 Backends: ``gloo`` and ``nccl`` start one process per rank; ``fake`` (PyTorch's fake process
 group: collectives do nothing) and ``simnet`` (a simulated network: collectives take latency +
 bytes / bandwidth of ``--link``) run one process as rank 0 of a world of ``--world`` ranks, with
 the shapes, memory and CPU work of that world. With ``simnet`` every implementation also runs on
-an instant network, which gives its compute time and so its overlap efficiency.
+an instant network, which gives its compute time and so its overlap efficiency. ``fakeaccel``
+runs the sharded implementations on the fake accelerator instead (``twinshard.fakeaccel``): no
+timings, but the host syncs, host tensors in collectives, collectives and device memory of
+rank 0 of a ``--world``-rank accelerator job.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the optimizer's foreach: auto is torch's choice (a loop over the parameters on the "
         "CPU, multi-tensor operations on an accelerator); hooks mode defaults to on",
+    )
+    parser.add_argument("--offload", action="store_true", help="CPUOffloadPolicy, pinned")
+    parser.add_argument(
+        "--reshard-after-forward", default="true", help="of the blocks: true, false or an int"
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
@@ -114,10 +122,14 @@ def config_from(args) -> RunConfig:
         model["n_kv_heads"] = model["n_heads"]
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     same = "preset dtype seq per_rank warmup steps device world link latency_us profile".split()
+    from twinshard.schedule.cli import reshard_value
+
     return RunConfig(
         model=model,
         backend=backend,
         replicas=args.hsdp,
+        offload=args.offload,
+        reshard_after_forward=reshard_value(args.reshard_after_forward),
         memory=not args.no_memory,
         foreach={"auto": None, "on": True, "off": False}[args.foreach or "auto"],
         **{name: getattr(args, name) for name in same},
@@ -180,11 +192,29 @@ def run(args) -> int:
     if unknown:
         print(f"unknown implementation(s) {unknown}; use {', '.join(IMPLS)}", file=sys.stderr)
         return 2
+    if base.backend == "fakeaccel":
+        return fake_accelerator(base, impls, args)
     result = side_by_side(base, impls, args.repeat, not args.no_progress)
     if args.json:
         write_json(args.json, {"meta": meta(base.as_dict()), **result})
     show(base, result["summary"], args)
     return 0
+
+
+def fake_accelerator(base: RunConfig, impls: list[str], args) -> int:
+    """``--backend fakeaccel``: the sharded implementations among ``impls`` on the fake
+    accelerator (``twinshard.fakeaccel``), two steps each, and its report."""
+    from twinshard.fakeaccel.cli import check_and_report
+
+    sharded = [i for i in impls if i in SHARDED]
+    if not sharded:
+        print(f"--backend fakeaccel runs {', '.join(SHARDED)} only", file=sys.stderr)
+        return 2
+    configs = [replace(base, impl=i, device="cpu") for i in sharded]
+    options = argparse.Namespace(
+        steps=2, no_cpu=False, device="fake", json=args.json, markdown=args.markdown
+    )
+    return check_and_report(configs, options)
 
 
 def show(base: RunConfig, summary: dict, args) -> None:

@@ -33,7 +33,9 @@ IMPLS = {
     "torch": "torch.distributed.fsdp",
 }
 SHARDED = ("reference", "optimized", "torch")
-BACKENDS = ("gloo", "nccl", "fake", "simnet")  # the last two: one process stands in for W
+# fake, simnet and fakeaccel: one process stands in for W (fakeaccel: twinshard.fakeaccel's
+# checks of an accelerator job, on the CPU)
+BACKENDS = ("gloo", "nccl", "fake", "simnet", "fakeaccel")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -58,6 +60,8 @@ class RunConfig:
     # the optimizer's ``foreach``: None is torch's own choice, multi-tensor operations over all
     # parameters on an accelerator and a loop over the parameters on the CPU (see ``build``)
     foreach: bool | None = None
+    offload: bool = False  # CPUOffloadPolicy (pinned): shards and sharded gradients on the host
+    reshard_after_forward: bool | int = True  # of the blocks (the root keeps torch's default)
 
     @property
     def simulated(self) -> bool:
@@ -104,32 +108,29 @@ def build(config: RunConfig, device: torch.device):
         if config.impl == "ddp":
             model = _ddp(model, device, config.backend)
     elif config.impl in SHARDED:
-        impl = importlib.import_module(IMPLS[config.impl])
-        kwargs = {"mesh": mesh_for(config, device)}
-        if low is not None:
-            kwargs["mp_policy"] = impl.MixedPrecisionPolicy(
-                param_dtype=low, reduce_dtype=torch.float32
-            )
-        if device.type != "cpu":
+        if device.type != "cpu" and not config.offload:
             model = model.to(device)
-        for block in model.blocks:
-            impl.fully_shard(block, **kwargs)
-        impl.fully_shard(model, **kwargs)
-        if config.backend == "fake" and config.impl != "torch":
-            _no_usage_count(model)
+        shard(model, config, device)
     else:
         raise ValueError(f"unknown implementation {config.impl!r}; use one of {', '.join(IMPLS)}")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=config.foreach)
     return model, opt
 
 
-def _no_usage_count(model) -> None:
-    """twinshard counts, after each backward, on how many ranks each parameter got a gradient
-    (an all-reduce of counts). The fake process group returns no values, so every parameter
-    would look used on one rank only; the setting that says unused parameters are expected
-    turns the count off (torch's fully_shard does not count by default)."""
-    if hasattr(model, "set_reduce_scatter_unused_params"):
-        model.set_reduce_scatter_unused_params(True)
+def shard(model, config: RunConfig, device: torch.device, mesh=None) -> None:
+    """``fully_shard`` every block of ``model``, then the root, with the implementation,
+    policies and (unless ``mesh`` is given) mesh of ``config``."""
+    impl = importlib.import_module(IMPLS[config.impl])
+    kwargs = {"mesh": mesh if mesh is not None else mesh_for(config, device)}
+    if DTYPES[config.dtype] is not None:
+        kwargs["mp_policy"] = impl.MixedPrecisionPolicy(
+            param_dtype=DTYPES[config.dtype], reduce_dtype=torch.float32
+        )
+    if config.offload:  # pinned host memory where there is a device to copy to
+        kwargs["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=device.type != "cpu")
+    for block in model.blocks:
+        impl.fully_shard(block, reshard_after_forward=config.reshard_after_forward, **kwargs)
+    impl.fully_shard(model, **kwargs)
 
 
 def _ddp(model, device, backend):

@@ -73,6 +73,15 @@ def heap_in_use() -> int:
     return info.uordblks + info.hblkhd
 
 
+def _storage_key(t: torch.Tensor, storage) -> int:
+    """What identifies ``t``'s memory: its address, or for a ``FakeTensor`` (whose storage is
+    on ``meta`` while the tensor stands for another device, ``twinshard.fakeaccel``), which
+    has no address, the storage object itself. 0 for memory that is not there."""
+    if storage.device.type == "meta":
+        return storage._cdata if t.device.type != "meta" else 0
+    return storage.data_ptr()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -138,7 +147,7 @@ class Probe(TorchDispatchMode):
                 if t is None:
                     continue
                 storage = t.untyped_storage()
-                ptr = storage.data_ptr()
+                ptr = _storage_key(t, storage)
                 if ptr and ptr not in counted:
                     counted.add(ptr)
                     now[category] += storage.nbytes()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Shard
 
 
@@ -63,7 +64,11 @@ class GroupInfo:
         return sum(getattr(self.sizes[n], which) for n in names)
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> tuple[float, float]:
+def _fingerprint(tensors: list[torch.Tensor]) -> tuple[float, float] | None:
+    """Two sums of the values (None for ``FakeTensor``s, which have none: on the fake
+    accelerator the sizes and the context alone attribute a collective)."""
+    if any(isinstance(t, FakeTensor) for t in tensors):
+        return None
     values = [t.detach().reshape(-1).double() for t in tensors]
     return (sum(float(v.sum()) for v in values), sum(float(v.abs().sum()) for v in values))
 
@@ -86,8 +91,8 @@ class Attributor:
     def note_values(self, c, inputs: list[torch.Tensor], numel: int) -> None:
         """At issue time: remember the collective's size and, for all-gathers, its input."""
         self.numels[c.index] = numel
-        if c.op == "all_gather" and inputs:
-            self.values[c.index] = _fingerprint(inputs)
+        if c.op == "all_gather" and inputs and (values := _fingerprint(inputs)) is not None:
+            self.values[c.index] = values
 
     def _shard_print(self, g: GroupInfo, names, dtype: torch.dtype):
         total = [0.0, 0.0]

@@ -3,13 +3,16 @@
     twinshard schedule --impl reference --world-size 2 --out step.png --text step.txt
     twinshard schedule --impl reference,optimized --out both.png       # one picture, stacked
     twinshard schedule --impl torch --model mlp --layers 4 --compact
+    twinshard schedule --impl optimized --world-size 64 --fake-accelerator   # no 64 ranks needed
 
 The example model (a tiny Llama from ``twinshard.models``, or ``--model mlp`` for the
 MLPStack) is sharded block by block and then at the root, trained for one step so that an
 implementation that learns the order of its groups (the optimized path's prefetch) knows it,
 and the second step is recorded on every rank; rank 0's record is printed and drawn.
 ``--impl`` takes reference, optimized, torch, or any importable module with the
-``fully_shard`` interface.
+``fully_shard`` interface. ``--fake-accelerator`` records rank 0 of ``--world-size`` ranks in
+one spawned process on the fake accelerator (``twinshard.fakeaccel``): the accelerator's
+schedule at any world size, with the sizes and memory of that world and no values.
 """
 
 from __future__ import annotations
@@ -60,14 +63,25 @@ def record_on_rank(
     reduce_dtype: str | None = None,
 ) -> Schedule:
     """Shard the example model with ``impl``, run one step, record the second one."""
-    module = importlib.import_module(IMPLS.get(impl, impl))
     net, batch = build_model(model, layers)
+    _shard(impl, net, reshard_after_forward, param_dtype, reduce_dtype)
+    return _record(impl, net, batch)
+
+
+def _shard(impl: str, net, reshard_after_forward, param_dtype, reduce_dtype, mesh=None) -> None:
+    module = importlib.import_module(IMPLS.get(impl, impl))
     mp = module.MixedPrecisionPolicy(
         param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype)
     )
+    where = {} if mesh is None else {"mesh": mesh}
     for block in net.blocks:
-        module.fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    module.fully_shard(net, mp_policy=mp)
+        module.fully_shard(
+            block, reshard_after_forward=reshard_after_forward, mp_policy=mp, **where
+        )
+    module.fully_shard(net, mp_policy=mp, **where)
+
+
+def _record(impl: str, net, batch) -> Schedule:
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     _loss(net, batch).backward()  # the first step: lazy init, and the order of the groups
     opt.step()
@@ -77,6 +91,44 @@ def record_on_rank(
         _loss(net, batch).backward()
     recorder.remove()
     return recorder.schedule
+
+
+def record_on_fake_accelerator(impls: list[str], world_size: int, **options) -> list[Schedule]:
+    """``record_on_rank`` for each of ``impls`` on the fake accelerator, as rank 0 of
+    ``world_size`` ranks, in this process (which it makes an accelerator process for good:
+    ``record_fake_steps`` spawns one). The model is built on ``meta`` and moved with
+    ``to_empty``: no values, so the recorder attributes collectives by size and context."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from twinshard.fakeaccel import DEVICE_TYPE, Monitor, join
+
+    join(world_size)
+    mesh = init_device_mesh(DEVICE_TYPE, (world_size,))
+    schedules = []
+    for impl in impls:
+        with torch.device("meta"):
+            net, batch = build_model(options.get("model", "llama"), options.get("layers", 3))
+        shard_options = {k: options.get(k) for k in ("param_dtype", "reduce_dtype")}
+        reshard = options.get("reshard_after_forward", True)
+        # the monitor builds meshes on the host; see its [Note: meshes are built on the host]
+        with FakeTensorMode(allow_non_fake_inputs=True), Monitor(DEVICE_TYPE):
+            _shard(impl, net, reshard, mesh=mesh, **shard_options)
+            net.to_empty(device=torch.device(DEVICE_TYPE, 0))
+            batch = tuple(torch.empty_like(t, device=DEVICE_TYPE) for t in batch)
+            schedules.append(_record(impl, net, batch))
+    return schedules
+
+
+def record_fake_steps(impls: list[str], world_size: int, **options) -> list[Schedule]:
+    """``record_on_fake_accelerator`` in a freshly spawned process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
+        job = pool.submit(record_on_fake_accelerator, impls, world_size, **options)
+        return job.result(600)
 
 
 def record_step(impl: str = "reference", world_size: int = 2, rank: int = 0, **options) -> Schedule:
@@ -120,18 +172,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a run of per-parameter collectives as one line",
     )
     parser.add_argument("--quiet", action="store_true", help="do not print the table")
+    parser.add_argument(
+        "--fake-accelerator",
+        action="store_true",
+        help="record rank 0 of --world-size ranks on the fake accelerator, in one process",
+    )
 
 
-def _reshard(value: str) -> bool | int:
-    lowered = value.lower()
+def reshard_value(value: str) -> bool | int:
+    """``--reshard-after-forward`` (here, in ``twinshard bench`` and in the fake-accelerator
+    run): true, false or a group size."""
+    lowered = str(value).lower()
     if lowered in ("true", "false"):
         return lowered == "true"
     try:
         return int(value)
     except ValueError:
         raise SystemExit(
-            f"twinshard schedule: --reshard-after-forward takes true, false or "
-            f"an int, not {value!r}"
+            f"--reshard-after-forward takes true, false or an int (a group size), not {value!r}"
         ) from None
 
 
@@ -139,15 +197,15 @@ def run(args: argparse.Namespace) -> int:
     options = dict(
         model=args.model,
         layers=args.layers,
-        reshard_after_forward=_reshard(args.reshard_after_forward),
+        reshard_after_forward=reshard_value(args.reshard_after_forward),
         param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype,
     )
-    schedules = [
-        record_step(impl.strip(), args.world_size, **options)
-        for impl in args.impl.split(",")
-        if impl.strip()
-    ]
+    impls = [impl.strip() for impl in args.impl.split(",") if impl.strip()]
+    if args.fake_accelerator:
+        schedules = record_fake_steps(impls, args.world_size, **options)
+    else:
+        schedules = [record_step(impl, args.world_size, **options) for impl in impls]
     text = "\n\n".join(format_table(s, compact=args.compact) for s in schedules)
     if not args.quiet:
         print(text)

@@ -124,11 +124,15 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
-    """(address, bytes) of a plain tensor's memory, None for subclasses or freed memory."""
+    """(address, bytes) of a plain tensor's memory, None for subclasses or freed memory. A
+    ``FakeTensor`` (``twinshard.fakeaccel``) has no address: its storage, on ``meta`` while
+    the tensor stands for another device, is named by the storage object instead."""
     if is_traceable_wrapper_subclass(t) or t.device.type == "meta":
         return None
     s = t.untyped_storage()
-    return (s.data_ptr(), s.nbytes()) if s.nbytes() else None
+    if not s.nbytes():
+        return None
+    return (s._cdata if s.device.type == "meta" else s.data_ptr(), s.nbytes())
 
 
 class _Watch(TorchDispatchMode):

@@ -1,0 +1,320 @@
+"""What a training step does on the accelerator that a GPU would pay for: one dispatch mode.
+
+``Monitor(accelerator)`` is a ``TorchDispatchMode`` entered inside ``FakeTensorMode`` (so it
+sees every operator first, before the fake mode answers it). It records, per phase (setup,
+step 1, step 2, ...):
+
+host syncs
+    where the host would wait for the device. ``aten._local_scalar_dense`` (``.item()``,
+    ``int(t)``, ``bool(t)``, ``.tolist()``): on a fake tensor it cannot be answered, so the
+    monitor answers it with a placeholder (0, 0.0 or False) and the step goes on, so that one
+    run lists every such site rather than the first. Copies between host and device: a
+    device-to-host copy is a sync unless it is ``non_blocking`` into pinned memory; a
+    host-to-device copy is one unless it is ``non_blocking`` (CUDA's copy kernel waits for
+    the stream after any blocking copy between host and device). Each comes with a short
+    stack. Explicit ``synchronize()`` calls are counted by ``shim`` and reported apart.
+host tensors in collectives
+    every ``c10d`` operator's tensors must live on the accelerator: NCCL has no host backend.
+    The fake process group cannot refuse a fake host tensor, so the monitor does.
+collectives
+    (op, dtype, elements, group size, group ranks) in issue order, as
+    ``conformance.trace.collective_size`` counts them, to compare with the CPU run.
+memory
+    every storage an operator touches is held (a strong reference to the storage object, so
+    its identity stays unique) and counted while something else still uses it; its bytes are
+    read at each count, so a ``resize_`` (FSDP frees an all-gather output that way) counts.
+    After each operator that made a new storage, the live bytes per device type are summed
+    and the peak of the accelerator's kept. ``probe``, when given (``bench.probe.Probe``),
+    sorts the same bytes into the categories of the memory model.
+
+Pinned host memory: the fake mode cannot pin (``aten._pin_memory`` is not implemented for it),
+so the monitor makes a copy, remembers its storage as pinned, and answers ``is_pinned`` from
+that; ``pin_memory=True`` of a factory is remembered the same way.
+
+On real tensors (``ondevice.py``: a lent GPU; ``Monitor("cpu")``: the CPU run, which records
+collectives only) nothing is answered for the device: values are read, memory is pinned, and
+the holding of storages only delays their release to the next count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+from twinshard.conformance.trace import OPS, collective_size
+
+from . import shim
+from .shim import short_stack
+
+aten = torch.ops.aten
+_PLACEHOLDER = {bool: False, int: 0, float: 0.0}
+
+
+@dataclass(frozen=True)
+class Sync:
+    kind: str  # "item" | "device-to-host copy" | "host-to-device copy"
+    op: str  # the operator, with what made it a sync
+    stack: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str  # all_gather | reduce_scatter | all_reduce | broadcast | all_to_all
+    dtype: str
+    numel: int
+    group_size: int
+    ranks: tuple[int, ...]
+
+    def key(self) -> tuple:
+        return (self.op, self.dtype, self.numel, self.group_size, self.ranks)
+
+
+@dataclass
+class Phase:
+    """What one phase (setup, or one training step) did."""
+
+    name: str
+    syncs: list[Sync] = field(default_factory=list)
+    explicit_syncs: list[tuple[str, list[str]]] = field(default_factory=list)
+    host_collectives: list[tuple[Collective, tuple[str, ...]]] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+    peak_bytes: int = 0  # on the accelerator
+    peak_host_bytes: int = 0
+    start_bytes: int = 0
+    categories: dict = field(default_factory=dict)  # the probe's, at its peak
+
+
+class Monitor(TorchDispatchMode):
+    """See the module docstring. ``accelerator``: the device type collectives must use."""
+
+    def __init__(self, accelerator: str, probe=None):
+        super().__init__()
+        self.accelerator = accelerator
+        self.on_host = accelerator == "cpu"  # a CPU run: no device, so nothing to wait for
+        self.probe = probe
+        self.phases: list[Phase] = []
+        self.storages: dict[int, tuple] = {}  # key -> (the storage, held; its device type)
+        self.pinned: set[int] = set()  # keys of host storages pinned (see the module doc)
+        self.begin("setup")
+
+    # --- phases ---------------------------------------------------------------------------------
+    def begin(self, name: str) -> Phase:
+        """Start a phase: what follows is recorded under ``name``."""
+        if self.phases:
+            self._close()
+        live = self.live_bytes()
+        phase = Phase(name, start_bytes=live.get(self.accelerator, 0))
+        phase.peak_bytes = phase.start_bytes
+        phase.peak_host_bytes = live.get("cpu", 0)
+        self.phases.append(phase)
+        self._explicit_mark = len(shim.SYNCS)
+        if self.probe is not None:
+            self.probe.peak, self.probe.peak_total = {}, 0
+        return phase
+
+    @property
+    def phase(self) -> Phase:
+        return self.phases[-1]
+
+    def _close(self) -> None:
+        self.phase.explicit_syncs = list(shim.SYNCS[self._explicit_mark :])
+        if self.probe is not None:
+            self.phase.categories = dict(self.probe.peak)
+
+    def finish(self) -> list[Phase]:
+        self._close()
+        return self.phases
+
+    # --- memory -----------------------------------------------------------------------------------
+    def _hold(self, t: torch.Tensor) -> bool:
+        """Hold ``t``'s storage; True if it was new."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.storages:
+            return False
+        self.storages[key] = (storage, t.device.type)  # a fake tensor's storage is on meta
+        return True
+
+    def live_bytes(self) -> dict[str, int]:
+        """Bytes per device type of the storages in use (held by more than this monitor)."""
+        out: dict[str, int] = {}
+        gone = []
+        for key, (storage, kind) in self.storages.items():
+            if torch._C._storage_Use_Count(key) <= 1:
+                gone.append(key)
+                continue
+            out[kind] = out.get(kind, 0) + storage.nbytes()
+        for key in gone:
+            del self.storages[key]
+            self.pinned.discard(key)
+        return out
+
+    def _count(self) -> None:
+        live = self.live_bytes()
+        now = live.get(self.accelerator, 0)
+        shim.MEMORY["allocated"] = now
+        shim.MEMORY["peak"] = max(shim.MEMORY["peak"], now)
+        self.phase.peak_bytes = max(self.phase.peak_bytes, now)
+        self.phase.peak_host_bytes = max(self.phase.peak_host_bytes, live.get("cpu", 0))
+
+    # --- dispatch ----------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.phase.name == "setup" and _host_only(args, kwargs):
+            with unset_fake_temporarily():  # see [Note: meshes are built on the host]
+                return func(*args, **kwargs)
+        fake = any(isinstance(t, FakeTensor) for t in tree_leaves(args))
+        if func is aten._local_scalar_dense.default:
+            if args[0].device.type == self.accelerator and not self.on_host:
+                self._sync("item", "aten._local_scalar_dense")
+            if fake:  # no value to read: a placeholder, so that the step goes on
+                return _PLACEHOLDER.get(_python_type(args[0].dtype), 0)
+        elif fake and func is aten._pin_memory.default:
+            out = args[0].clone()
+            self._remember_pinned(out)
+            return out
+        elif fake and func is aten.is_pinned.default:
+            return self._is_pinned(args[0])
+        pin = kwargs.get("pin_memory") is True
+        if pin and self.fake_mode_active():
+            kwargs = {**kwargs, "pin_memory": False}
+        else:
+            pin = False
+        name = func.__name__.split(".")[0]
+        if getattr(func, "namespace", "") == "c10d" and name in OPS:
+            self._collective(name, args, kwargs)
+        elif self.on_host:
+            pass
+        elif func is aten._to_copy.default:
+            pin = self._copy(args[0], kwargs.get("device") or args[0].device, kwargs, pin)
+        elif func is aten.copy_.default:
+            self._copy(
+                args[1], args[0].device, {"non_blocking": _arg(args, kwargs, 2)}, None, args[0]
+            )
+        out = func(*args, **kwargs)
+        new = False
+        for t in _storage_holders(tree_leaves((args, out))):
+            new = self._hold(t) or new
+        if pin:
+            self._remember_pinned(out)
+        if new:
+            self._count()
+        if self.probe is not None:
+            self.probe.sample()
+        return out
+
+    def _collective(self, name: str, args, kwargs) -> None:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return
+        group = next((a for a in tree_leaves((args, kwargs)) if _is_group(a)), None)
+        op, numel, big = collective_size(name, tensors)
+        ranks = tuple(_group_ranks(group))
+        call = Collective(op, str(big.dtype).replace("torch.", ""), numel, len(ranks), ranks)
+        self.phase.collectives.append(call)
+        if not self.on_host and any(t.device.type != self.accelerator for t in tensors):
+            self.phase.host_collectives.append((call, tuple(short_stack())))
+        if self.probe is not None:
+            self.probe.saw_collective(op, tensors, numel * big.element_size())
+
+    def _copy(self, src: torch.Tensor, to, kwargs, pin, dst=None) -> bool:
+        """Note a copy of ``src`` to device ``to`` (into ``dst`` for ``copy_``) if the host
+        waits for it; return whether a ``_to_copy``'s output is pinned: torch pins the output
+        of a ``non_blocking`` copy from an accelerator to the host itself, so that it can be."""
+        to = torch.device(to)
+        blocking = not kwargs.get("non_blocking")
+        if src.device.type == self.accelerator and to.type == "cpu":
+            pinned = (pin or not blocking) if dst is None else self._is_pinned(dst)
+            if blocking or not pinned:
+                why = "blocking" if blocking else "non_blocking into pageable memory"
+                self._sync("device-to-host copy", f"{_name(dst)} ({why})")
+            return pinned
+        if src.device.type == "cpu" and to.type == self.accelerator and blocking:
+            self._sync("host-to-device copy", f"{_name(dst)} (blocking)")
+        return bool(pin)
+
+    def _sync(self, kind: str, op: str) -> None:
+        self.phase.syncs.append(Sync(kind, op, tuple(short_stack())))
+
+    # --- pinned memory ----------------------------------------------------------------------------
+    def _remember_pinned(self, t) -> None:
+        if isinstance(t, torch.Tensor):
+            self._hold(t)
+            self.pinned.add(t.untyped_storage()._cdata)
+
+    def _is_pinned(self, t: torch.Tensor) -> bool:
+        if isinstance(t, FakeTensor):
+            return t.untyped_storage()._cdata in self.pinned
+        return t.is_pinned()
+
+    @staticmethod
+    def fake_mode_active() -> bool:
+        from torch._guards import detect_fake_mode
+
+        return detect_fake_mode() is not None
+
+
+def _host_only(args, kwargs) -> bool:
+    """Whether an operator works on real host tensors alone: at least one, all of them real
+    (not fake) and on the CPU, and no device argument naming another device.
+
+    [Note: meshes are built on the host]
+    ``fully_shard`` runs inside ``FakeTensorMode`` (torch's makes device tensors when it
+    shards), and a ``reshard_after_forward`` of N builds a ``DeviceMesh`` of rows of N ranks
+    from the mesh's rank tensor, then reads the ranks of this rank's row back. Inside the fake
+    mode that arithmetic would make fake tensors, whose ranks cannot be read. So during setup
+    an operator on real host tensors alone runs for real: it is bookkeeping of the host, not
+    work of the device. Meta tensors (the model before ``to_empty``) stay with the fake mode."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return False
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(
+        t.device.type == "cpu" and not isinstance(t, FakeTensor) for t in tensors
+    )
+
+
+def _arg(args, kwargs, index: int, name: str = "non_blocking"):
+    return args[index] if len(args) > index else kwargs.get(name, False)
+
+
+def _name(dst) -> str:
+    return "aten._to_copy" if dst is None else "aten.copy_"
+
+
+def _python_type(dtype: torch.dtype) -> type:
+    if dtype == torch.bool:
+        return bool
+    return float if dtype.is_floating_point or dtype.is_complex else int
+
+
+def _storage_holders(values):
+    """The tensors with storage of their own among ``values``: a wrapper subclass such as
+    ``DTensor`` is replaced by the tensors it wraps (their operators need not pass this mode)."""
+    for t in values:
+        if not isinstance(t, torch.Tensor) or t.is_sparse:
+            continue
+        if is_traceable_wrapper_subclass(t):
+            inner, _ = t.__tensor_flatten__()
+            yield from _storage_holders(getattr(t, name) for name in inner)
+        else:
+            yield t
+
+
+def _is_group(value) -> bool:
+    return type(value).__name__ == "ProcessGroup"
+
+
+def _group_ranks(group) -> list[int]:
+    import torch.distributed as dist
+
+    if group is None:
+        return list(range(dist.get_world_size()))
+    try:
+        return dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError):  # a group unknown to the default world: its size only
+        return list(range(group.size()))

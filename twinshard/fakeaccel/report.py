@@ -1,0 +1,117 @@
+"""The fake-accelerator run's results as text: one table, then what needs a reader's eye.
+
+The table has a row per configuration, with the figures of its last (steady-state) step:
+
+    host syncs        hidden waits of the host for the device (``.item()``, blocking copies)
+    explicit          ``synchronize()`` calls (of the device module, a stream or an event)
+    host colls        collectives given a tensor on the host
+    colls = CPU       collectives issued, and whether every step's sequence equals the CPU run's
+    peak MB           the accelerator's bytes at their peak (everything: activations included)
+    FSDP MB / model   what FSDP holds at its peak (``bench.probe``), and the memory model's
+                      prediction over it where the model covers the setting
+
+Below it, for every configuration that did not come out clean: where each host sync and each
+host collective came from (a short stack, with how often per step), the first collective that
+differs from the CPU run, and a failure's traceback.
+"""
+
+from __future__ import annotations
+
+MB = 1e6
+
+
+def mesh_label(config: dict) -> str:
+    replicas, world = config["replicas"], config["world"]
+    return f"{replicas}x{world // replicas}" if replicas > 1 else str(world)
+
+
+def describe(config: dict) -> str:
+    """The configuration in a few words: implementation, mesh and policies."""
+    reshard = config["reshard_after_forward"]
+    offload = ", offload" if config["offload"] else ""
+    return f"{config['impl']} {mesh_label(config)} {config['dtype']}, reshard {reshard}{offload}"
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| impl | mesh | dtype | offload | reshard | host syncs | explicit | host colls "
+        "| colls | = CPU | peak MB | FSDP MB | model/FSDP |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c = r["config"]
+        cells = [c["impl"], mesh_label(c), c["dtype"], "yes" if c["offload"] else "no"]
+        cells.append(str(c["reshard_after_forward"]))
+        if "steps" not in r:
+            lines.append("| " + " | ".join(cells + ["failed"] + ["-"] * 7) + " |")
+            continue
+        last = r["steps"][-1]
+        cells += [str(last[k]) for k in ("host_syncs", "explicit_syncs", "host_collectives")]
+        cells += [str(last["collectives"]), _same(r)]
+        fsdp = sum(last["categories"].values())
+        cells += [f"{last['peak_bytes'] / MB:.3f}", f"{fsdp / MB:.3f}", _ratio(r)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _same(result: dict) -> str:
+    if "cpu_error" in result:
+        return "CPU run failed"
+    if "collective_difference" not in result:
+        return "-"
+    return "yes" if result["collective_difference"] is None else "NO"
+
+
+def _ratio(result: dict) -> str:
+    model = result.get("memory_model") or {}
+    return f"{model['ratio']:.3f}" if model.get("covered") else "-"
+
+
+def details(results: list[dict]) -> str:
+    """What the table only counts: every site, difference and failure, per configuration."""
+    out = []
+    for r in results:
+        lines = _findings(r)
+        if lines:
+            out.append(f"{describe(r['config'])}:\n" + "\n".join(lines))
+    return "\n\n".join(out)
+
+
+def _findings(result: dict) -> list[str]:
+    lines = []
+    if "error" in result:
+        lines.append("  failed on the device:\n" + _indent(result["error"], 4))
+    for step in result.get("steps", []):
+        for key, title in (
+            ("sync_sites", "host sync"),
+            ("host_collective_sites", "host tensor in a collective"),
+            ("explicit_sites", "explicit sync"),
+        ):
+            for site in step[key]:
+                lines.append(f"  {step['name']}: {title} x{site['count']}: {site['what']}")
+                lines += [f"      {frame}" for frame in site["stack"]]
+    if result.get("collective_difference"):
+        lines.append(f"  collectives differ from the CPU run: {result['collective_difference']}")
+    if "cpu_error" in result:
+        lines.append("  the CPU run failed:\n" + _indent(result["cpu_error"], 4))
+    return lines
+
+
+def _indent(text: str, n: int) -> str:
+    return "\n".join(" " * n + line for line in text.rstrip().splitlines())
+
+
+def uncovered(results: list[dict]) -> str:
+    """The settings the memory model does not cover, once each."""
+    why = {r["memory_model"]["why"] for r in results if r.get("memory_model", {}).get("why")}
+    return "; ".join(sorted(why))
+
+
+def render(results: list[dict], title: str) -> str:
+    """The whole report: title, table, the memory model's gaps, the details."""
+    text = title + "\n\n" + table(results)
+    gaps = uncovered(results)
+    if gaps:
+        text += f"\n\nmodel/FSDP '-': {gaps}."
+    found = details(results)
+    return text + ("\n\n" + found if found else "\n\nNo host sync, host collective or difference.")

@@ -1,0 +1,236 @@
+"""The fake-accelerator run: one process plays one rank of a W-rank accelerator job.
+
+``check(config)`` runs, in this process, a configuration of ``twinshard bench``
+(``bench.config.RunConfig``: implementation, Llama-style model, world, HSDP replicas, dtype,
+offload, ``reshard_after_forward``) twice:
+
+1. on the fake accelerator (``device.join``): the model is built on ``meta``, sharded inside
+   ``FakeTensorMode`` (torch's ``fully_shard`` makes device tensors when it shards) and moved
+   with ``to_empty`` (to the host with offload, as FSDP2 asks), then trained for
+   ``steps`` steps (forward, backward, SGD with momentum and ``foreach``, which reads no
+   scalar on the host) under ``monitor.Monitor``, with ``bench.probe.Probe`` sorting the
+   bytes FSDP holds into the memory model's categories;
+2. on the CPU, with real tensors and PyTorch's fake process group at the same world size (as
+   ``twinshard bench --backend fake``), recording the collectives only.
+
+It returns a plain dict (``report`` prints it): per step the host syncs and where they come
+from, the explicit synchronizations, the collectives with host tensors, the collectives and
+whether they equal the CPU run's, the accelerator's peak bytes and, for the last step, the
+FSDP-held bytes by category beside ``bench.memmodel.predict`` where the model covers the
+setting (no offload, ``reshard_after_forward=True``).
+
+``run(configs)`` spawns one fresh process for many configurations (the registration cannot
+be undone, and a test session must not get an accelerator); ``planted`` names a hazard to
+plant into every model, for the tests of the checks themselves (see ``planted.py``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import traceback
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from twinshard.bench import memmodel
+from twinshard.bench.config import DTYPES, RunConfig, build, mesh_for, shard
+from twinshard.bench.probe import Probe, sharded_modules
+from twinshard.bench.runner import join_simulated_world
+from twinshard.models import Llama
+
+from . import device as fake_device
+from .monitor import Monitor, Phase
+
+STEPS = 2  # the first step initializes lazily; the second is the steady state
+
+
+def check(
+    config: RunConfig,
+    steps: int = STEPS,
+    cpu: bool = True,
+    planted: str | None = None,
+    on: str = "fake",
+) -> dict:
+    """Both runs of ``config`` in this process (see the module docstring); a failure of the
+    implementation is reported under "error" with its traceback, not raised. ``on``: "fake"
+    (the fake accelerator) or a real device type, for the same checks on a lent GPU
+    (``ondevice.device_run``)."""
+    config = replace(config, foreach=True)
+    result = {"config": config.as_dict(), "planted": planted, "on": on}
+    try:
+        if on == "fake":
+            phases = fake_accelerator_run(config, steps, planted)
+        else:
+            from .ondevice import device_run
+
+            phases = device_run(config, steps, on, planted)
+    except Exception:  # the implementation failed on the device: that is the finding
+        result["error"] = traceback.format_exc(limit=-40)
+        return result
+    result["steps"] = [_summary(p) for p in phases[1:]]
+    result["setup"] = _summary(phases[0])
+    result["memory_model"] = _memory_model(config, phases[-1])
+    if cpu:
+        try:
+            reference = cpu_run(config, steps, planted)
+        except Exception:
+            result["cpu_error"] = traceback.format_exc(limit=-40)
+            return result
+        mine = [[c.key() for c in p.collectives] for p in phases[1:]]
+        result["cpu_collectives"] = [len(calls) for calls in reference]
+        result["collective_difference"] = first_difference(mine, reference)
+    return result
+
+
+def check_all(configs: list, **options) -> list[dict]:
+    """``check`` each of ``configs`` in this process with ``options``; an item may also be a
+    pair (config, options of its own), such as ``(config, {"planted": "item"})``."""
+    results = []
+    for item in configs:
+        config, own = item if isinstance(item, tuple) else (item, {})
+        results.append(check(config, **{**options, **own}))
+    return results
+
+
+def run(configs: list, timeout: float = 900, **options) -> list[dict]:
+    """``check_all`` in one freshly spawned process; the results in order."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
+        return pool.submit(check_all, list(configs), **options).result(timeout)
+
+
+# --- the two runs --------------------------------------------------------------------------------
+def fake_accelerator_run(config: RunConfig, steps: int, planted) -> list[Phase]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_device.join(config.world)
+    device = fake_device.device()
+    mesh = mesh_for(config, device)  # outside the fake mode: it computes with real tensors
+    with torch.device("meta"):
+        model = Llama(config.llama())
+    with FakeTensorMode(allow_non_fake_inputs=True), Monitor(fake_device.DEVICE_TYPE) as monitor:
+        shard(model, config, device, mesh)
+        model.to_empty(device="cpu" if config.offload else device)  # no values to initialize
+        opt = _optimizer(model)
+        plant_hazard(planted, model)
+        tokens = torch.randint(0, model.config.vocab_size, batch_shape(config), device=device)
+        monitor.probe = Probe(model, opt, sharded_modules(model))
+        for k in range(steps):
+            monitor.begin(f"step {k + 1}")
+            train_step(model, opt, tokens)
+    return monitor.finish()
+
+
+def cpu_run(config: RunConfig, steps: int, planted) -> list[list[tuple]]:
+    """The collectives of each step of the same configuration on the CPU (real tensors, the
+    fake process group), as ``Collective.key()`` tuples."""
+    dist.destroy_process_group()
+    cpu = replace(config, backend="fake")
+    join_simulated_world(cpu)
+    model, opt = build(cpu, torch.device("cpu"))  # SGD with momentum, foreach: as _optimizer
+    plant_hazard(planted, model)
+    tokens = torch.randint(0, model.config.vocab_size, batch_shape(config))
+    with Monitor("cpu") as monitor:
+        for k in range(steps):
+            monitor.begin(f"step {k + 1}")
+            train_step(model, opt, tokens)
+    dist.destroy_process_group()
+    return [[c.key() for c in p.collectives] for p in monitor.finish()[1:]]
+
+
+def _optimizer(model) -> torch.optim.Optimizer:
+    # foreach: a few multi-tensor operations and no scalar read on the host, as on a GPU
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
+
+
+def batch_shape(config: RunConfig) -> tuple[int, int]:
+    return (config.per_rank, config.seq + 1)  # (B, T + 1) tokens: inputs and shifted targets
+
+
+def train_step(model, opt, tokens: torch.Tensor) -> None:
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def plant_hazard(name: str | None, model) -> None:
+    """Plant hazard ``name`` of ``planted.py`` into ``model`` (None: none)."""
+    if name is not None:
+        from .planted import plant
+
+        plant(name, model)
+
+
+# --- summaries -----------------------------------------------------------------------------------
+def _sites(items) -> list[dict]:
+    """Identical (what, stack) pairs counted once, most frequent first."""
+    counts = Counter(items)
+    return [{"what": w, "stack": list(s), "count": n} for (w, s), n in counts.most_common()]
+
+
+def _summary(phase: Phase) -> dict:
+    by_op: dict[str, list[int]] = {}
+    for c in phase.collectives:
+        entry = by_op.setdefault(c.op, [0, 0])
+        entry[0] += 1
+        entry[1] += c.numel
+    return {
+        "name": phase.name,
+        "host_syncs": len(phase.syncs),
+        "sync_sites": _sites((f"{s.kind}: {s.op}", s.stack) for s in phase.syncs),
+        "explicit_syncs": len(phase.explicit_syncs),
+        "explicit_sites": _sites((w, tuple(s)) for w, s in phase.explicit_syncs),
+        "host_collectives": len(phase.host_collectives),
+        "host_collective_sites": _sites(
+            (f"{c.op} of {c.dtype} x{c.numel}", s) for c, s in phase.host_collectives
+        ),
+        "collectives": len(phase.collectives),
+        "collectives_by_op": {op: {"count": n, "numel": e} for op, (n, e) in by_op.items()},
+        "peak_bytes": phase.peak_bytes,
+        "peak_host_bytes": phase.peak_host_bytes,
+        "categories": phase.categories,
+    }
+
+
+def _memory_model(config: RunConfig, phase: Phase) -> dict:
+    """The memory model's prediction for the last step beside the probe's measurement, or why
+    the model does not cover this setting."""
+    measured = sum(phase.categories.values())
+    if config.offload:
+        return {"covered": False, "why": "the model has no offload (shards on the host)"}
+    if config.reshard_after_forward is not True:
+        return {"covered": False, "why": "the model reshards after forward"}
+    with torch.device("meta"):
+        groups = memmodel.groups_of(Llama(config.llama()))
+    pb = 2 if DTYPES[config.dtype] is not None else 4
+    predicted = memmodel.predict(groups, config.impl, config.world // config.replicas, pb, 4)
+    total = sum(predicted.values())
+    return {
+        "covered": True,
+        "predicted": predicted,
+        "predicted_total": total,
+        "measured_total": measured,
+        "ratio": total / measured if measured else float("nan"),
+    }
+
+
+def first_difference(mine: list[list], theirs: list[list]) -> str | None:
+    """None if every step issued the same collectives in both runs, else the first that
+    differs, named as (op, dtype, elements, group size, ranks)."""
+    for step, (a, b) in enumerate(zip(mine, theirs), 1):
+        if a == b:
+            continue
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        first = a[i][:4] if i < len(a) else "nothing"
+        other = b[i][:4] if i < len(b) else "nothing"
+        return (
+            f"step {step}, collective #{i}: {first} on the fake accelerator, {other} on the "
+            f"CPU ({len(a)} against {len(b)} collectives)"
+        )
+    if len(mine) != len(theirs):
+        return f"{len(mine)} steps on the fake accelerator, {len(theirs)} on the CPU"
+    return None

@@ -1,0 +1,149 @@
+"""The order of waits and events the optimized path asks of a device, compared across devices.
+
+The optimized path's accelerator schedule is checked on the CPU with stand-in streams
+(``optimized/standin.py``), which log every ``wait_stream``, ``record_event`` and ``wait_event``.
+The same schedule runs on the fake accelerator through ``shim`` (the same log) and on a real
+GPU through ``torch.cuda``'s streams and events, which ``CudaRecorder`` logs the same way. If
+the three logs are one sequence, the stand-in checks (the stream sanitizer) checked the order
+the device gets.
+
+Streams and events have different names in each run (``copy_in`` on the stand-ins,
+``stream1`` on the shim, a pointer on a GPU), so ``canonical`` renames them: streams in the
+order they first appear, an event after the recording it refers to. ``orders(config, on)``
+records the optimized path's steps both ways in this process (``on``: "fake" or "cuda") and
+``first_difference`` says where they part; ``benchmarks/stream_order.py`` is the command.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+from twinshard.bench.config import RunConfig
+
+KINDS = ("wait_stream", "record_event", "wait_event")
+
+
+def canonical(log: list[tuple]) -> list[tuple[str, str, str]]:
+    """``log`` (kind, stream, other) with streams named s0, s1, ... in order of appearance and
+    each event named after its recording (e0, e1, ...); entries of other kinds dropped."""
+    streams: dict = {}
+    events: dict = {}
+    recorded = 0
+    out = []
+
+    def stream(name) -> str:
+        return streams.setdefault(name, f"s{len(streams)}")
+
+    for kind, name, other in (e for e in log if e[0] in KINDS):
+        if kind == "wait_stream":
+            out.append((kind, stream(name), stream(other)))
+        elif kind == "record_event":
+            events[other], recorded = f"e{recorded}", recorded + 1
+            out.append((kind, stream(name), events[other]))
+        else:
+            out.append((kind, stream(name), events.get(other, "an event never recorded")))
+    return out
+
+
+def first_difference(a: list[tuple], b: list[tuple]) -> str | None:
+    """None if the canonical logs ``a`` and ``b`` are equal, else where they first differ."""
+    if a == b:
+        return None
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    mine = a[i] if i < len(a) else "nothing"
+    theirs = b[i] if i < len(b) else "nothing"
+    return f"entry #{i}: {mine} against {theirs} ({len(a)} against {len(b)} entries)"
+
+
+class CudaRecorder:
+    """Logs ``torch.cuda``'s stream and event calls as the stand-ins log theirs, while active.
+
+    ``torch.cuda.Stream.wait_stream`` records an event and waits on it, and
+    ``Stream.record_event`` records one: the call the schedule made is logged, not the calls
+    it makes in turn. Streams are named by their handle (``cuda_stream``), events by object."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.depth = 0
+        self.saved: list[tuple] = []
+
+    def _wrap(self, owner, name: str, entry) -> None:
+        original = getattr(owner, name)
+
+        def logged(obj, *args, **kwargs):
+            if self.depth == 0:
+                self.log.append(entry(obj, *args, **kwargs))
+            self.depth += 1
+            try:
+                return original(obj, *args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        self.saved.append((owner, name, original))
+        setattr(owner, name, logged)
+
+    def __enter__(self) -> CudaRecorder:
+        cuda = torch.cuda
+        current = lambda s: s if s is not None else cuda.current_stream()  # noqa: E731
+        self._wrap(
+            cuda.Stream, "wait_stream", lambda s, o: ("wait_stream", s.cuda_stream, o.cuda_stream)
+        )
+        self._wrap(cuda.Stream, "wait_event", lambda s, e: ("wait_event", s.cuda_stream, id(e)))
+        self._wrap(
+            cuda.Event,
+            "record",
+            lambda e, s=None: ("record_event", current(s).cuda_stream, id(e)),
+        )
+        self._wrap(
+            cuda.Event, "wait", lambda e, s=None: ("wait_event", current(s).cuda_stream, id(e))
+        )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self.saved):
+            setattr(owner, name, original)
+        self.saved = []
+
+
+def orders(config: RunConfig, steps: int = 2, on: str = "fake") -> tuple[list, list]:
+    """The optimized path's canonical logs of ``steps`` steps of ``config``: on the device
+    (``on``: "fake" for the fake accelerator, "cuda" for a GPU) and with the stand-ins."""
+    from . import runner, shim
+
+    config = replace(config, impl="optimized", foreach=True)
+    if on == "fake":
+        start = len(shim.LOG)
+        runner.fake_accelerator_run(config, steps, None)
+        device_log = shim.LOG[start:]
+    else:
+        from .ondevice import device_run
+
+        with CudaRecorder() as recorder:
+            device_run(config, steps, on)
+        device_log = recorder.log
+    return canonical(device_log), canonical(standin_log(config, steps))
+
+
+def standin_log(config: RunConfig, steps: int) -> list[tuple]:
+    """The stand-in streams' log of ``steps`` steps of ``config`` on the CPU (fake process
+    group, real tensors)."""
+    from twinshard.optimized.standin import standin_streams
+    from twinshard.optimized.streams import STANDIN_ENV
+
+    from .runner import cpu_run
+
+    log = standin_streams().log
+    start = len(log)
+    previous = os.environ.get(STANDIN_ENV)
+    os.environ[STANDIN_ENV] = "1"
+    try:
+        cpu_run(config, steps, None)
+    finally:
+        if previous is None:
+            del os.environ[STANDIN_ENV]
+        else:
+            os.environ[STANDIN_ENV] = previous
+    return log[start:]
