@@ -2,7 +2,12 @@
 
     python benchmarks/fuzz_parity.py --examples 2000            # every mesh, seed 0
     python benchmarks/fuzz_parity.py --examples 300 --meshes 4,2x2 --seed 7
+    python benchmarks/fuzz_parity.py --examples 540 --stand-in-streams --seed 23   # sanitized
     python benchmarks/fuzz_parity.py --replay '{"mesh":[2],...}'   # one example, as printed
+
+``--stand-in-streams`` runs the optimized path of every example on stand-in streams with the
+stream sanitizer on (``Example.stand_in``): a race or an early release fails the example with
+the sanitizer's report (``StreamOrderError: ...``), beside the usual comparisons.
 
 CI runs a few dozen of the same examples (``tests/test_fuzz_parity.py``); this script draws as
 many as asked with ``twinshard.conformance.fuzz_draw`` (the same for the same seed), splits them
@@ -25,7 +30,8 @@ from twinshard.conformance.fuzz import Example, run_examples
 from twinshard.conformance.suite import mesh_name, parse_meshes
 from twinshard.launch import LaunchError, launch
 
-MESHES = "1,2,3,4,2x2,1x2,2x1,1x3"
+MESHES = "1,2,3,4,2x2,1x2,2x1,1x3,3x1"
+RAISED = "RuntimeError: example "  # how run_examples reports an example that raised
 
 
 def run_batch(examples: list[Example], mesh: tuple, timeout: float) -> list[dict]:
@@ -34,8 +40,16 @@ def run_batch(examples: list[Example], mesh: tuple, timeout: float) -> list[dict
     try:
         return launch(run_examples, math.prod(mesh), texts, mesh, timeout=timeout)[0]
     except LaunchError as error:
-        if len(texts) == 1:
-            return [{"ok": False, "example": texts[0], "failures": [str(error)[-3000:]]}]
+        if len(texts) == 1:  # what each rank raised (a StreamOrderError's report), then the end
+            text = str(error)
+            raised = list(
+                dict.fromkeys(  # once each: a rank's traceback repeats its message
+                    "raised " + line.split(" raised ", 1)[-1]
+                    for line in text.splitlines()
+                    if line.startswith(RAISED)
+                )
+            )
+            return [{"ok": False, "example": texts[0], "failures": raised + [text[-3000:]]}]
     return [v for e in examples for v in run_batch([e], mesh, timeout)]
 
 
@@ -47,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=25, help="examples per process group")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per batch")
     p.add_argument("--out", default="fuzz-failures.jsonl", help="failures, one JSON line each")
+    p.add_argument(
+        "--stand-in-streams",
+        action="store_true",
+        help="the optimized path on stand-in streams, under the stream sanitizer",
+    )
     p.add_argument("--replay", metavar="JSON", help="run this one example (as printed)")
     args = p.parse_args(argv)
     from twinshard.conformance.fuzz_draw import draw
@@ -58,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         per_mesh = [args.examples // len(meshes)] * len(meshes)
         for i in range(args.examples % len(meshes)):
             per_mesh[i] += 1
-        plan = {m: draw(n, args.seed + i, m) for i, (m, n) in enumerate(zip(meshes, per_mesh)) if n}
+        plan = {
+            m: draw(n, args.seed + i, m, args.stand_in_streams)
+            for i, (m, n) in enumerate(zip(meshes, per_mesh))
+            if n
+        }
     start, ran, failed = time.perf_counter(), 0, []
     for mesh, examples in plan.items():
         for i in range(0, len(examples), args.batch):
@@ -79,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         for v in failed:
             f.write(json.dumps({"example": v["example"], "failures": v["failures"][:5]}) + "\n")
-    print(f"\n{ran} examples, {len(failed)} failed, {time.perf_counter() - start:.0f} s")
+    sanitized = sum(e.stand_in for examples in plan.values() for e in examples)
+    print(
+        f"\n{ran} examples ({sanitized} on stand-in streams, sanitized) on meshes "
+        f"{', '.join(map(mesh_name, plan))}{'' if args.replay else f', seed {args.seed}'}: "
+        f"{len(failed)} failed, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
     return 1 if failed else 0
 
 

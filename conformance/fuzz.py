@@ -6,9 +6,21 @@ the ranks of another and printed as the one line that reproduces a failure. Its 
 ``FuzzNet``, is ``inp -> blocks -> out``: square ``inp``/``out`` layers of the data width (tied
 when ``tie``) around a chain of blocks of uneven widths (``Linear`` of 1, 7 or 37 rows, fewer
 rows than ranks, optional bias and ``LayerNorm``), some sharded as their own group, some frozen.
-Every group draws its own ``reshard_after_forward`` (bool, int or the default) and CPU offload;
-the model one mixed-precision policy; each step several micro-batches, with gradient sync,
-resharding after backward and HSDP's all-reduce switched off on some of them.
+A block may scale its input by a frozen vector in another dtype (bf16, float8), so that its
+group holds parameters of two dtypes. Every group draws its own ``reshard_after_forward``
+(bool, int or the default) and CPU offload; the model one mixed-precision policy; each step
+several micro-batches, with gradient sync, resharding after backward and HSDP's all-reduce
+switched off on some of them; after each optimizer step, optionally, the root is handed an
+event recorded after the step (``set_post_optim_event``) and the model's own state dict is
+loaded back with ``assign=True``, so that every parameter is a new ``DTensor`` (in new memory,
+or in the old) that the next all-gather must adopt.
+
+With ``stand_in``, the second implementation (the optimized path) runs its accelerator
+schedule on stand-in streams with the stream sanitizer on (``optimized/standin.py``,
+``conformance/stream_check.py``), as ``twinshard conform --stand-in-streams`` runs the cases: a
+read before its wait or a buffer released too early fails the example with the sanitizer's
+report (the ranks stop, and the launch names the example), and the values are compared as in
+any other example.
 
 Nothing here compares by itself: ``check_example`` is ``conformance.driver``'s ``run_plain``,
 ``run_sharded`` and ``compare`` with ``conformance.compare.Checker``'s tolerance classes, as in
@@ -52,6 +64,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from .compare import Checker
 from .driver import Recipe, compare, run_plain, run_sharded, set_device
+from .fuzz_streams import reloads_after_steps, stand_in_streams
 from .models import GLOBAL_BATCH, batches, mse
 from .runner import _merge_ranks
 
@@ -64,6 +77,8 @@ POLICIES = {
     "bf16/fp32/out-fp32": ("bfloat16", "float32", "float32"),
 }
 SYNC_OFF = ("model", "root_only", "blocks", "reshard_after_backward", "all_reduce")
+SCALE_DTYPES = ("bfloat16", "float8_e4m3fn")  # a block's frozen scale, beside fp32 weights
+RELOADS = ("new_memory", "same_memory")  # the assign-loaded DTensors: cloned, or the state dict's
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,9 @@ class Example:
     steps: int = 2
     clip: float | None = None  # clip_grad_norm_ max norm
     name: str = ""  # a regression case's name
+    scale: tuple = ()  # per block: None, or the dtype (SCALE_DTYPES) of a frozen input scale
+    reload: str | None = None  # after each step: post-optim event, then an assign-load (RELOADS)
+    stand_in: bool = False  # the optimized path on stand-in streams, under the sanitizer
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -109,14 +127,21 @@ class Example:
 
 
 class Block(nn.Module):
-    """``tanh(norm(lin(x)))``: one layer of uneven width."""
+    """``tanh(norm(lin(x * scale)))``: one layer of uneven width; ``scale``, when it has one,
+    is a frozen vector in another dtype (the group then holds two dtypes)."""
 
-    def __init__(self, d_in: int, d_out: int, bias: bool, norm: bool):
+    def __init__(self, d_in: int, d_out: int, bias: bool, norm: bool, scale: str | None = None):
         super().__init__()
         self.lin = nn.Linear(d_in, d_out, bias=bias)
         self.norm = nn.LayerNorm(d_out) if norm and d_out > 1 else None
+        self.scale = None
+        if scale is not None:
+            values = (1 + 0.1 * torch.randn(d_in)).to(_dtype(scale))  # (d_in,)
+            self.scale = nn.Parameter(values, requires_grad=False)
 
     def forward(self, x):
+        if self.scale is not None:
+            x = x * self.scale.to(x.dtype)  # (B, d_in)
         x = self.lin(x)  # (B, d_out)
         return torch.tanh(self.norm(x) if self.norm is not None else x)
 
@@ -129,8 +154,10 @@ class FuzzNet(nn.Module):
         d = ex.widths[0]
         self.inp = nn.Linear(d, d)
         pairs = zip(ex.widths[:-1], ex.widths[1:])
+        scales = ex.scale or (None,) * len(ex.bias)
         self.blocks = nn.ModuleList(
-            Block(a, b, bias, norm) for (a, b), bias, norm in zip(pairs, ex.bias, ex.norm)
+            Block(a, b, bias, norm, scale)
+            for (a, b), bias, norm, scale in zip(pairs, ex.bias, ex.norm, scales)
         )
         self.out = nn.Linear(d, d)  # its bias trains even when every other weight is frozen
         if ex.tie:
@@ -165,10 +192,13 @@ def _group_options(impl, ex: Example, group: int, root: bool) -> dict:
     return options
 
 
-def recipe(ex: Example) -> Recipe:
-    """The driver's recipe for ``ex``: build, wrap, data and the per-micro-batch switches."""
+def recipe(ex: Example, wrapped: dict | None = None) -> Recipe:
+    """The driver's recipe for ``ex``: build, wrap, data and the per-micro-batch switches.
+    ``wrapped["model"]`` is set to each model the recipe wraps."""
 
     def wrap(impl, model, mesh):
+        if wrapped is not None:
+            wrapped["model"] = model
         group = 0
         for block, own in zip(model.blocks, ex.own_group):
             if own:
@@ -223,17 +253,21 @@ IMPLS = ("twinshard.reference", "twinshard.optimized")
 
 def check_example(ex: Example, mesh, impls: tuple = IMPLS) -> Checker:
     """The plain model and both ``impls`` on ``ex``, compared every step (see the module doc);
-    the second is also compared with the first, bitwise where the reduction order is the same."""
+    the second is also compared with the first, bitwise where the reduction order is the same.
+    With ``ex.stand_in`` the second runs on stand-in streams under the sanitizer."""
     first, second = (importlib.import_module(name) for name in impls)
     labels = [name.rsplit(".", 1)[-1] for name in impls]
-    r = recipe(ex)
+    wrapped: dict = {}
+    r = recipe(ex, wrapped)
     low = r.low_precision or torch.float32  # see [Note: fp32 judged like low precision]
     checker = Checker("low_precision", low_eps=torch.finfo(low).eps)
     truth = run_plain(r)
     truth_low = run_plain(r, low=low, world=ex.world)
-    one, _ = run_sharded(r, first, mesh)
-    compare(checker, labels[0], one, truth, truth_low)
-    two, _ = run_sharded(r, second, mesh)
+    with reloads_after_steps(ex.reload, wrapped):
+        one, _ = run_sharded(r, first, mesh)
+        compare(checker, labels[0], one, truth, truth_low)
+        with stand_in_streams(ex.stand_in):
+            two, _ = run_sharded(r, second, mesh)
     compare(checker, labels[1], two, truth, truth_low)
     exact = not ex.low_precision and ex.world <= 2  # the same reduction order: the same bits
     against = Checker("bitwise" if exact else "low_precision", low_eps=checker.low_eps)
@@ -253,6 +287,7 @@ def run_examples(texts: list[str], mesh_shape: tuple, impls: tuple = IMPLS) -> l
         try:
             summary = check_example(Example.from_json(text), mesh, impls).summary()
         except Exception as e:  # one rank's exception would leave the others in a collective
+            # (a StreamOrderError too: a rank whose shard is empty may not see the access)
             raise RuntimeError(f"example {text} raised {type(e).__name__}: {e}") from e
         verdicts.append({**_merge_ranks(summary), "example": text})
     return verdicts

@@ -98,6 +98,22 @@ def test_stream_bugs_name_the_streams(tmp_path):
     assert "StreamOrderError" in failure and "stream 'all_gather'" in failure, failure[-800:]
 
 
+def test_trace_cases_want_no_all_reduce_from_a_single_replica(tmp_path):
+    """torch's fully_shard all-reduces over a replicate group of one rank (HSDP 1x2), which the
+    trace cases reject (its expected-failures file lists it; here an empty one is given)."""
+    js, none = tmp_path / "r.json", tmp_path / "none.txt"
+    none.write_text("")
+    out = conform(
+        "torch.distributed.fsdp",
+        *("--world-sizes", "1x2", "--cases", "trace_default", "--xfail", str(none)),
+        *("--no-oracles", "--report", str(js)),
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    (row,) = json.loads(js.read_text())["rows"]
+    assert row["status"] == "FAIL" and row["failures"], row
+    assert all("where a single replica needs none" in f for f in row["failures"]), row["failures"]
+
+
 def test_unknown_module_is_a_clear_error():
     out = conform("no_such_fsdp_module", "--world-sizes", "1")
     assert out.returncode != 0

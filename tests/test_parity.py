@@ -5,10 +5,11 @@ truth). The optimized path is also compared with the reference at world sizes 1 
 in fp32) and with torch's fully_shard at world size 2; torch's fully_shard itself passes the
 suite at 1, 2 and 3 (``tests/test_torch_conformance.py``). The reference runs at 1, 2, 3 and
 2x2 (world size 4 is the optimized run's and the fuzzed test's). The optimized path runs a second
-time with stand-in streams, at world size 2 and HSDP 2x2: its accelerator schedule on the CPU,
-every tensor access checked against the stream order (compared with the plain model). The
-whole matrix in that mode is one command: ``twinshard conform twinshard.optimized
---stand-in-streams --no-oracles --world-sizes 1,2,3,2x2,4``.
+time with stand-in streams, at world size 2, HSDP 2x2, and HSDP with one shard (2x1, 3x1) and
+with one replica (1x2, 1x3), where the reductions take their shortcuts: its accelerator
+schedule on the CPU, every tensor access checked against the stream order (compared with the
+plain model). The whole matrix in that mode is one command: ``twinshard conform
+twinshard.optimized --stand-in-streams --no-oracles --world-sizes 1,2,3,2x2,4,2x1,1x2,3x1,1x3``.
 
 The oracles double a case's cost, and CI has 25 minutes on 2 cores, so each run compares with
 them where they add a check and with the plain model elsewhere. Every case of one mesh runs
@@ -38,7 +39,10 @@ RUNS = {  # name -> (implementation, [(meshes, run_suite options)]), world size 
             ("3,2x2,4", {"oracles": False}),
         ],
     ),
-    "optimized-standin": (OPTIMIZED, [("2,2x2", {"stand_in_streams": True, "oracles": False})]),
+    "optimized-standin": (
+        OPTIMIZED,
+        [("2,2x2,2x1,1x2,3x1,1x3", {"stand_in_streams": True, "oracles": False})],
+    ),
 }
 MESHES = {
     run: [m for spec, _ in parts for m in parse_meshes(spec)] for run, (_, parts) in RUNS.items()

@@ -2,7 +2,10 @@
 
 Every rank must issue the same sequence; all-gathers must run in the parameter dtype and
 reductions in the reduce dtype; and the amounts must follow the schedule, per group or per
-parameter (see ``twinshard.conformance.trace``).
+parameter (see ``twinshard.conformance.trace``). No collective that the mesh does not need: a
+shard group of one rank has nothing to all-gather or reduce-scatter (1, 2x1, 3x1), and a single
+replica nothing to all-reduce (1D meshes, 1x2, 1x3); an HSDP mesh with two or more replicas
+all-reduces each group's gradients across them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def _trace_case(
         checker.fail(f"collective traces differ across ranks: {mismatch}")
     S = ctx.shard_size
     size = lambda ps: sum(T.padded_numel(p, S) for p in ps)  # noqa: E731
-    expect = {
+    needed = {
         "all_gather": (
             [n for _, n in groups],
             sum(n * size(ps) for ps, n in groups),
@@ -59,19 +62,28 @@ def _trace_case(
             reduce,
             [len(ps) for ps, _ in groups],
         ),
-    }
-    if ctx.hsdp:
-        expect["all_reduce"] = (
+        "all_reduce": (
             [1 for _ in groups],
             sum(size(ps) // S for ps, _ in groups),
             reduce,
             [len(ps) for ps, _ in groups],
-        )
-    for op, (per_group, numel, dtype, per_param) in expect.items():
+        ),
+    }
+    replicas = ctx.mesh_shape[0] if ctx.hsdp else 1
+    unneeded = {  # op -> why the mesh needs none of it
+        "all_gather": "a shard group of one rank" if S == 1 else None,
+        "reduce_scatter": "a shard group of one rank" if S == 1 else None,
+        "all_reduce": "a single replica" if replicas == 1 else None,
+    }
+    for op, (per_group, numel, dtype, per_param) in needed.items():
         count, total, dtypes = T.totals(calls, op)
         checker.count += 1
-        if S == 1 and op != "all_reduce" and count == 0:
-            continue  # with one shard there is nothing to gather or scatter; skipping is valid
+        if unneeded[op] is not None:
+            if count:
+                checker.fail(
+                    f"{op}: {count} collectives ({total} elements) where {unneeded[op]} needs none"
+                )
+            continue
         if count not in (sum(per_group), sum(per_param)):
             checker.fail(
                 f"{op}: {count} collectives, expected {sum(per_group)} (one per group "
