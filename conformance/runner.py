@@ -47,11 +47,14 @@ def run_cases(
     tmpdir: str,
     patterns: list[str] | None = None,
     with_oracle=True,
+    device: str | None = None,
 ) -> list[dict]:
     """Run the selected cases on this rank; every rank returns the same merged results.
 
     A case that does not apply to this mesh gets a SKIP row with its reason. With stand-in
-    streams (``TWINSHARD_STANDIN_STREAMS=1``) every case runs under the stream checks."""
+    streams (``TWINSHARD_STANDIN_STREAMS=1``) every case runs under the stream checks.
+    ``device``: the device type the cases run on (``twinshard conform --device``); None, the
+    device this rank was given (``twinshard.devices``)."""
     impl = importlib.import_module(impl_name)
     oracle = reference = None
     wanted = oracle_names(with_oracle)
@@ -60,7 +63,7 @@ def run_cases(
     if "reference" in wanted and impl_name != "twinshard.reference":
         reference = importlib.import_module("twinshard.reference")
     label = "torch" if impl_name == "torch.distributed.fsdp" else impl_name.rsplit(".", 1)[-1]
-    ctx = Context(impl, label, oracle, tuple(mesh_shape), tmpdir, reference)
+    ctx = Context(impl, label, oracle, tuple(mesh_shape), tmpdir, reference, device_choice=device)
     set_device(ctx.device)
     results = []
     for name in select(patterns):

@@ -99,6 +99,7 @@ def run_suite(
                     tmp,
                     names,
                     oracle_names(oracles),
+                    device,
                     backend=backend,
                     timeout=timeout,
                     env=env,

@@ -8,11 +8,14 @@ Planted in the reference:
     shifted_shard     every rank's initial shard starts one row too late
     bf16_reduce       gradients are reduced in bf16 when the policy asks for fp32
 
-Planted in the optimized path (the first two show only on stand-in streams, where the suite
-checks the stream order: run them with ``--stand-in-streams``):
+Planted in the optimized path (the first three show only on stand-in streams, where the
+suite and the fuzzer check the stream order: run them with ``--stand-in-streams``):
 
     optimized_no_wait          the copy-out reads the all-gather without waiting for it
     optimized_early_release    the all-gather buffer is released before its copy-out
+    optimized_event_only       the copy-in waits only on the post-optimizer event, though the
+                               compute stream wrote shards after it (caught by the sanitized
+                               fuzzer's assign-loads)
     optimized_dropped_partial  HSDP: the partial sums of earlier micro-batches are dropped
     optimized_wrong_prefetch   a group computes with the all-gather prefetched for another
     optimized_scaled_grads     scaled_grads's parameter class in the optimized path: a bug in
