@@ -112,7 +112,7 @@ class GradientPath:
         if self.local_rows < self.chunk:  # (slicing costs a microsecond even when it keeps all)
             block = block[: self.local_rows]  # (local_rows, *rest)
         block = self.rows_first(block).to(dtype=self.sharded_param.dtype)  # (rows, *rest)
-        if block.device != self.shard_device:
+        if self.shard_device != self.device:  # offloaded
             block = self.to_host(block)
         if self.sharded_param.grad is None:
             # A gradient is laid out exactly like its parameter, so it takes the parameter's
