@@ -3,8 +3,8 @@
 ``coverage run`` passes its configuration to every Python subprocess through ``COVERAGE_ENV``,
 and a measured rank runs its Python about a third slower. Only the test modules in
 ``MEASURED_MODULES`` run the optimized path in the ways the report needs (the whole conformance
-suite, with and without stand-in streams, the planted bugs, the drop-in features and the kept
-blocks' fallbacks);
+suite, with and without stand-in streams, the planted bugs, the drop-in features, the kept
+blocks' fallbacks and the fp16 division);
 ``unmeasured()`` starts the ranks of everything else without it, which keeps CI short.
 """
 
@@ -19,6 +19,7 @@ MEASURED_MODULES = {
     "test_conformance",
     "test_contract",
     "test_drop_in",
+    "test_gradient_division",
     "test_kept_shards",
     "test_optimized_schedule",
     "test_parity",
