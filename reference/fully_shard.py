@@ -99,7 +99,7 @@ def shard_module(
     post_forward = post_forward_mesh_info(True if auto else reshard_after_forward, info)
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
     device = info.device
-    owners = _collect_params(modules, set(ignored_params or ()))
+    owners, managed = _collect_params(modules, set(ignored_params or ()))
     cpu_offload = offload if isinstance(offload, CPUOffloadPolicy) else None
     params = [
         ShardedParam(p, where, info, device, cpu_offload, shard_dim(shard_placement_fn, p, where))
@@ -118,6 +118,8 @@ def shard_module(
         for m in group.modules_with_params():
             m.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
             m._register_load_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
+    for m in managed:  # as torch's fully_shard marks them, so that dynamo guards them alike
+        m._is_fsdp_managed_module = m._fsdp_use_orig_params = True
     for m in modules:
         m.__dict__["_twinshard_state"] = state
         m.__class__ = fsdp_class(module_type, type(m))
@@ -154,17 +156,19 @@ def _check_module(module: nn.Module) -> None:
         )
 
 
-def _collect_params(modules: list[nn.Module], ignored: set) -> dict[nn.Parameter, list]:
-    """Map each parameter this call manages to every (module, attribute) holding it.
+def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[dict, list]:
+    """Map each parameter this call manages to every (module, attribute) holding it; also
+    return the modules visited (those this call manages).
 
     Sharded children are skipped: their parameters are theirs. A parameter that a child
     already sharded but that also sits elsewhere in this subtree is a tie split across two
     groups, which cannot work: each group would hold its own copy.
     """
     owners: dict[nn.Parameter, list] = {}
-    todo = [("", module) for module in modules]
+    todo, managed = [("", module) for module in modules], []
     while todo:
         prefix, m = todo.pop(0)
+        managed.append(m)
         for name, p in m._parameters.items():
             if p is None or p in ignored:
                 continue
@@ -174,7 +178,7 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> dict[nn.Parameter
         for child_name, child in m._modules.items():
             if child is not None and get_state(child) is None:
                 todo.append((f"{prefix}{child_name}.", child))
-    return owners
+    return owners, managed
 
 
 def _raise_split_tie(module: nn.Module, fqn: str, p: nn.Parameter) -> None:
