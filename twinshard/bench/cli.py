@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from . import memmodel
+from . import checks, memmodel
 from .config import BACKENDS, DTYPES, IMPLS, SHARDED, RunConfig
 from .report import memory_table, meta, plot, table, write_json
 from .runner import compare
@@ -175,6 +175,13 @@ def add_memory_model(summary: dict, base: RunConfig) -> None:
 
 
 def run(args) -> int:
+    if not args.from_json:
+        if args.mode != "sweep":  # the sweep fills its own defaults
+            resolve(args)
+        wrong = checks.problem(args)
+        if wrong:
+            print(f"twinshard bench: error: {wrong}", file=sys.stderr)
+            return 2
     if args.mode == "hooks":
         from .hooks import run_hooks
 
@@ -188,10 +195,6 @@ def run(args) -> int:
     resolve(args)
     base = config_from(args)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    unknown = [i for i in impls if i not in IMPLS]
-    if unknown:
-        print(f"unknown implementation(s) {unknown}; use {', '.join(IMPLS)}", file=sys.stderr)
-        return 2
     if base.backend == "fakeaccel":
         return fake_accelerator(base, impls, args)
     result = side_by_side(base, impls, args.repeat, not args.no_progress)

@@ -195,6 +195,12 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
 
 
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """What autocast may compute in here: asked by ``torch.amp.autocast``, which activation
+    checkpointing enters around its recompute (without it that recompute fails, in backward)."""
+    return [torch.float16, torch.bfloat16]
+
+
 def empty_cache() -> None:
     """No cache: the fake allocations hold no memory."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 import torch
 
@@ -181,19 +182,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def reshard_value(value: str) -> bool | int:
     """``--reshard-after-forward`` (here, in ``twinshard bench`` and in the fake-accelerator
-    run): true, false or a group size."""
-    lowered = str(value).lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
+    run): true, false or a group size (``bench.checks.parse_reshard``)."""
+    from twinshard.bench.checks import parse_reshard
+
     try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(
-            f"--reshard-after-forward takes true, false or an int (a group size), not {value!r}"
-        ) from None
+        return parse_reshard(value)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+
+
+def problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line, in one line naming the flag, or None: said before
+    any rank starts (as ``twinshard train`` does), not as a traceback from one of them."""
+    from twinshard.bench.checks import reshard_problem
+
+    if args.world_size < 1:
+        return f"--world-size must be a positive integer, got {args.world_size}"
+    if args.world_size > 64 and not args.fake_accelerator:
+        return f"--world-size {args.world_size}: too many processes here; add --fake-accelerator"
+    if args.layers < 1:
+        return f"--layers must be a positive integer, got {args.layers}"
+    wrong = reshard_problem(args.reshard_after_forward, args.world_size)
+    if wrong:
+        return wrong
+    impls = [impl.strip() for impl in args.impl.split(",") if impl.strip()]
+    if not impls:
+        return f"--impl {args.impl!r}: name one of {', '.join(IMPLS)} or a module path"
+    for impl in impls:
+        try:
+            module = importlib.import_module(IMPLS.get(impl, impl))
+        except ImportError:
+            module = None
+        if not all(hasattr(module, name) for name in ("fully_shard", "MixedPrecisionPolicy")):
+            return (
+                f"--impl {impl!r}: not {', '.join(IMPLS)}, nor an importable module with "
+                "fully_shard and MixedPrecisionPolicy"
+            )
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
+    wrong = problem(args)
+    if wrong:
+        print(f"twinshard schedule: error: {wrong}", file=sys.stderr)
+        return 2
     options = dict(
         model=args.model,
         layers=args.layers,

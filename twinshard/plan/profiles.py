@@ -1,0 +1,227 @@
+"""The constants a plan predicts time with: devices and networks, chosen once and named.
+
+A **device** turns an operator into seconds (``Device.seconds``): the larger of its FLOPs
+over the device's peak for the operator's dtype and its bytes read and written over the
+memory bandwidth, divided by one efficiency per device and dtype, and never less than a
+kernel's floor (``kernel_s``); a copy between host and device takes its bytes over the host
+link. Peaks, bandwidths and capacities are the vendors' datasheet figures. The efficiency is
+the one number that is not: it is fitted once per device, on one published run named beside
+it (``CALIBRATED_ON``), and then held fixed for every other prediction; fp32 uses the bf16
+figure (no published fp32 run exists to fit it on). ``bench.memmodel``-style tuning per
+configuration is what this avoids.
+
+A **network** turns a collective into seconds (``Network.seconds``), with NCCL's own latency
+model for ring algorithms (``src/graph/tuning.cc``, ring, Simple protocol: a base latency of
+8.4 us and 5.7 us per step over NVLink, 6.6 us per step over the network) and a bus bandwidth:
+
+    seconds = base + steps * per_step + wire bytes / bandwidth
+
+with ``steps`` = S - 1 for an all-gather or reduce-scatter over S ranks (2 (S - 1) for an
+all-reduce) and the wire bytes of ``bench.simnet.wire_bytes``. A group whose ranks share a
+node (``ranks_per_node`` consecutive ranks) runs on the node's link, any other on the
+network's: a ring over several nodes is as fast as its slowest hop. The bus bandwidths are
+what NCCL reaches for large messages, the figures ``bench.simnet.LINKS`` uses (NVLink in an
+H100 node 350 GB/s; one 400 Gb/s NIC per GPU: 45 GB/s, 0.9 of the line rate), the same 0.9
+for a 200 Gb/s NIC, and NVIDIA's published ``nccl-tests`` bus bandwidth of an A100 node's
+NVLink (230 GB/s).
+
+The CPU is no datasheet: ``measure_cpu()`` times this machine (one thread, as
+``twinshard bench``'s simulated ranks run) when a CPU plan starts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from twinshard.bench import simnet
+
+GiB = 2**30
+BF16, FP32 = "torch.bfloat16", "torch.float32"
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: dict  # dtype (str) -> FLOP/s, dense
+    memory_bandwidth: float  # bytes/s
+    efficiency: dict  # dtype -> the fraction of peak reached (see the module docstring)
+    capacity: int  # bytes of device memory
+    host_link: float  # bytes/s between host and device, each way
+    kernel_s: float = 4e-6  # no kernel takes less: launch and ramp-up
+    overhead_s: float = 0.0  # the CPU's own time per operator (the CPU profile only)
+    about: str = ""
+
+    def seconds(self, flops: float, moved: float, dtype: str, host_copy: bool) -> float:
+        """How long one operator takes (see the module docstring)."""
+        if host_copy:
+            return self.kernel_s + moved / self.host_link
+        peak = self.peak_flops.get(dtype, self.peak_flops[FP32])
+        efficiency = self.efficiency.get(dtype, self.efficiency[BF16])
+        work = max(flops / peak, moved / self.memory_bandwidth) / efficiency
+        return self.overhead_s + max(work, self.kernel_s)
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype, self.peak_flops[FP32])
+
+
+# Fitted once per device, on the run named here; see benchmarks/results/*-plan-published.md.
+CALIBRATED_ON = {
+    "a100": "torchtitan, Llama 3 8B, 64 A100, local batch 1, selective op AC: 2,973 tokens/s",
+    "h100-500w": "torchtitan, Llama 3.1 8B, 8 H100, local batch 2, selective AC: 5,762 tokens/s",
+}
+A100_EFFICIENCY = 0.67
+H100_500W_EFFICIENCY = 0.40
+
+
+def _gpu(name, bf16, fp32, bandwidth, efficiency, capacity, host_link, about) -> Device:
+    """An accelerator from its datasheet: dense bf16 (= fp16) and fp32 peaks, one efficiency."""
+    peaks = {BF16: bf16, "torch.float16": bf16, FP32: fp32}
+    same = {BF16: efficiency, FP32: efficiency}
+    return Device(name, peaks, bandwidth, same, capacity, host_link, about=about)
+
+
+DEVICES = {
+    "a100": _gpu(
+        "A100 SXM4 80GB",
+        312e12,
+        19.5e12,
+        2.039e12,
+        A100_EFFICIENCY,
+        80 * GiB,
+        25e9,
+        "NVIDIA A100 datasheet; PCIe 4.0 x16",
+    ),
+    "h100": _gpu(
+        "H100 SXM5 80GB",
+        989.4e12,
+        66.9e12,
+        3.35e12,
+        H100_500W_EFFICIENCY,
+        80 * GiB,
+        55e9,
+        "NVIDIA H100 SXM datasheet, 700 W; efficiency of the 500 W part (none fitted at 700 W)",
+    ),
+    "h100-500w": _gpu(
+        "H100 96GB HBM2e, 500 W (Grand Teton)",
+        989.4e12,
+        66.9e12,
+        2.4e12,
+        H100_500W_EFFICIENCY,
+        96 * GiB,
+        55e9,
+        "torchtitan's H100s: 2.4 TB/s, 96 GB, 500 W; SXM's peak, as torchtitan's MFU uses",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth: float  # bytes/s one rank sends (NCCL's bus bandwidth)
+    base_s: float
+    per_step_s: float
+
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    intra: Link  # within a node
+    inter: Link  # across nodes
+    ranks_per_node: int
+    about: str = ""
+
+    def link(self, ranks: list[int]) -> Link:
+        nodes = {r // self.ranks_per_node for r in ranks}
+        return self.intra if len(nodes) <= 1 else self.inter
+
+    def seconds(self, op: str, nbytes: int, ranks: list[int]) -> float:
+        size = len(ranks)
+        if size <= 1:
+            return 0.0
+        link = self.link(ranks)
+        steps = 2 * (size - 1) if op == "all_reduce" else size - 1
+        wire = simnet.wire_bytes(op, nbytes, size)
+        return link.base_s + steps * link.per_step_s + wire / link.bandwidth
+
+
+NCCL_BASE_S = 8.4e-6
+NVLINK_STEP_S = 5.7e-6
+NET_STEP_S = 6.6e-6
+NVLINK_H100 = Link("NVLink (H100)", simnet.LINKS["nvlink"].bandwidth, NCCL_BASE_S, NVLINK_STEP_S)
+NVLINK_A100 = Link("NVLink (A100)", 230e9, NCCL_BASE_S, NVLINK_STEP_S)
+NIC_400 = Link("400 Gb/s per GPU", simnet.LINKS["ib"].bandwidth, NCCL_BASE_S, NET_STEP_S)
+NIC_200 = Link("200 Gb/s per GPU", 22.5e9, NCCL_BASE_S, NET_STEP_S)
+
+NETWORKS = {
+    "h100-ib": Network(
+        "H100 nodes of 8, NVLink + 400 Gb/s InfiniBand per GPU", NVLINK_H100, NIC_400, 8
+    ),
+    "h100-roce": Network(
+        "H100 nodes of 8, NVLink + 400 Gb/s RoCE per GPU", NVLINK_H100, NIC_400, 8
+    ),
+    "a100-ib": Network(
+        "A100 nodes of 8, NVLink + 200 Gb/s InfiniBand per GPU", NVLINK_A100, NIC_200, 8
+    ),
+}
+DEFAULT_NETWORK = {"a100": "a100-ib", "h100": "h100-ib", "h100-500w": "h100-roce"}
+
+
+def simulated_network(link_text: str, world: int) -> Network:
+    """``twinshard bench --backend simnet``'s link as a network of one node: a constant latency
+    per collective and its bandwidth (``simnet.parse_link``)."""
+    link = simnet.parse_link(link_text)
+    one = Link(link.name, link.bandwidth, link.latency_s, 0.0)
+    return Network(f"simulated link {link.name}", one, one, max(world, 1))
+
+
+@dataclass
+class CpuMeasurement:
+    matmul_flops: dict = field(default_factory=dict)  # dtype -> FLOP/s
+    bandwidth: float = 0.0
+    overhead_s: float = 0.0
+
+
+def measure_cpu(threads: int = 1, seconds: float = 0.3) -> Device:
+    """This CPU as a device (see the module docstring): a matmul's FLOP/s per dtype, a large
+    copy's bandwidth, and the time of one small operator under autograd (the dispatch and
+    bookkeeping every operator of a training step pays), with ``threads`` threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flops = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.randn(512, 1024, dtype=dtype)
+            b = torch.randn(1024, 1024, dtype=dtype)
+            flops[str(dtype)] = 2 * 512 * 1024 * 1024 / _best(lambda a=a, b=b: a @ b, seconds)
+        big = torch.empty(8 * 2**20)
+        out = torch.empty_like(big)
+        bandwidth = 2 * big.numel() * 4 / _best(lambda: out.copy_(big), seconds)
+        x = torch.randn(8, requires_grad=True)
+        overhead = _best(lambda: (x * 2).sum().backward(), seconds) / 4  # about 4 operators
+    finally:
+        torch.set_num_threads(before)
+    return Device(
+        "this CPU",
+        flops,
+        bandwidth,
+        {BF16: 1.0, FP32: 1.0},
+        0,
+        bandwidth,
+        kernel_s=0.0,
+        overhead_s=overhead,
+        about=f"measured with {threads} thread(s): matmul, copy and small-operator times",
+    )
+
+
+def _best(work, seconds: float) -> float:
+    """The shortest time of ``work`` over about ``seconds`` of repetitions."""
+    work()
+    best, end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best

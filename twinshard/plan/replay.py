@@ -1,0 +1,119 @@
+"""A recorded step, timed: its operators and collectives replayed over its streams and waits.
+
+``replay(trace, device, network, cpu)`` walks ``trace.StepTrace``'s entries in the order the
+host issued them, once, keeping one clock per stream, per process group and for the host:
+
+    operator            starts when its stream is free (and not before the host issued it),
+                        takes ``device.seconds``; the stream is busy until it ends
+    collective          starts when its stream has reached it and its process group's wire is
+                        free (one NCCL communicator runs its collectives one after another, as
+                        ``bench.simnet``'s wire does), takes ``network.seconds``
+    Work.wait()         the issuing stream (an accelerator: NCCL makes the current stream wait)
+                        or the host (the CPU: gloo blocks the caller) waits for its end
+    record_event        the event is the stream's clock at that point
+    wait_event          the stream's clock moves to the event's, if later
+    wait_stream         the stream's clock moves to the other stream's, if later
+    synchronize()       the host waits for every stream; a hidden host sync (an ``.item()``, a
+                        blocking copy) for the stream it ran on
+
+On the CPU target every operator runs on the host itself (one thread computes; collectives
+run beside it on their process group's wire), which is how ``twinshard bench`` runs a rank.
+
+Whatever moves the compute stream's clock forward at a wait is communication the step could
+not hide: it is charged to the label of where it happened ("forward blocks.3"), which is how
+the report names exposed communication by hook. The step ends when the last stream, wire and
+the host are done. Nothing here knows which implementation ran: the schedule is what the
+recorded waits and events say it is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+COMPUTE = {"accelerator": "default", "cpu": "host"}
+
+
+def replay(trace: dict, device, network, cpu: bool) -> dict:
+    """Time the recorded step (see the module docstring); seconds and where they went."""
+    ready: dict[str, float] = defaultdict(float)  # per stream: when its queued work is done
+    events: dict = {}
+    wires: dict[int, float] = defaultdict(float)
+    ends: dict[int, float] = {}  # collective index -> when it ends
+    host = 0.0
+    compute_stream = COMPUTE["cpu" if cpu else "accelerator"]
+    busy = Counter()  # compute seconds by label
+    exposed = Counter()  # seconds the compute stream waited for others, by label
+    comm = Counter()  # seconds on the wire by op
+    label = "setup"
+    infos = trace["collectives"]
+
+    def wait(stream: str, until: float) -> None:
+        nonlocal host
+        if cpu or stream == "host":  # the host waits: on the CPU it is the compute stream
+            if until > host:
+                exposed[label] += until - host
+                host = until
+            return
+        if until > ready[stream]:
+            if stream == compute_stream:
+                exposed[label] += until - ready[stream]
+            ready[stream] = until
+
+    for entry in trace["entries"]:
+        kind = entry[0]
+        if kind in ("op", "host_copy"):
+            _, stream, label, flops, moved, dtype, causal = entry
+            seconds = device.seconds(flops / 2 if causal else flops, moved, dtype, kind != "op")
+            if cpu:
+                host += seconds
+                busy[label] += seconds
+                continue
+            start = max(ready[stream], host)
+            ready[stream] = start + seconds
+            if stream == compute_stream:
+                busy[label] += seconds
+        elif kind == "collective":
+            info = infos[entry[2]]
+            stream = "host" if cpu else entry[1]
+            start = max(host if cpu else max(ready[stream], host), wires[info["group"]])
+            seconds = network.seconds(info["op"], info["bytes"], info["ranks"])
+            ends[entry[2]] = wires[info["group"]] = start + seconds
+            comm[info["op"]] += seconds
+        elif kind == "wait_work":
+            wait("host" if cpu else entry[1], ends.get(entry[2], 0.0))
+        elif kind == "record_event":
+            events[entry[2]] = ready[entry[1]]
+        elif kind == "wait_event":
+            wait(entry[1], events.get(entry[2], 0.0))
+        elif kind == "wait_stream":
+            wait(entry[1], ready[entry[2]])
+        elif kind == "sync":
+            host = max([host, *ready.values()])
+        elif kind == "host_sync":
+            host = max(host, ready[entry[1]])
+    step = max([host, *ready.values(), *wires.values()])
+    return {
+        "step_s": step,
+        "compute_s": sum(busy.values()),
+        "comm_s": sum(comm.values()),
+        "exposed_s": sum(exposed.values()),
+        "comm_by_op_s": dict(comm),
+        "exposed_by_label_s": dict(exposed.most_common()),
+        "compute_by_label_s": dict(busy),
+    }
+
+
+def per_link(trace: dict, network) -> dict:
+    """Collectives of the step by (op, link): count, bytes per rank, wire bytes, seconds."""
+    from twinshard.bench import simnet
+
+    out: dict = {}
+    for info in trace["collectives"]:
+        size = len(info["ranks"])
+        link = network.link(info["ranks"]).name if size > 1 else "none (one rank)"
+        row = out.setdefault(f"{info['op']} @ {link}", Counter())
+        row["count"] += 1
+        row["bytes"] += info["bytes"]
+        row["wire_bytes"] += simnet.wire_bytes(info["op"], info["bytes"], size)
+        row["seconds"] += network.seconds(info["op"], info["bytes"], info["ranks"])
+    return {k: dict(v) for k, v in out.items()}

@@ -1,0 +1,224 @@
+"""One training step of the real code at the user's scale, recorded in a process of its own.
+
+``record(config)`` plays rank 0 of ``config.world`` ranks (``config.hsdp`` replicas) in this
+process and returns what ``trace.StepTrace`` saw of the second step (the first initializes
+lazily and creates the optimizer's state):
+
+- on an accelerator profile, the fake-accelerator run (``twinshard.fakeaccel``): the
+  ``fakecuda`` device, PyTorch's fake process group for it, stand-in streams behind
+  ``torch.cuda``'s API, ``FakeTensor``s. Attention runs PyTorch's flash-attention kernel,
+  which a GPU's ``scaled_dot_product_attention`` picks for these shapes, rather than the
+  composite a CPU build would fall back to (it keeps a T x T matrix a GPU never holds);
+- on the CPU profile, ``FakeTensor``s on the CPU and the fake process group there, the code
+  path ``twinshard bench`` runs on a CPU rank (collectives issued asynchronously where the
+  implementation does so on a CPU, waited for by ``Work.wait()``).
+
+The model is built on ``meta`` (``twinshard.models.Llama``), wrapped for activation
+checkpointing (``checkpointing.py``), sharded by the implementation with the plan's policies
+(``bench.config.shard``) inside the fake mode, moved with ``to_empty`` (to the host with
+offload) and trained with AdamW (fused, as torchtitan) or SGD with momentum (foreach).
+
+``record_many(configs)`` runs several in one spawned process (the fake accelerator's
+registration is process-wide and for good); ``progress`` receives a line per stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from twinshard.bench.config import mesh_for, shard
+from twinshard.bench.probe import Probe, sharded_modules
+from twinshard.bench.runner import join_simulated_world
+from twinshard.models import Llama
+
+from . import checkpointing
+from .labels import Labels
+from .trace import StepTrace
+
+aten = torch.ops.aten
+STEPS = 2  # the first initializes lazily and makes the optimizer's state; the second is timed
+# and a third repeats it, for the parts of its peak (``trace.StepTrace.arm``)
+
+
+def record(config, progress=print) -> dict:
+    """The recorded second step of ``config`` (see the module docstring), as plain data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    started = time.perf_counter()
+    device = _join(config)
+    run = config.run_config()
+    mesh = mesh_for(run, device)  # outside the fake mode: DeviceMesh computes on the host
+    cfg = config.llama()
+    with torch.device("meta"):
+        model = Llama(cfg)
+    wrapped = checkpointing.apply(model, config.ac)
+    params = sum(p.numel() for p in model.parameters())
+    labels = Labels()
+    trace = StepTrace(device.type, labels)
+    with FakeTensorMode(allow_non_fake_inputs=True), trace, _watch_waits(trace):
+        progress(f"{config.impl}: sharding {params / 1e9:.2f}B parameters over {config.world}")
+        shard(model, run, device, mesh)
+        model.to_empty(device="cpu" if config.offload else device)
+        opt = _optimizer(config, model)
+        tokens = torch.randint(0, cfg.vocab_size, (config.batch, config.seq + 1), device=device)
+        labels.attach(model)
+        trace.model, trace.optimizer = model, opt
+        trace.modules = sharded_modules(model)
+        if config.probe:
+            trace.probe = Probe(model, opt, sharded_modules(model))
+        with _flash_attention(enabled=not config.cpu):
+            for k in range(STEPS + 1):
+                progress(f"{config.impl}: step {k + 1} of {STEPS + 1}")
+                trace.begin(f"step {k + 1}")
+                if k == STEPS - 1:
+                    trace.start()
+                elif k == STEPS:  # see StepTrace: the parts of the recorded step's peak
+                    trace.stop()
+                    trace.arm(trace.peak_operator)
+                    trace.probe = None
+                _train_step(model, opt, tokens, labels)
+        _release_last_graph(device)
+    phases = trace.finish()
+    labels.remove()
+    dist.destroy_process_group()
+    step = phases[STEPS]  # the recorded one
+    return {
+        "config": config.as_dict(),
+        "model": {
+            "params": params,
+            "dim": cfg.dim,
+            "layers": cfg.n_layers,
+            "vocab": cfg.vocab_size,
+            "checkpointed_blocks": wrapped,
+        },
+        "entries": trace.entries,
+        "collectives": trace.collective_info,
+        "flops": dict(trace.flops),
+        "peak_bytes": step.peak_bytes,
+        "start_bytes": step.start_bytes,
+        "peak_host_bytes": step.peak_host_bytes,
+        "parts": trace.parts_at_peak(),
+        "peak_label": getattr(trace, "peak_label", ""),
+        "parts_step_bytes": trace.snapshot_bytes,  # the next step's at the same point
+        "probe": dict(step.categories),
+        "timeline": _thin(trace.timeline),
+        "host_syncs": len(step.syncs),
+        "explicit_syncs": len(step.explicit_syncs),
+        "host_collectives": len(step.host_collectives),
+        "record_s": time.perf_counter() - started,
+    }
+
+
+def _release_last_graph(device: torch.device) -> None:
+    """A backward of nothing much, so that autograd's device thread lets go of the last
+    step's graph: it holds it until its next one, and the implementations' end-of-backward
+    callbacks in it are Python objects that the thread would otherwise free while the
+    interpreter exits (which aborts the process)."""
+    x = torch.ones(1, device=device, requires_grad=True)
+    (x * 2).sum().backward()
+
+
+def _join(config) -> torch.device:
+    if config.cpu:
+        join_simulated_world(config.run_config())
+        return torch.device("cpu")
+    from twinshard.fakeaccel import device as fake_device
+
+    fake_device.join(config.world)
+    return fake_device.device()
+
+
+def _optimizer(config, model) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
+
+
+def _train_step(model, opt, tokens, labels: Labels) -> None:
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    labels.set("backward", "root")
+    loss.backward()
+    labels.set("optimizer", "step")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _watch_waits(trace: StepTrace):
+    """Tell ``trace`` of every ``Work.wait()`` on the fake process group's work handles."""
+    work_type = torch._C._distributed_c10d.FakeWork
+    original = work_type.wait
+
+    def wait(work, *args, **kwargs):
+        trace.waited(work)
+        return original(work, *args, **kwargs)
+
+    work_type.wait = wait
+    try:
+        yield
+    finally:
+        work_type.wait = original
+
+
+def _flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+    """``scaled_dot_product_attention`` as the flash-attention kernel (see the module
+    docstring); the model passes no mask and no dropout."""
+    if attn_mask is not None or dropout_p or kwargs:
+        raise NotImplementedError("the plan's attention takes no mask, dropout or options")
+    out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    return out[0]
+
+
+@contextlib.contextmanager
+def _flash_attention(enabled: bool):
+    """``torch.nn.functional.scaled_dot_product_attention`` is ``_flash`` while the steps run.
+
+    The function itself is swapped, in this process of the plan's own: a function mode would
+    not do, as modes belong to a thread and activation checkpointing recomputes the forward
+    in autograd's device thread, where the composite would run instead and the recomputed
+    tensors would not match the saved ones."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    if enabled:
+        functional.scaled_dot_product_attention = _flash
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
+def _thin(timeline: list, points: int = 4000) -> list:
+    """At most about ``points`` samples of (entry, bytes, label), each bucket's highest kept."""
+    if len(timeline) <= points:
+        return timeline
+    size = -(-len(timeline) // points)
+    return [max(timeline[i : i + size], key=lambda s: s[1]) for i in range(0, len(timeline), size)]
+
+
+def record_all(configs: list, progress: bool = True) -> list[dict]:
+    """``record`` each of ``configs`` in this process; a failure is returned as its traceback."""
+    import traceback
+
+    say = (lambda line: print(f"plan: {line}", flush=True)) if progress else (lambda _: None)
+    out = []
+    for config in configs:
+        try:
+            out.append(record(config, say))
+        except Exception:
+            out.append({"config": config.as_dict(), "error": traceback.format_exc(limit=-30)})
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return out
+
+
+def record_many(configs: list, progress: bool = True, timeout: float = 3600) -> list[dict]:
+    """``record_all`` in one freshly spawned process."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
+        return pool.submit(record_all, list(configs), progress).result(timeout)

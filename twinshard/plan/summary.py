@@ -1,0 +1,79 @@
+"""A recorded step as the plan's answer: memory, communication and time, per rank.
+
+``summarize(recorded, device, network)`` turns one ``runner.record`` result into plain data:
+
+memory
+    the device's peak and its parts at the peak (``trace.StepTrace.parts_at_peak``), the
+    host's peak (offloaded shards and states), and whether the peak fits each named device
+    (``profiles.DEVICES``: 80 GiB, 96 GiB, ...);
+communication
+    the step's collectives by op and link (``replay.per_link``): how many, the bytes each
+    rank hands to them, the bytes on its wire and their seconds;
+time
+    the step replayed over its streams and waits (``replay.replay``): predicted step time,
+    compute, communication and the part of it the step could not hide (by hook), tokens per
+    second per rank, and MFU: the step's forward and backward FLOPs (PyTorch's FLOP counter;
+    a recompute is not useful work and is left out, as torchtitan's MFU does) over the step
+    time and the device's dense bf16 (or fp32) peak.
+
+``add_ratios(rows)`` adds each implementation's step time and peak against torch's.
+"""
+
+from __future__ import annotations
+
+from .profiles import BF16, DEVICES, FP32, GiB
+from .replay import per_link, replay
+
+
+def summarize(recorded: dict, device, network) -> dict:
+    """The plan of one recorded step (see the module docstring)."""
+    config = recorded["config"]
+    cpu = config["device"] == "cpu"
+    timed = replay(recorded, device, network, cpu)
+    tokens = config["batch"] * config["seq"]
+    flops = recorded["flops"]
+    useful = flops.get("forward", 0) + flops.get("backward", 0)
+    dtype = BF16 if config["dtype"] == "bf16" else FP32
+    step = timed["step_s"]
+    peak = recorded["peak_bytes"]
+    return {
+        "config": config,
+        "model": recorded["model"],
+        "memory": {
+            "peak_bytes": peak,
+            "parts": recorded["parts"],
+            "peak_at": recorded["peak_label"],
+            "host_peak_bytes": recorded["peak_host_bytes"],
+            "fits": {name: peak <= d.capacity for name, d in DEVICES.items()},
+            "probe": recorded["probe"],
+        },
+        "communication": per_link(recorded, network),
+        "time": {
+            **timed,
+            "tokens_per_s": tokens / step if step else 0.0,
+            "flops": dict(flops),
+            "mfu": useful / step / device.peak(dtype) if step and not cpu else None,
+        },
+        "network": network.name,
+        "device": device.name,
+        "record_s": recorded["record_s"],
+        "host_syncs": recorded["host_syncs"],
+    }
+
+
+def add_ratios(rows: dict) -> None:
+    """Step time and peak memory of each implementation over torch's (if torch ran)."""
+    base = rows.get("torch")
+    if base is None or "error" in base:
+        return
+    for row in rows.values():
+        if "error" in row:
+            continue
+        row["vs_torch"] = {
+            "step_time": row["time"]["step_s"] / base["time"]["step_s"],
+            "peak_memory": row["memory"]["peak_bytes"] / base["memory"]["peak_bytes"],
+        }
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f}"

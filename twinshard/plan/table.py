@@ -1,0 +1,127 @@
+"""The plan as text and as a picture: implementations side by side.
+
+``format_plan(rows)`` is the table ``twinshard plan`` prints (markdown, so that it pastes into
+a results page): one column per implementation, memory at the peak by part, whether it fits
+each named device, the step's time and where its communication was exposed, MFU, the ratios
+to torch's ``fully_shard``, then the collectives by op and link. ``plot_plan(rows, path)``
+draws each implementation's device memory through the step (one line, by replayed entry) with
+its peak's parts as a bar beside it.
+"""
+
+from __future__ import annotations
+
+from .profiles import DEVICES, GiB
+from .trace import PARTS
+
+PART_NAMES = {
+    "sharded": "sharded parameters",
+    "sharded_grad": "sharded gradients",
+    "optimizer": "optimizer states",
+    "params": "unwrapped parameters",
+    "unsharded": "unsharded parameters",
+    "grad": "unsharded gradients",
+    "comm": "communication buffers",
+    "fsdp_buffers": "other FSDP buffers",
+    "activations": "activations, temporaries",
+}
+
+
+def describe(row: dict) -> str:
+    c, m = row["config"], row["model"]
+    mesh = f"{c['hsdp']} x {c['world'] // c['hsdp']} (HSDP)" if c["hsdp"] > 1 else "FSDP"
+    return (
+        f"{c['model']}: {m['params'] / 1e9:.2f}B parameters, {m['layers']} blocks; "
+        f"{c['world']} ranks, {mesh}; {c['batch']} x {c['seq']} tokens per rank; {c['dtype']}; "
+        f"ac {c['ac']}; reshard_after_forward {c['reshard_after_forward']}; "
+        f"offload {c['offload']}; {c['optimizer']}; {row['device']}; {row['network']}"
+    )
+
+
+def format_plan(rows: dict) -> str:
+    """The markdown table of ``rows`` (implementation -> ``summary.summarize``'s dict)."""
+    ok = {name: row for name, row in rows.items() if "error" not in row}
+    lines = []
+    for name, row in rows.items():
+        if "error" in row:
+            lines.append(f"{name}: failed\n{row['error']}")
+    if not ok:
+        return "\n".join(lines)
+    first = next(iter(ok.values()))
+    big = max(r["memory"]["peak_bytes"] for r in ok.values()) >= GiB
+    unit, size = ("GiB", GiB) if big else ("MiB", 2**20)
+    lines += [describe(first), ""]
+    names = list(ok)
+    lines.append("| per rank | " + " | ".join(names) + " |")
+    lines.append("|---" * (len(names) + 1) + "|")
+
+    def add(label: str, value) -> None:
+        lines.append(f"| {label} | " + " | ".join(value(ok[n]) for n in names) + " |")
+
+    add(f"**peak device memory ({unit})**", lambda r: f"**{r['memory']['peak_bytes'] / size:.2f}**")
+    for part in PARTS:
+        if any(r["memory"]["parts"].get(part) for r in ok.values()):
+            add(f"  {PART_NAMES[part]}", lambda r, p=part: f"{r['memory']['parts'][p] / size:.2f}")
+    add("peak reached at", lambda r: r["memory"]["peak_at"])
+    for name, device in DEVICES.items():
+        add(f"fits {name} ({device.capacity // GiB} GiB)", lambda r, n=name: _yes(r, n))
+    add(f"host peak ({unit})", lambda r: f"{r['memory']['host_peak_bytes'] / size:.2f}")
+    add("**step time (ms)**", lambda r: f"**{r['time']['step_s'] * 1e3:.1f}**")
+    add("  compute (ms)", lambda r: f"{r['time']['compute_s'] * 1e3:.1f}")
+    add("  communication (ms)", lambda r: f"{r['time']['comm_s'] * 1e3:.1f}")
+    add("  exposed communication (ms)", lambda r: f"{r['time']['exposed_s'] * 1e3:.1f}")
+    add("  most exposed at", _most_exposed)
+    add("tokens/s per rank", lambda r: f"{r['time']['tokens_per_s']:,.0f}")
+    add("MFU", lambda r: "-" if r["time"]["mfu"] is None else f"{r['time']['mfu']:.1%}")
+    if all("vs_torch" in r for r in ok.values()):
+        add("step time / torch's", lambda r: f"{r['vs_torch']['step_time']:.3f}")
+        add("peak memory / torch's", lambda r: f"{r['vs_torch']['peak_memory']:.3f}")
+    add("recorded in (s)", lambda r: f"{r['record_s']:.1f}")
+    lines += ["", "Collectives per step (count, MB per rank, ms on the wire):", ""]
+    for name, row in ok.items():
+        for key, c in sorted(row["communication"].items()):
+            lines.append(
+                f"- {name}: {key}: {c['count']}, {c['bytes'] / 1e6:.1f} MB, "
+                f"{c['seconds'] * 1e3:.2f} ms"
+            )
+    return "\n".join(lines)
+
+
+def _yes(row: dict, name: str) -> str:
+    return "yes" if row["memory"]["fits"][name] else "**no**"
+
+
+def _most_exposed(row: dict) -> str:
+    exposed = row["time"]["exposed_by_label_s"]
+    if not exposed:
+        return "-"
+    label, seconds = next(iter(exposed.items()))
+    return f"{label} ({seconds * 1e3:.2f} ms)"
+
+
+def plot_plan(rows: dict, timelines: dict, path: str) -> None:
+    """Device memory through the step per implementation, and the peak's parts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {n: r for n, r in rows.items() if "error" not in r}
+    fig, (line, bars) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(3, 1))
+    for name in ok:
+        points = timelines.get(name) or []
+        line.plot([p[0] for p in points], [p[1] / GiB for p in points], label=name)
+    line.set_xlabel("recorded entry of the step (forward, backward, optimizer)")
+    line.set_ylabel("device memory (GiB)")
+    line.legend(fontsize=8)
+    bottom = [0.0] * len(ok)
+    for part in PARTS:
+        heights = [r["memory"]["parts"].get(part, 0) / GiB for r in ok.values()]
+        if any(heights):
+            bars.bar(list(ok), heights, bottom=bottom, label=PART_NAMES[part])
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    bars.set_title("at the peak (GiB)", fontsize=9)
+    bars.legend(fontsize=6)
+    fig.suptitle(describe(next(iter(ok.values()))), fontsize=7, wrap=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,293 @@
+"""What one training step did, recorded for the plan: operators, streams, collectives, memory.
+
+``StepTrace`` is the fake-accelerator run's ``Monitor`` (host syncs, host collectives, the
+collectives, the device's bytes) with what a plan needs on top, recorded only while
+``recording`` is on (the measured step):
+
+entries
+    the step in the order the host issued it, so that ``replay.py`` can time it: every
+    operator with its stream, its FLOPs (PyTorch's FLOP counter registry, as
+    ``torch.utils.flop_counter.FlopCounterMode`` counts them) and the bytes it reads and
+    writes; every collective with its stream and process group; the streams' waits and events
+    (the shim's log, or nothing on the CPU); explicit synchronizations and hidden host syncs;
+    and each ``Work.wait()`` (on the CPU the host waits there; on an accelerator the stream
+    that issued the collective does). Operators that only make views or empty buffers cost
+    nothing and are left out.
+labels
+    each entry carries the hook-level place it belongs to (``labels.Labels``: "forward
+    blocks.3", "backward root", "recompute blocks.3", "optimizer"), so that exposed
+    communication and memory can be named by hook.
+memory
+    a sample of the device's live bytes whenever a storage is made (the timeline picture), and
+    the operator after which the device reached its peak. The parts of that peak are taken in
+    the next step, which repeats the measured one operator for operator (the steady state):
+    ``arm(index)`` makes the trace stop after that operator and sort every live storage of the
+    device (``parts_at_peak``) into a parameter shard, optimizer state, a sharded gradient, an
+    unsharded parameter or its gradient (``bench.probe``'s view of the model, looked at once,
+    there), a buffer that a collective used during that step, another buffer made by the FSDP
+    implementation's own code (for example gradients cast to the reduction dtype before they
+    are packed), or, for the rest, activations and temporaries of the model's arithmetic.
+    Looking at every peak as it happens would cost a look at every parameter after nearly every
+    operator of a forward (activations only grow there): hours for a 70B model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import Counter
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from twinshard.fakeaccel import shim
+from twinshard.fakeaccel.monitor import Monitor, _is_group
+
+aten = torch.ops.aten
+
+# operators that move no data: bookkeeping, or a buffer whose contents nobody wrote yet
+FREE = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "set_",
+    "resize_",
+    "record_stream",
+    "_local_scalar_dense",
+    "is_pinned",
+    "device",
+    "_to_copy_meta",
+}
+# files whose code is an FSDP implementation: what they make is FSDP's, not the model's
+FSDP_CODE = ("/fsdp/_fully_shard/", "/twinshard/reference/", "/optimized/", "/reference/")
+# the scaled-dot-product-attention kernels and where their ``is_causal`` argument is
+CAUSAL_ARG = {
+    aten._scaled_dot_product_flash_attention.default: 4,
+    aten._scaled_dot_product_flash_attention_backward.default: 11,
+    aten._scaled_dot_product_efficient_attention.default: 5,
+    aten._scaled_dot_product_efficient_attention_backward.default: 11,
+}
+ROLE_ORDER = ("sharded", "sharded_grad", "optimizer", "params", "unsharded", "grad", "comm")
+PARTS = ROLE_ORDER + ("fsdp_buffers", "activations")
+
+
+def made_by_fsdp() -> bool:
+    """Whether the operator running now was called from an FSDP implementation's code."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if any(part in name for part in FSDP_CODE) and "/twinshard/plan/" not in name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class StepTrace(Monitor):
+    """See the module docstring. ``accelerator``: the device type of the run ("cpu" for the
+    CPU target); ``labels``: a ``labels.Labels`` that says where the step is."""
+
+    def __init__(self, accelerator: str, labels, probe=None):
+        super().__init__(accelerator, probe)
+        self.labels = labels
+        self.recording = False
+        # what ``parts_at_peak`` looks at: the model, its optimizer, and the modules that hold
+        # sharded parameters (found while all are sharded: an unsharded one holds none)
+        self.model, self.optimizer, self.modules = None, None, []
+        self.operators = 0  # dispatched in the current phase
+        self.peak_operator = -1  # after which operator the recorded step peaked
+        self.armed = -1  # the operator after which to take the snapshot (-1: none)
+        self.snapshot_bytes = 0
+        self.entries: list[tuple] = []
+        self.collective_info: list[dict] = []  # per collective entry: op, bytes, group, ...
+        self.timeline: list[tuple[int, int, str]] = []  # (entry index, live bytes, label)
+        self.snapshot: dict = {}  # at the device's peak: serial -> (bytes, roles)
+        self.serials: dict[int, int] = {}  # storage key -> serial, while it lives
+        self.fsdp_made: set[int] = set()  # serials of storages FSDP code made
+        self.collective_serials: set[int] = set()  # serials a collective used this step
+        self.works: dict[int, tuple] = {}  # id(Work) -> (Work, collective entry index)
+        self.flops = Counter()  # by label kind: forward, backward, recompute, optimizer
+        self._count_serial = itertools.count()
+        self._log_mark = len(shim.LOG)
+        self._sync_mark = len(shim.SYNCS)
+
+    # --- recording on and off ---------------------------------------------------------------
+    def begin(self, name: str):
+        self.operators = 0
+        return super().begin(name)
+
+    def start(self) -> None:
+        """Record from here (the measured step begins)."""
+        self.recording = True
+        self._log_mark, self._sync_mark = len(shim.LOG), len(shim.SYNCS)
+
+    def arm(self, operator: int) -> None:
+        """Take the snapshot of the parts after ``operator`` of the phase that begins next."""
+        self.armed = operator
+
+    def stop(self) -> None:
+        self._flush()
+        self.recording = False
+        self.works.clear()
+
+    # --- entries ------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Append the streams' waits and events and the explicit syncs made since the last
+        operator, in the order they happened (each list is in order; they interleave only
+        between operators)."""
+        if not self.recording:
+            return
+        for kind, stream, other in shim.LOG[self._log_mark :]:
+            self.entries.append((kind, stream, other))
+        self._log_mark = len(shim.LOG)
+        for what, _ in shim.SYNCS[self._sync_mark :]:
+            self.entries.append(("sync", what, None))
+        self._sync_mark = len(shim.SYNCS)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.operators += 1
+        if not self.recording:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.operators == self.armed:
+                self._take_snapshot()
+            return out
+        self._flush()
+        collectives, syncs = len(self.phase.collectives), len(self.phase.syncs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        stream = shim.current_stream().name if self.accelerator != "cpu" else "host"
+        label = self.labels.now
+        if len(self.phase.collectives) > collectives:
+            self._record_collective(args, kwargs, out, stream, label)
+        elif len(self.phase.syncs) > syncs:
+            self.entries.append(("host_sync", stream, label))
+        self._record_operator(func, args, kwargs, out, stream, label)
+        return out
+
+    def _record_operator(self, func, args, kwargs, out, stream, label) -> None:
+        name = func.__name__.split(".")[0]
+        if getattr(func, "namespace", "") != "aten" or name in FREE or func.is_view:
+            return
+        flops = 0
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            flops = counter(*args, **kwargs, out_val=out)
+            self.flops[self.labels.kind] += flops
+        index = CAUSAL_ARG.get(func)
+        causal = index is not None and len(args) > index and bool(args[index])
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in tensors}
+        moved = sum(t.numel() * t.element_size() for t in tensors)
+        copy = "host_copy" if len(devices) > 1 else "op"
+        dtype = str(out.dtype if isinstance(out, torch.Tensor) else tensors[0].dtype)
+        if flops == 0 and moved == 0:
+            return
+        self.entries.append((copy, stream, label, flops, moved, dtype, causal))
+
+    def _record_collective(self, args, kwargs, out, stream, label) -> None:
+        call = self.phase.collectives[-1]
+        group = next((a for a in tree_leaves((args, kwargs)) if _is_group(a)), None)
+        index = len(self.entries)
+        big = call.numel * torch.empty((), dtype=getattr(torch, call.dtype)).element_size()
+        self.collective_info.append(
+            dict(
+                op=call.op,
+                dtype=call.dtype,
+                bytes=big,
+                ranks=list(call.ranks),
+                group=id(group),
+                label=label,
+                stream=stream,
+            )
+        )
+        self.entries.append(("collective", stream, len(self.collective_info) - 1))
+        self._note_collective_tensors(args, kwargs)
+        work = out[-1] if isinstance(out, (tuple, list)) and out else None
+        if isinstance(work, torch.ScriptObject):
+            # keeping the Python object alive keeps its identity: the caller's wait() is on it
+            unboxed = torch._C._distributed_c10d.Work.unbox(work)
+            self.works[id(unboxed)] = (unboxed, index)
+
+    def _note_collective_tensors(self, args, kwargs) -> None:
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                serial = self.serials.get(t.untyped_storage()._cdata)
+                if serial is not None:
+                    self.collective_serials.add(serial)
+
+    def _collective(self, name: str, args, kwargs) -> None:
+        super()._collective(name, args, kwargs)
+        if not self.recording:  # the snapshot's step: which buffers collectives use
+            self._note_collective_tensors(args, kwargs)
+
+    def waited(self, work) -> None:
+        """``Work.wait()`` was called on ``work`` (see ``runner.watch_waits``)."""
+        if self.recording and id(work) in self.works:
+            self._flush()
+            stream = shim.current_stream().name if self.accelerator != "cpu" else "host"
+            collective = self.entries[self.works[id(work)][1]][2]
+            self.entries.append(("wait_work", stream, collective))
+
+    # --- memory ---------------------------------------------------------------------------------
+    def _hold(self, t: torch.Tensor) -> bool:
+        new = super()._hold(t)
+        if new:
+            serial = next(self._count_serial)
+            self.serials[t.untyped_storage()._cdata] = serial
+            if made_by_fsdp():
+                self.fsdp_made.add(serial)
+        return new
+
+    def _count(self) -> None:
+        before = self.phase.peak_bytes
+        super()._count()
+        if not self.recording:
+            return
+        now = shim.MEMORY["allocated"]  # what Monitor._count just summed for the device
+        self.timeline.append((len(self.entries), now, self.labels.now))
+        if self.phase.peak_bytes > before:
+            self.peak_operator, self.peak_label = self.operators, self.labels.now
+
+    def _take_snapshot(self) -> None:
+        """What every live storage of the device is, now (see the module docstring)."""
+        roles = self._roles()
+        snap = {}
+        for key, (storage, kind) in self.storages.items():
+            if kind != self.accelerator or torch._C._storage_Use_Count(key) <= 1:
+                continue
+            snap[self.serials.get(key)] = (storage.nbytes(), roles.get(key))
+        self.snapshot = snap
+        self.snapshot_bytes = sum(n for n, _ in snap.values())
+
+    def _roles(self) -> dict[int, str]:
+        """storage key -> the first of the probe's categories that claims it now."""
+        from twinshard.bench.probe import Probe
+
+        probe = Probe(self.model, self.optimizer, self.modules)
+        probe._look()
+        roles: dict[int, str] = {}
+        for category in reversed(ROLE_ORDER):  # the first claim wins: written last
+            for ref in probe.seen[category].values():
+                t = ref()
+                if t is not None:
+                    roles[t.untyped_storage()._cdata] = category
+        return roles
+
+    def parts_at_peak(self) -> dict[str, int]:
+        """The device's bytes at its peak, by part (see the module docstring)."""
+        parts = dict.fromkeys(PARTS, 0)
+        for serial, (nbytes, role) in self.snapshot.items():
+            if role is None:
+                if serial in self.collective_serials:
+                    role = "comm"
+                elif serial in self.fsdp_made:
+                    role = "fsdp_buffers"
+                else:
+                    role = "activations"
+            parts[role] += nbytes
+        return parts
