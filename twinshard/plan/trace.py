@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import weakref
 from collections import Counter
 
 import torch
@@ -103,6 +104,7 @@ class StepTrace(Monitor):
         self.peak_operator = -1  # after which operator the recorded step peaked
         self.armed = -1  # the operator after which to take the snapshot (-1: none)
         self.snapshot_bytes = 0
+        self.shards: list = []  # weak references to the shards, taken by ``arm``
         self.entries: list[tuple] = []
         self.collective_info: list[dict] = []  # per collective entry: op, bytes, group, ...
         self.timeline: list[tuple[int, int, str]] = []  # (entry index, live bytes, label)
@@ -127,8 +129,17 @@ class StepTrace(Monitor):
         self._log_mark, self._sync_mark = len(shim.LOG), len(shim.SYNCS)
 
     def arm(self, operator: int) -> None:
-        """Take the snapshot of the parts after ``operator`` of the phase that begins next."""
+        """Take the snapshot of the parts after ``operator`` of the phase that begins next.
+
+        Called between steps, where every parameter is sharded: the shards are remembered
+        now, since at the peak a group that keeps its parameters after forward (the root)
+        shows its unsharded ones and its shards only through the implementation's state."""
+        from torch.distributed.tensor import DTensor
+
         self.armed = operator
+        self.shards = [
+            weakref.ref(p._local_tensor) for p in self.model.parameters() if isinstance(p, DTensor)
+        ]
 
     def stop(self) -> None:
         self._flush()
@@ -270,6 +281,10 @@ class StepTrace(Monitor):
 
         probe = Probe(self.model, self.optimizer, self.modules)
         probe._look()
+        for ref in self.shards:
+            t = ref()
+            if t is not None:
+                probe.seen["sharded"][id(t)] = ref
         roles: dict[int, str] = {}
         for category in reversed(ROLE_ORDER):  # the first claim wins: written last
             for ref in probe.seen[category].values():

@@ -1,0 +1,182 @@
+"""``twinshard plan``: the recorded step's memory, communication and time, checked against
+what the model and the implementations must do (issue 26, item 1).
+
+One spawned process records every plan of this module (``plans`` below), on a small Llama at
+8 ranks: the parts of the peak add up to the peak, the shards and optimizer states are what
+the parameter count says, the collectives are one all-gather per group in forward and
+backward and one reduce-scatter per group, the FLOP counter's backward is twice its forward,
+checkpointing trades activations for recompute FLOPs, an HF ``config.json`` builds the model
+it describes, and the replay hides communication behind compute only where the recorded
+waits allow it (synthetic steps, without any recording).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from twinshard.cli import main
+from twinshard.plan import profiles
+from twinshard.plan.cli import plan
+from twinshard.plan.config import PlanConfig
+from twinshard.plan.replay import replay
+from twinshard.plan.summary import add_ratios
+
+BLOCKS = 2
+BASE = PlanConfig(model="small", layers=BLOCKS, world=8, batch=2, seq=64, impl="torch")
+HF = dict(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=320,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+CASES = {
+    "torch": BASE,
+    "optimized": replace(BASE, impl="optimized"),
+    "torch block": replace(BASE, ac="block"),
+    "torch selective": replace(BASE, ac="selective"),
+    "torch fp32 sgd": replace(BASE, dtype="fp32", optimizer="sgd"),
+    "hf": replace(BASE, model="HF", layers=None),
+}
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "config.json"
+    path.write_text(json.dumps(HF))
+    configs = [replace(c, model=str(path)) if c.model == "HF" else c for c in CASES.values()]
+    rows = plan(configs, progress=False)
+    for name, row in zip(CASES, rows):
+        assert "error" not in row, f"{name}: {row.get('error')}"
+    return dict(zip(CASES, rows))
+
+
+def _params(cfg: dict) -> int:
+    dim, ffn, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = dim // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    block = dim * dim * 2 + dim * kv * 2 + 3 * dim * ffn + 2 * dim
+    return cfg["num_hidden_layers"] * block + 2 * vocab * dim + dim
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_parts_of_the_peak_are_the_peak(plans, name):
+    memory = plans[name]["memory"]
+    assert memory["peak_bytes"] > 0
+    assert sum(memory["parts"].values()) == memory["peak_bytes"]
+    assert memory["parts"]["activations"] > 0
+
+
+def test_shards_and_optimizer_states_are_what_the_parameters_say(plans):
+    for name in ("torch", "optimized", "torch fp32 sgd"):
+        row = plans[name]
+        params, parts = row["model"]["params"], row["memory"]["parts"]
+        shard = params * 4 / 8  # fp32 master shards over 8 ranks (padding: < 1 row each)
+        assert shard <= parts["sharded"] <= shard * 1.02, name
+        states = 1 if row["config"]["optimizer"] == "sgd" else 2  # momentum; exp_avg(_sq)
+        assert states * shard <= parts["optimizer"] <= states * shard * 1.02 + 4096, name
+    assert plans["hf"]["model"]["params"] == _params(HF)
+
+
+def test_collectives_are_one_gather_per_group_and_pass_and_one_reduce_scatter(plans):
+    for name in ("torch", "optimized"):
+        comm = plans[name]["communication"]
+        gathers = sum(c["count"] for k, c in comm.items() if k.startswith("all_gather"))
+        scatters = sum(c["count"] for k, c in comm.items() if k.startswith("reduce_scatter"))
+        # the root keeps its parameters after forward: gathered once
+        assert (gathers, scatters) == (2 * BLOCKS + 1, BLOCKS + 1), (name, comm)
+        assert all("NVLink" in key for key in comm), comm  # 8 ranks: one node
+
+
+def test_flops_backward_is_twice_forward_and_checkpointing_recomputes(plans):
+    flops = plans["torch"]["time"]["flops"]
+    assert flops["backward"] == pytest.approx(2 * flops["forward"], rel=0.02)
+    assert "recompute" not in flops
+    block = plans["torch block"]
+    head = 2 * 8192 * 256 * 2 * 64  # the output projection: not in a block, not recomputed
+    assert block["time"]["flops"]["recompute"] == pytest.approx(flops["forward"] - head, rel=0.01)
+    assert (
+        block["memory"]["parts"]["activations"] < plans["torch"]["memory"]["parts"]["activations"]
+    )
+    selective = plans["torch selective"]["time"]["flops"]["recompute"]
+    assert 0 < selective < block["time"]["flops"]["recompute"]
+    assert block["time"]["mfu"] == pytest.approx(
+        (flops["forward"] + flops["backward"])
+        / block["time"]["step_s"]
+        / profiles.DEVICES["h100"].peak(profiles.BF16),
+        rel=0.02,
+    )
+
+
+def test_time_is_compute_plus_what_was_not_hidden(plans):
+    for row in plans.values():
+        t = row["time"]
+        assert t["compute_s"] <= t["step_s"] <= t["compute_s"] + t["comm_s"] + 1e-9
+        assert t["exposed_s"] <= t["comm_s"] + 1e-9
+        assert t["tokens_per_s"] == pytest.approx(2 * 64 / t["step_s"])
+
+
+def test_ratios_to_torch(plans):
+    rows = {"torch": plans["torch"], "optimized": plans["optimized"]}
+    add_ratios(rows)
+    assert rows["torch"]["vs_torch"] == {"step_time": 1.0, "peak_memory": 1.0}
+    mine, theirs = rows["optimized"], rows["torch"]
+    ratio = mine["memory"]["peak_bytes"] / theirs["memory"]["peak_bytes"]
+    assert mine["vs_torch"]["peak_memory"] == ratio
+
+
+class Flat:
+    """A device and a network whose seconds are given per entry (for the synthetic steps)."""
+
+    name = "flat"
+
+    def seconds(self, flops, *rest):
+        return flops
+
+    def link(self, ranks):
+        return self
+
+
+def _step(entries, collectives):
+    return {"entries": entries, "collectives": collectives}
+
+
+def test_replay_hides_only_what_the_waits_allow():
+    info = [dict(op="all_gather", bytes=3.0, ranks=[0, 1], group=1)]
+    net = Flat()
+    net.seconds = lambda op, nbytes, ranks: nbytes  # noqa: E731 (seconds = bytes)
+    op = ("op", "default", "forward blocks.0", 2.0, 0, "torch.bfloat16", False)
+    # gathered on its own stream, waited for after 2 s of compute: 1 s exposed
+    overlapped = [("collective", "ag", 0), op, ("wait_work", "default", 0)]
+    timed = replay(_step(overlapped, info), Flat(), net, cpu=False)
+    assert (timed["step_s"], timed["exposed_s"]) == (3.0, 1.0)
+    assert timed["exposed_by_label_s"] == {"forward blocks.0": 1.0}
+    # waited for before the compute: nothing overlaps
+    serial = [("collective", "ag", 0), ("wait_work", "default", 0), op]
+    timed = replay(_step(serial, info), Flat(), net, cpu=False)
+    assert (timed["step_s"], timed["exposed_s"]) == (5.0, 3.0)
+    # an event recorded after the collective's stream queued 2 s of work, waited for
+    events = [
+        ("op", "ag", "x", 2.0, 0, "torch.bfloat16", False),
+        ("record_event", "ag", 7),
+        ("wait_event", "default", 7),
+        op,
+    ]
+    assert replay(_step(events, []), Flat(), net, cpu=False)["step_s"] == 4.0
+
+
+def test_command_writes_table_json_and_picture(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    picture = tmp_path / "plan.png"
+    args = "plan --model tiny --world 4 --seq 32 --impls torch --no-progress".split()
+    assert main([*args, "--json", str(out), "--plot", str(picture)]) == 0
+    text = capsys.readouterr().out
+    assert "| **peak device memory (MiB)** |" in text and "tokens/s per rank" in text
+    row = json.loads(out.read_text())["plans"][0]
+    assert row["config"]["world"] == 4 and row["memory"]["fits"]["h100"]
+    assert picture.stat().st_size > 10_000
