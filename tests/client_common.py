@@ -50,15 +50,15 @@ class Record:
         return found
 
 
-def tiny_llama():
-    """A 2-block Llama from ``transformers``, built from a config with seed 0."""
+def tiny_llama(layers: int = 2):
+    """A Llama of ``layers`` blocks from ``transformers``, built from a config with seed 0."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=SEQ,

@@ -59,8 +59,7 @@ def site(tmp_path_factory) -> pathlib.Path:
             "-m",
             "mkdocs",
             "build",
-            "--strict",
-            "-q",
+            "--strict",  # as the README builds it: no -q, which would hide the warnings
             "-f",
             str(ROOT / "mkdocs.yml"),
             "-d",
@@ -174,22 +173,14 @@ frame.src = target;
 
 # --- the build -----------------------------------------------------------------------------------
 def nav_pages() -> list[str]:
-    """Site paths of the pages that mkdocs.yml and the tutorials glob promise."""
-    pages = [
-        "",
-        "concepts/",
-        "conformance/",
-        "torch-mapping/",
-        "train/",
-        "benchmarks/",
-        "tutorials/",
-        "api/",
-        "api/interface/",
-        "api/reference/",
-        "api/optimized/",
-        "api/launch/",
-        "api/conformance/",
-    ]
+    """Site paths of the pages that mkdocs.yml's nav and the tutorials glob promise."""
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    nav = config.split("\nnav:\n", 1)[1]
+    files = re.findall(r"^\s+- [^:]+: ([\w/.-]+\.md)\b", nav, re.M)
+    assert len(files) >= 10, f"mkdocs.yml's nav lists {files}"
+    pages = ["" if f == "index.md" else f.removesuffix("index.md").removesuffix(".md") + "/"
+             for f in files]  # fmt: skip
+    pages = [p.replace("//", "/") for p in pages]
     return pages + [f"tutorials/{nb.stem}/" for nb in sorted(TUTORIALS.glob("*.ipynb"))]
 
 
@@ -319,6 +310,22 @@ def test_api_page_lists_fully_shard(browser):
         assert anchor in shown["ids"], f"no entry for fully_shard on the {impl} API page"
         assert any(h.startswith("fully_shard") for h in shown["headings"]), shown["headings"]
         assert "reshard_after_forward" in shown["text"]  # its docstring is shown too
+
+
+def test_interface_page_renders_fsdp_module(site, browser):
+    """The anchor the implementation pages link to exists, and it holds the methods' specs."""
+    for impl in ("reference", "optimized"):
+        html_text = (site / "api" / impl / "index.html").read_text(encoding="utf-8")
+        assert "interface/#twinshard.api.FSDPModule" in html_text, impl
+    shown = browser("/api/interface/")
+    assert "twinshard.api.FSDPModule" in shown["ids"]
+    for method in (
+        "unshard",
+        "reshard",
+        "set_requires_gradient_sync",
+        "set_modules_to_forward_prefetch",
+    ):
+        assert f"twinshard.fsdp_module.FSDPModule.{method}" in shown["ids"], method
 
 
 def test_home_page_renders(browser):

@@ -52,3 +52,30 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = next(line.strip() for line in ci.splitlines() if "pytest" in line)
     assert command in readme, "README.md must give the exact test command that .ci/run runs"
+
+
+def test_ci_installs_pinned_versions_of_every_extra():
+    """.ci/run installs with the constraints file, which pins every package the extras name
+    (and torch, at the version every pip command names) to one version."""
+    import re
+
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    installs = [line for line in ci.splitlines() if "pip install" in line]
+    assert installs and all("torch==2.13.0" in line for line in installs), installs
+    assert "-c .ci/constraints.txt" in ci
+    pins = {}
+    for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert re.fullmatch(r"[0-9][0-9A-Za-z.+-]*", version), f"not an exact pin: {line!r}"
+            pins[canonicalize_name(name)] = version
+    assert pins.pop("torch") == "2.13.0"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    named = {canonicalize_name(Requirement(r).name) for deps in extras.values() for r in deps}
+    missing = sorted(named - {"twinshard"} - set(pins))
+    assert not missing, f"extras' packages without a pin in .ci/constraints.txt: {missing}"
