@@ -11,6 +11,7 @@ the order the suite runs them (``dcp_save`` before ``dcp_load``):
     state_dict.py       state dicts, DCP across world sizes and implementations, meta init
     errors.py           misuse and its error messages
     collective_trace.py the collectives of one step: ranks agree, dtypes, amounts
+    cost.py             what each setting may communicate and keep alive, micro-batch by micro-batch
     interface.py        torch's FSDPModule type, list form, pickling, hooks, unused params
     comm_hooks.py       custom collectives, the remaining methods, recovery, mixed dtypes
 """
@@ -19,6 +20,7 @@ from . import (  # noqa: F401 - imported to register their cases
     api,
     collective_trace,
     comm_hooks,
+    cost,
     errors,
     gradients,
     interface,
@@ -31,7 +33,7 @@ from .core import CASES, Case, Context, case, train_case
 # The import sorter decides the import order; the run order is decided here, module by module
 # as listed in the docstring, each module's cases in the order they are written.
 MODULES = ["training", "gradients", "mixed_precision", "api", "state_dict", "errors",
-           "collective_trace", "interface", "comm_hooks"]  # fmt: skip
+           "collective_trace", "cost", "interface", "comm_hooks"]  # fmt: skip
 _ordered = sorted(CASES.items(), key=lambda kv: MODULES.index(kv[1].fn.__module__.rsplit(".")[-1]))
 CASES.clear()
 CASES.update(_ordered)

@@ -21,6 +21,19 @@ suite and the fuzzer check the stream order: run them with ``--stand-in-streams`
     optimized_scaled_grads     scaled_grads's parameter class in the optimized path: a bug in
                                a contract method of ``ShardedParam`` reaches both trees
 
+Planted costs: the values stay right, only what is communicated or kept alive is not (the
+``cost_*`` cases catch them, ``tests/test_cost_contract.py`` asserts it):
+
+    syncs_every_micro_batch            set_requires_gradient_sync(False) is ignored: every
+                                       micro-batch reduce-scatters (and its optimized_ twin)
+    all_reduces_every_micro_batch      HSDP: set_requires_all_reduce(False) is ignored
+    gathers_fp32                       param_dtype bf16: all-gathered in fp32, cast after
+    gathers_in_backward                set_unshard_in_backward(False) is ignored
+    reshards_kept                      what reshard_after_forward=False keeps is resharded
+                                       after forward and gathered again in backward
+    keeps_grad_buffers                 each padded gradient stays alive after its reduction
+    optimized_prefetch_all             every group still to run is prefetched at once
+
 ``twinshard conform twinshard.conformance.planted.scaled_grads`` must fail; the test suite
 asserts that it does, case by case. The bugs are planted per object (by swapping the class
 of the implementation's own parameter, group or state objects), so the implementations
@@ -61,3 +74,9 @@ def plant(
         return module
 
     return fully_shard
+
+
+def ignored(value):
+    """A property that always reads ``value`` and drops every assignment: a setting the user
+    changes (``set_requires_gradient_sync(False)``, ...) that the implementation never sees."""
+    return property(lambda self: value, lambda self, new: None)

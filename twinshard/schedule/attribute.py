@@ -78,21 +78,29 @@ class Attributor:
 
     def __init__(self, groups: list[GroupInfo]):
         self.groups = groups
-        self.shards = {}  # (group, name) -> this rank's shard, read before the step
+        # (group, name) -> this rank's shard: read before the step, or, for a parameter that
+        # started the step unsharded (kept by set_reshard_after_backward(False)), as soon as
+        # an all-gather might carry it, which it can only do once it is sharded again
+        self.shards = {}
+        self.owners = {}  # (group, name) -> (module, attribute)
         for g in groups:
             for name, owner, attr in g.params:
+                self.owners[g.path, name] = (owner, attr)
                 if isinstance(t := getattr(owner, attr), DTensor):
                     self.shards[g.path, name] = t.to_local()
         self.prints: dict = {}  # (group, name, dtype) -> fingerprint of its shard
         self.values: dict[int, tuple[float, float]] = {}  # all-gather -> its input's fingerprint
         self.numels: dict[int, int] = {}
-        self.done: set = set()  # (op, phase, group, names) already attributed
+        self.done: set = set()  # (op, phase, group, name): parameters already carried
 
     def note_values(self, c, inputs: list[torch.Tensor], numel: int) -> None:
         """At issue time: remember the collective's size and, for all-gathers, its input."""
         self.numels[c.index] = numel
         if c.op == "all_gather" and inputs and (values := _fingerprint(inputs)) is not None:
             self.values[c.index] = values
+            for key, (owner, attr) in self.owners.items():
+                if key not in self.shards and isinstance(t := getattr(owner, attr), DTensor):
+                    self.shards[key] = t.to_local()
 
     def _shard_print(self, g: GroupInfo, names, dtype: torch.dtype):
         total = [0.0, 0.0]
@@ -100,7 +108,9 @@ class Attributor:
             key = (g.path, n, dtype)
             if key not in self.prints:
                 shard = self.shards.get((g.path, n))
-                self.prints[key] = None if shard is None else _fingerprint([shard.to(dtype)])
+                if shard is None:  # not read yet: it may be, at a later all-gather
+                    return None
+                self.prints[key] = _fingerprint([shard.to(dtype)])
             if self.prints[key] is None:
                 return None
             total = [total[0] + self.prints[key][0], total[1] + self.prints[key][1]]
@@ -139,13 +149,16 @@ class Attributor:
 
         def rank(candidate):
             g, names = candidate
-            again = (c.op, phase, g.path, names) in self.done
+            # a parameter already carried by this op in this phase is an unlikely match: a
+            # group gathered whole cannot be one of its parameters' sizes again (an
+            # all-gather of post-forward pieces has no shard values to tell them apart)
+            again = any((c.op, phase, g.path, n) in self.done for n in names)
             return (again, g.path != hook_group, (order.index(g.path) - here) % len(order))
 
         found = sorted(self._candidates(c), key=rank)
         if found:
             g, names = found[0]
-            self.done.add((c.op, phase, g.path, names))
+            self.done.update((c.op, phase, g.path, n) for n in names)
             c.group, c.params = g.path, names
 
 

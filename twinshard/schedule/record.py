@@ -19,14 +19,17 @@ collective issued). It never calls into the implementation; it sees what a user 
 
 After each hook it notes the state of every parameter of every group (a sharded ``DTensor``,
 an unsharded plain tensor, or freed) and the bytes alive in unsharded parameters (including
-all-gather buffers still in flight) and in gradient buffers (unsharded ``.grad`` and
-reduce-scatter inputs still alive). Which group a collective carries is worked out by
-``attribute.py`` from sizes and values, since the collective itself only knows its tensors.
+all-gather outputs in flight or still held) and in gradient buffers (unsharded ``.grad`` and
+the inputs of reductions in flight or still held); the sharded parameters and gradients are
+not counted, even where a buffer became one (a shard group of one rank). Which group a
+collective carries is worked out by ``attribute.py`` from sizes and values, since the
+collective itself only knows its tensors.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 
 import torch
@@ -135,6 +138,20 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
     return (s._cdata if s.device.type == "meta" else s.data_ptr(), s.nbytes())
 
 
+def _held_by_python(ref: weakref.ref) -> bool:
+    """Whether a Python object refers to the tensor behind ``ref`` (False once it is gone).
+
+    A backend's worker thread can hold a collective's tensors for a moment after the wait
+    returns (gloo's does), and then torch keeps the Python object alive for it: the tensor's
+    C++ object, referred to from C++ (its use count above one), holds one reference to it.
+    ``t`` below and ``getrefcount``'s argument are two more; anything beyond is Python's."""
+    t = ref()
+    if t is None:
+        return False
+    from_cpp = 1 if t._use_count() > 1 else 0
+    return sys.getrefcount(t) - 2 - from_cpp > 0
+
+
 class _Watch(TorchDispatchMode):
     """Sees every operator: records collectives and the first read of their results."""
 
@@ -234,7 +251,7 @@ class Recorder:
     def __enter__(self) -> Recorder:
         self.events, self.collectives, self.in_flight = [], [], {}
         self.gathered = []  # (weak reference, Collective): all-gather outputs
-        self.reduced = []  # weak references to the gradients being reduced
+        self.reduced = []  # (weak reference, Collective): the gradients being reduced
         self.ticks, self.phase, self.callback_queued = itertools.count(), "forward", False
         self.attributor = Attributor(self.groups)
         self.watch = _Watch(self)
@@ -311,25 +328,35 @@ class Recorder:
         return "U" if _storage(t) else "-"
 
     def _memory(self) -> tuple[int, int]:
-        params, grads = {}, {}
+        params, grads, sharded = {}, {}, set()
         for g in self.groups:
             for _, owner, attr in g.params:
                 t = getattr(owner, attr)
-                if not isinstance(t, DTensor):
-                    params.update([_storage(t) or (0, 0)])
-                    if t.grad is not None:
-                        grads.update([_storage(t.grad) or (0, 0)])
-        # An all-gather's output counts while it is in flight, until something reads it (the
-        # copy-out): from then on the parameters hold the data, and a backend thread that has
-        # not yet let go of the output (gloo's, for a moment after the wait) is not the
-        # implementation's memory.
-        self.gathered = [
-            (r, c) for r, c in self.gathered if r() is not None and c.used_tick is None
-        ]
-        self.reduced = [r for r in self.reduced if r() is not None]
-        params.update(_storage(r()) or (0, 0) for r, _ in self.gathered)
-        grads.update(_storage(r()) or (0, 0) for r in self.reduced)
-        return sum(params.values()), sum(grads.values())
+                if isinstance(t, DTensor):
+                    # With one rank per shard a reduction's buffer can become the sharded
+                    # gradient itself: memory that sharding keeps anyway, not a cost of the step.
+                    for kept in (t, t.grad):
+                        if isinstance(kept, DTensor) and (s := _storage(kept._local_tensor)):
+                            sharded.add(s[0])
+                    continue
+                params.update([_storage(t) or (0, 0)])
+                if t.grad is not None:
+                    grads.update([_storage(t.grad) or (0, 0)])
+        # A collective's buffer (an all-gather's output, a gradient being reduced) counts while
+        # the collective is in flight and, once its result was read, while the implementation
+        # still holds it (the output of an all-gather not yet copied out, a buffer kept for the
+        # next reduction, or one kept by mistake); not while only the backend's worker thread
+        # does (gloo's, for a moment after the wait), which is not the implementation's memory.
+        self.gathered = [(r, c) for r, c in self.gathered if r() is not None]
+        self.reduced = [(r, c) for r, c in self.reduced if r() is not None]
+        for found, buffers in ((params, self.gathered), (grads, self.reduced)):
+            found.update(
+                _storage(t) or (0, 0)
+                for r, c in buffers
+                if (c.used_tick is None or _held_by_python(r)) and (t := r()) is not None
+            )
+        alive = lambda found: sum(n for at, n in found.items() if at not in sharded)  # noqa: E731
+        return alive(params), alive(grads)
 
     def _issued(self, func, name: str, args, kwargs) -> None:
         op, out_name, in_name = OPS[name]
@@ -369,7 +396,7 @@ class Recorder:
         if op == "all_gather":
             self.gathered += [(weakref.ref(t), c) for t in outs]
         elif op == "reduce_scatter" or (op == "all_reduce" and big[0].is_floating_point()):
-            self.reduced += [weakref.ref(t) for t in ins]  # gradients, as they are reduced
+            self.reduced += [(weakref.ref(t), c) for t in ins]  # gradients, being reduced
 
     def _computed(self, args, kwargs) -> None:
         """Any other operator: time moves on by one; does it read a collective's result?"""
