@@ -16,6 +16,7 @@ is gathered when the first of them starts forward and freed when the last one ha
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.tensor import Shard
 
 from twinshard.api import (
@@ -53,19 +54,9 @@ def fully_shard(
     them again in backward; ``False`` keeps them until after backward; an int N keeps a 1/N
     piece; ``None`` (default) means ``True``, except for the root, which keeps them.
     """
-    return shard_module(
-        module,
-        ParamGroup,
-        FSDPState,
-        FSDPModule,
-        mesh,
-        reshard_after_forward,
-        mp_policy,
-        offload_policy,
-        ignored_params,
-        shard_placement_fn,
-        dp_mesh_dims,
-    )
+    types = (ParamGroup, FSDPState, FSDPModule)  # the reference's three (see shard_module)
+    options = (mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    return shard_module(module, *types, *options, shard_placement_fn, dp_mesh_dims)
 
 
 def shard_module(
@@ -122,6 +113,7 @@ def shard_module(
         m._is_fsdp_managed_module = m._fsdp_use_orig_params = True
     for m in modules:
         m.__dict__["_twinshard_state"] = state
+        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()  # for replicate()
         m.__class__ = fsdp_class(module_type, type(m))
     return module
 
@@ -134,10 +126,10 @@ def shard_dim(shard_placement_fn, p: nn.Parameter, where: list) -> int:
         return 0
     if isinstance(placement, Shard) and -p.dim() <= placement.dim < p.dim():
         return placement.dim
-    raise FSDPUsageError(
+    raise FSDPUsageError(  # the first words are torch's
+        f"Shard dim {getattr(placement, 'dim', placement)} is invalid for {p.dim()}D tensor: "
         f"shard_placement_fn returned {placement!r} for parameter '{where[0][1]}' of "
-        f"{type(where[0][0]).__name__} (shape {tuple(p.shape)}); twinshard takes Shard(dim) with "
-        "a dim of the parameter, or None for Shard(0) (one mesh per fully_shard call)"
+        f"{type(where[0][0]).__name__} (shape {tuple(p.shape)}); return Shard(dim) or None"
     )
 
 

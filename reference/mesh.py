@@ -99,18 +99,17 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
         raise FSDPUsageError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim == 1:
         return MeshInfo(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
-    if mesh.ndim == 2:
-        return MeshInfo(
-            mesh,
-            mesh.get_group(1),
-            mesh.size(1),
-            mesh.get_local_rank(1),
-            mesh.get_group(0),
-            mesh.size(0),
+    if mesh.ndim == 2 and not mesh.mesh_dim_names:  # as torch: which dim replicates is named
+        raise FSDPUsageError(
+            f"Please init the 2D mesh for HSDP with mesh_dim_names specified (fully_shard got "
+            f"shape {tuple(mesh.shape)}), e.g. mesh_dim_names=('replicate', 'shard')"
         )
+    if mesh.ndim == 2:
+        shard = (mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1))
+        return MeshInfo(mesh, *shard, mesh.get_group(0), mesh.size(0))
     raise FSDPUsageError(
-        f"fully_shard takes a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate, shard), "
-        f"got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}; flatten it first"
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh!r} ({mesh.ndim}D); pass its "
+        "data-parallel part (1D: FSDP, 2D: HSDP), e.g. mesh['dp'], or name it with dp_mesh_dims"
     )
 
 

@@ -66,8 +66,8 @@ class ShardedParam(GradientPath):
     ):
         if param.dim() == 0:
             raise FSDPUsageError(
-                f"fully_shard cannot shard the 0-dim parameter '{owners[0][1]}' of "
-                f"{type(owners[0][0]).__name__}; reshape it to (1,) or pass it in ignored_params"
+                f"fully_shard cannot shard the 0-dim parameter of {type(owners[0][0]).__name__}. "
+                f"Change {owners[0][1]} to a 1D tensor with numel equal to 1 or ignore it"
             )
         self.owners = owners  # every (module, attribute) that holds it: tied weights share one
         self.fqn = owners[0][1]  # replaced by the full name at the root's first forward
@@ -77,9 +77,12 @@ class ShardedParam(GradientPath):
         # Pinned host memory lets the copy to an accelerator run without staging.
         self.pin = offload is not None and offload.pin_memory and device.type != "cpu"
         self.tp = tp_layout(param, info, self.fqn)  # tensor parallel: shard each rank's piece
-        if self.tp is not None and dim != 0:
-            raise FSDPUsageError(f"'{self.fqn}': a tensor-parallel parameter is sharded on dim 0")
         whole = param.to_local() if self.tp is not None else param  # what FSDP cuts and gathers
+        if hasattr(whole, "__tensor_flatten__"):  # TwoTensor, float8...: gloo takes plain ones
+            raise FSDPUsageError(
+                f"parameter '{self.fqn}' of {type(owners[0][0]).__name__} is a tensor subclass "
+                f"({type(whole).__name__}): twinshard gathers plain tensors; ignore it or unwrap it"
+            )
         self.shape = param.shape  # the global shape
         self.stride = torch.empty(param.shape, device="meta").stride()  # of the whole tensor
         self.dim = dim % param.dim()  # the dim cut into blocks ("rows"; 0 unless Shard(dim))
@@ -126,7 +129,7 @@ class ShardedParam(GradientPath):
             return DTensor.from_local(
                 block,
                 self.tp.spmd_mesh,
-                self.tp.sharded_placements(self.info),
+                self.tp.sharded_placements(self.info, self.dim),
                 run_check=False,
                 shape=self.shape,
                 stride=self.tp.stride,
@@ -248,6 +251,10 @@ class ShardedParam(GradientPath):
             # all-gather into the buffer does not look like an in-place change to autograd.
             view = self.all_gather_buffer.data.narrow(0, 0, self.rows)  # (rows, *rest)
             whole = self.rows_first(view)  # in the parameter's own layout
+            if self.dim:  # a transposed view: as torch's, the parameter gets contiguous memory
+                self.own = torch.empty_like(whole, memory_format=torch.contiguous_format)
+                self.gathered, whole = whole, self.own.data  # copied at each unshard; ``.data``
+                self.own_bytes = whole.untyped_storage().nbytes()  # as above
             self.unsharded_param = nn.Parameter(
                 self.tp.unsharded(whole) if self.tp is not None else whole,
                 requires_grad=self.sharded_param.requires_grad,
@@ -263,6 +270,9 @@ class ShardedParam(GradientPath):
         """Once ``all_gather_output`` holds the gathered rows: put the unsharded parameter on
         the module and drop the post-forward piece."""
         self.post_forward_block = None
+        if self.dim:  # filled from the gathered rows, as torch's Shard(dim) parameters are
+            self.own.untyped_storage().resize_(self.own_bytes)
+            self.own.copy_(self.gathered)  # (rows along dim, ...) in the parameter's layout
         self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
         self._register(self.unsharded_param)
         self.state = ParamState.UNSHARDED
@@ -278,6 +288,8 @@ class ShardedParam(GradientPath):
             start = post_forward.shard_rank * piece
             self.post_forward_block = buffer[start : start + piece].clone()  # (S*chunk/N, *rest)
         self.all_gather_storage.resize_(0)  # the memory FSDP saves
+        if self.dim:
+            self.own.untyped_storage().resize_(0)
         self._register(self.sharded_param)
         keep_piece = self.post_forward_block is not None
         self.state = ParamState.SHARDED_POST_FORWARD if keep_piece else ParamState.SHARDED

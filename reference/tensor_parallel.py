@@ -1,20 +1,21 @@
-"""FSDP over tensor parallelism (2-D): parameters that are already ``DTensor``s.
+"""FSDP over tensor parallelism: parameters that are already ``DTensor``s.
 
 With tensor parallelism, ``parallelize_module(model, mesh["tp"], plan)`` turns a layer's weight
 into a ``DTensor`` on the ``tp`` mesh: each rank holds a TP piece (say, every other output
 row). ``fully_shard(block, mesh=mesh["dp"])`` then shards that *piece* across the ``dp`` mesh,
-exactly as it shards a whole parameter in 1-D: the TP piece plays the part of the parameter.
+exactly as it shards a whole parameter without TP: the TP piece plays the part of the parameter.
 
 Two things change around it:
 
-- the sharded parameter is a ``DTensor`` on the whole 2-D mesh (``dp``, ``tp``), whose
-  placements say both cuts: ``Shard(0)`` on ``dp`` (or ``_StridedShard(0)``, when TP also cut
-  dim 0: FSDP's rows are then rows of each TP piece, not of the whole tensor) and TP's own;
+- the sharded parameter is a ``DTensor`` on the dp and tp dims of the mesh both were cut from
+  ((``dp``, ``tp``), HSDP's (``replicate``, ``shard``, ``tp``), out of (``pp``, ``dp``, ``tp``)
+  say), placed ``Replicate`` on the replicate dim, FSDP's ``Shard(dim)`` on the shard dim
+  (``_StridedShard(dim)`` when TP cut the same dim: rows of each TP piece), then TP's own;
 - the unsharded parameter, which the TP layers compute with, is again a ``DTensor`` on the
   ``tp`` mesh, wrapping the all-gathered piece; its gradient is one too, and FSDP reduces the
   gradient's TP piece.
 
-``TPLayout`` holds what a parameter needs for this; ``tp_layout`` finds it (or None: 1-D).
+``TPLayout`` holds what a parameter needs for this; ``tp_layout`` finds it (or None: no TP).
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ from .mesh import MeshInfo
 class TPLayout:
     tp_mesh: DeviceMesh  # the mesh the TP layers compute on
     tp_placements: tuple  # the parameter's placements on it
-    spmd_mesh: DeviceMesh  # (dp, tp): where the sharded parameter lives
+    spmd_mesh: DeviceMesh  # (dp..., tp): where the sharded parameter lives
     shape: torch.Size  # the whole (global) parameter
     stride: tuple
 
-    def sharded_placements(self, info: MeshInfo) -> tuple:
-        """Placements of the sharded parameter on (dp, tp)."""
-        cut_by_tp = sum(isinstance(p, Shard) and p.dim == 0 for p in self.tp_placements)
-        tp_size = self.tp_mesh.size()
-        dp = _StridedShard(0, split_factor=tp_size) if cut_by_tp else Shard(0)
-        return (dp, *self.tp_placements)
+    def sharded_placements(self, info: MeshInfo, dim: int) -> tuple:
+        """Placements of the sharded parameter on the spmd mesh, FSDP cutting ``dim``."""
+        cut_by_tp = any(isinstance(p, Shard) and p.dim == dim for p in self.tp_placements)
+        fsdp = _StridedShard(dim, split_factor=self.tp_mesh.size()) if cut_by_tp else Shard(dim)
+        replicate = (Replicate(),) if info.replicate_group is not None else ()
+        return (*replicate, fsdp, *self.tp_placements)
 
     def unsharded(self, piece: torch.Tensor) -> DTensor:
         """The gathered TP piece as the DTensor the TP layers expect."""
@@ -63,27 +64,34 @@ def tp_layout(param: torch.nn.Parameter, info: MeshInfo, where: str) -> TPLayout
     if not isinstance(param, DTensor):
         return None
     mesh, placements = param.device_mesh, tuple(param.placements)
-    dp_name = (info.mesh.mesh_dim_names or [None])[0]
-    if mesh.ndim == 2 and dp_name in (mesh.mesh_dim_names or ()):  # on the whole (dp, tp) mesh
-        dp_dim = mesh.mesh_dim_names.index(dp_name)
-        if not placements[dp_dim].is_replicate():
-            raise FSDPUsageError(f"parameter '{where}' must be replicated on the dp mesh dim")
-        placements = placements[1 - dp_dim : 2 - dp_dim]
-        mesh = mesh[mesh.mesh_dim_names[1 - dp_dim]]
-    if info.replicate_group is not None or mesh.ndim != 1:
-        raise FSDPUsageError(
-            f"parameter '{where}' is a DTensor on a {mesh.ndim}-D mesh; twinshard shards "
-            "tensor-parallel parameters of a 1-D tp mesh over a 1-D dp mesh (FSDP + TP); "
-            "HSDP with TP and more dims are not supported"
-        )
+    dp_names = tuple(info.mesh.mesh_dim_names or ())
+    names = tuple(mesh.mesh_dim_names or ())
+    if any(name in names for name in dp_names):  # on the whole mesh: drop its dp dims
+        keep = [i for i, name in enumerate(names) if name not in dp_names]
+        if any(not placements[i].is_replicate() for i, n in enumerate(names) if n in dp_names):
+            raise FSDPUsageError(f"parameter '{where}' must be replicated on the dp mesh dims")
+        placements = tuple(placements[i] for i in keep)
+        mesh = mesh[tuple(names[i] for i in keep)] if len(keep) > 1 else mesh[names[keep[0]]]
     if any(not isinstance(p, (Shard, Replicate)) for p in placements):
         raise FSDPUsageError(f"parameter '{where}': TP placements {placements} unsupported")
-    root = mesh._get_root_mesh()  # the 2-D mesh that mesh["tp"] and mesh["dp"] were cut from
-    dp_first = root.ndim == 2 and root.mesh_dim_names[0] == (info.mesh.mesh_dim_names or [""])[0]
-    if not dp_first or root is not info.mesh._get_root_mesh():
+    spmd = spmd_mesh(info.mesh, mesh)
+    if spmd is None:
         raise FSDPUsageError(
-            f"parameter '{where}' is a DTensor on a mesh that is not the second dim of the dp "
-            "mesh's 2-D mesh; build one named mesh (dp, tp), dp first, and pass mesh['tp'] to "
-            "parallelize_module and mesh['dp'] to fully_shard"
+            f"parameter '{where}' is a DTensor on a mesh not cut from the fully_shard mesh's "
+            f"parent after its dims {dp_names}; build one named mesh (dp, tp or pp, dp, tp, say), "
+            "pass mesh['tp'] to parallelize_module and mesh['dp'] to fully_shard"
         )
-    return TPLayout(mesh, placements, root, param.shape, param.stride())
+    return TPLayout(mesh, placements, spmd, param.shape, param.stride())
+
+
+def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh of the dp dims and then the tp dims, cut from the dp mesh's root, when the tp
+    mesh is (equal to) that root's tp dims; None otherwise. Equal, not identical: a mesh built
+    twice, or a slice torch hands out again from an earlier mesh, is the same mesh."""
+    unnamed = (None,)  # a dim without a name cannot be found in the root
+    dp_names, tp_names = dp_mesh.mesh_dim_names or unnamed, tp_mesh.mesh_dim_names or unnamed
+    root, names = dp_mesh._get_root_mesh(), (*dp_names, *tp_names)
+    order = [i for n in names for i, m in enumerate(root.mesh_dim_names or ()) if m == n]
+    if len(order) < len(names) or order != sorted(order) or root[tp_names] != tp_mesh:
+        return None  # every dim named, in the root's order (the dp dims first)
+    return root[names]

@@ -40,11 +40,13 @@ __all__ = [
 ]
 
 
-class FSDPUsageError(ValueError, RuntimeError):
+class FSDPUsageError(ValueError, RuntimeError, AssertionError):
     """``fully_shard`` or an ``FSDPModule`` method was used in a way that cannot work.
 
-    It derives from both ``ValueError`` and ``RuntimeError`` because torch's ``fully_shard``
-    raises one or the other for the same misuse; code written against torch keeps catching it.
+    It derives from ``ValueError``, ``RuntimeError`` and ``AssertionError`` because torch's
+    ``fully_shard`` raises one or another of them for the same misuse (an ``AssertionError``
+    for a 2D mesh without dim names or a ``Shard`` dim the parameter does not have); code
+    written against torch keeps catching it.
     """
 
 
