@@ -137,7 +137,9 @@ def _join(config) -> torch.device:
 def _optimizer(config, model) -> torch.optim.Optimizer:
     if config.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
+    # foreach as twinshard bench leaves it: torch's choice (a loop over the parameters on the CPU)
+    foreach = None if config.cpu else True
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=foreach)
 
 
 def _train_step(model, opt, tokens, labels: Labels) -> None:

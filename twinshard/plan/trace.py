@@ -112,7 +112,7 @@ class StepTrace(Monitor):
         self.serials: dict[int, int] = {}  # storage key -> serial, while it lives
         self.fsdp_made: set[int] = set()  # serials of storages FSDP code made
         self.collective_serials: set[int] = set()  # serials a collective used this step
-        self.works: dict[int, tuple] = {}  # id(Work) -> (Work, collective entry index)
+        self.works: dict[int, int] = {}  # id(Work) -> its collective's entry index
         self.flops = Counter()  # by label kind: forward, backward, recompute, optimizer
         self._count_serial = itertools.count()
         self._log_mark = len(shim.LOG)
@@ -220,9 +220,11 @@ class StepTrace(Monitor):
         self._note_collective_tensors(args, kwargs)
         work = out[-1] if isinstance(out, (tuple, list)) and out else None
         if isinstance(work, torch.ScriptObject):
-            # keeping the Python object alive keeps its identity: the caller's wait() is on it
+            # by identity, not kept alive (a work handle can keep the collective's tensors
+            # alive, which would change the memory being measured): a handle freed before
+            # anyone waited on it cannot be waited on, and a new one at its address replaces it
             unboxed = torch._C._distributed_c10d.Work.unbox(work)
-            self.works[id(unboxed)] = (unboxed, index)
+            self.works[id(unboxed)] = index
 
     def _note_collective_tensors(self, args, kwargs) -> None:
         for t in tree_leaves((args, kwargs)):
@@ -241,7 +243,7 @@ class StepTrace(Monitor):
         if self.recording and id(work) in self.works:
             self._flush()
             stream = shim.current_stream().name if self.accelerator != "cpu" else "host"
-            collective = self.entries[self.works[id(work)][1]][2]
+            collective = self.entries[self.works[id(work)]][2]
             self.entries.append(("wait_work", stream, collective))
 
     # --- memory ---------------------------------------------------------------------------------
