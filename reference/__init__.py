@@ -29,15 +29,6 @@ from twinshard.api import (
 from .fsdp_module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
 from .fully_shard import fully_shard
 
-__all__ = [
-    "CPUOffloadPolicy",
-    "DataParallelMeshDims",
-    "FSDPModule",
-    "FSDPUsageError",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "UnshardHandle",
-    "fully_shard",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "FSDPUsageError",
+           "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard",
+           "register_fsdp_forward_method", "share_comm_ctx"]  # fmt: skip

@@ -120,6 +120,15 @@ class FSDPModule(FSDPModuleContract):
                 raise FSDPUsageError("set_all_reduce_hook: stream cannot be set with HSDP")
             group.comms.all_reduce_hook = hook
 
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        group = get_state(self).group  # as torch's: a custom collective allocates its buffers
+        if group is not None and (group.comms.all_gather or group.comms.reduce_scatter):
+            raise FSDPUsageError(
+                "set_allocate_memory_from_process_group_for_comm cannot be used with a custom "
+                "all-gather or reduce-scatter (set_custom_*), which allocates its own buffers"
+            )
+        super().set_allocate_memory_from_process_group_for_comm(enable)
+
     # --- torch's FSDP2 and nn.Module --------------------------------------------------------------
     def _get_fsdp_state(self):
         """What torch's ``register_fsdp_forward_method`` asks for: the hooks of this module."""

@@ -123,6 +123,16 @@ def _replicate_around(impl) -> dict:
     return {"kept": kept, "losses": losses, "params": _full(model)}
 
 
+class CustomAllGather:
+    """A user's all-gather (torch's ``AllGather`` interface); never called here."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output, input, group, async_op=False):
+        return torch.distributed.all_gather_into_tensor(output, input, group, async_op=async_op)
+
+
 def _errors(impl) -> dict:
     """The misuses torch's tests check the exception type and words of."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -134,6 +144,9 @@ def _errors(impl) -> dict:
     two = MLP()
     two.w1.weight = nn.Parameter(TwoTensor(torch.ones(16, 8), torch.ones(16, 8)))
     unnamed, three_d = init_device_mesh("cpu", (1, world)), init_device_mesh("cpu", (world, 1, 1))
+    custom = impl.fully_shard(nn.Linear(4, 4))
+    custom.set_allocate_memory_from_process_group_for_comm(True)  # accepted before, as torch's
+    custom.set_custom_all_gather(CustomAllGather())
     dim_1 = lambda p: impl_shard(1)  # noqa: E731 - invalid for a bias
     return {
         "unnamed_2d": _error(lambda: impl.fully_shard(MLP(), mesh=unnamed)),
@@ -141,6 +154,9 @@ def _errors(impl) -> dict:
         "scalar": _error(lambda: impl.fully_shard(scalar)),
         "shard_dim": _error(lambda: impl.fully_shard(MLP(), shard_placement_fn=dim_1)),
         "two_tensor": _error(lambda: impl.fully_shard(two)) if impl.__name__ != TORCH else None,
+        "alloc_after_custom": _error(
+            lambda: custom.set_allocate_memory_from_process_group_for_comm(True)
+        ),
     }
 
 
@@ -241,6 +257,7 @@ ERRORS = {  # what torch's tests expect: an exception of this type whose message
     "3d": ("ValueError", r"fully\_shard expects a 1D or 2D DeviceMesh but got DeviceMesh"),
     "scalar": ("ValueError", "Change scalar_p to a 1D tensor with numel equal to 1."),
     "shard_dim": ("AssertionError", "Shard dim 1 is invalid for 1D tensor"),
+    "alloc_after_custom": ("AssertionError", "set_allocate_memory_from_process_group"),
 }
 
 
