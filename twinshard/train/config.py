@@ -69,6 +69,7 @@ class TrainConfig:
     eval_batches: int
     # not part of what a checkpoint remembers:
     nproc: int = 1
+    hsdp: bool = False  # a (nodes, ranks per node) mesh: replicate across, shard within
     out: str | None = None
     stop_at: int | None = None
     resume_from: str | None = None  # a complete checkpoint directory, verified
@@ -127,6 +128,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         **values,
         nproc=_default_nproc() if args.nproc is None else args.nproc,
         stop_at=args.stop_at,
+        hsdp=bool(getattr(args, "hsdp", False)),
         resume_from=str(resume_from) if resume_from else None,
         notes=notes,
         hang_timeout=DEFAULT_HANG_TIMEOUT if hang_timeout is None else hang_timeout,

@@ -70,6 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="local ranks (default: one per GPU, else 2); ignored under torchrun",
     )
     g.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="hybrid sharding: replicate across nodes and shard within each (a mesh of nodes "
+        "x ranks per node; under torchrun a node is an agent's LOCAL_WORLD_SIZE ranks, a local "
+        "launch is one node); not remembered by checkpoints: a resumed run may change it",
+    )
+    g.add_argument(
         "--param-dtype",
         choices=DTYPES,
         help=f"dtype of the unsharded parameters and of the compute (default {d['param_dtype']})",

@@ -20,6 +20,7 @@ phase is reported to the watchdog (``twinshard.watchdog.progress``).
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -52,8 +53,6 @@ def rank_main(cfg: TrainConfig, lock_run_dir: bool = False) -> dict:
     """What every rank runs: set up, maybe resume, train, checkpoint, report.
     ``lock_run_dir``: rank 0 locks the run directory (under torchrun; a local launcher holds
     the lock itself)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()  # asked of the accelerator API, not of the backend's name
     with stopping.StopRequest(announce=rank == 0) as request:
@@ -62,13 +61,30 @@ def rank_main(cfg: TrainConfig, lock_run_dir: bool = False) -> dict:
         try:
             log = Reporter(rank == 0, run_dir)
             try:
-                mesh = init_device_mesh(device.type, (world,))
+                mesh = _mesh(cfg, device, world, log)
                 return _train(cfg, rank, world, device, run_dir, log, mesh, request)
             finally:
                 log.close()
         finally:
             if lock is not None:
                 lock.release()
+
+
+def _mesh(cfg, device, world: int, log: Reporter):
+    """The run's device mesh: every rank in one dimension, or with ``--hsdp`` (nodes, ranks
+    per node), replicated across the nodes and sharded within each. Launchers give a node's
+    ranks consecutive numbers (torchrun: an agent's ``LOCAL_WORLD_SIZE``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not cfg.hsdp:
+        return init_device_mesh(device.type, (world,))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node:
+        raise TrainError(f"--hsdp: {world} ranks are not whole nodes of {per_node}")
+    nodes = world // per_node
+    log.info(f"HSDP: {nodes} replica(s), one per node, each sharded over {per_node} rank(s)")
+    shape = (nodes, per_node)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def _prepare_run_dir(cfg: TrainConfig, run_dir: Path, lock_run_dir: bool):
