@@ -3,13 +3,16 @@
 torch's ``fully_shard``, the reference and the optimized path, and asks for torch's behaviour.
 
 Two launches serve every test below: two gloo ranks (``Shard(1)`` contiguity, a mesh built
-twice, torch's ``replicate()`` around a sharded child, the errors torch's tests match) and four
+twice, torch's ``replicate()`` around a sharded child, the errors torch's tests match, and a
+non-contiguous parameter, which torch refuses and twinshard trains: the one check where
+twinshard's behaviour is asked to differ from torch's) and four
 (FSDP over tensor parallelism from a (pp, dp, tp) mesh, HSDP with tensor parallelism,
 ``Shard(1)`` on tensor-parallel weights).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import re
 
@@ -160,8 +163,30 @@ def _errors(impl) -> dict:
     }
 
 
+def _channels_last(impl) -> dict:
+    """A channels_last Conv2d weight (not contiguous): torch refuses it, twinshard trains it;
+    the plain model on the same data is the truth (every rank sees the same batch)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    model = model.to(memory_format=torch.channels_last)
+    plain = copy.deepcopy(model)
+    failed = _error(lambda: impl.fully_shard(model))
+    if failed is not None:
+        return {"error": failed}
+    x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1))
+    for m in (model, plain):
+        optim = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            m(x).pow(2).sum().backward()
+            optim.step()
+            optim.zero_grad()
+    return {"equal": all(torch.equal(a.full_tensor(), b) for a, b in
+                         zip(model.parameters(), plain.parameters()))}  # fmt: skip
+
+
 CHECKS_2 = {"shard_dim_1": _shard_dim_1, "mesh_twice": _mesh_built_twice,
-            "replicate": _replicate_around, "errors": _errors}  # fmt: skip
+            "replicate": _replicate_around, "errors": _errors,
+            "channels_last": _channels_last}  # fmt: skip
 
 
 def _run(checks: dict) -> dict:
@@ -278,6 +303,14 @@ def test_tensor_subclass_parameter_is_refused_by_name(name):
         raised = out["errors", name]["two_tensor"]
         assert raised is not None and "FSDPUsageError" in raised[0], raised
         assert all(w in raised[1] for w in ("'weight' of Linear", "TwoTensor")), raised
+
+
+def test_non_contiguous_parameter_trains_where_torch_refuses_it():
+    for out in results(2):
+        raised = out["channels_last", TORCH]["error"]
+        assert "NotImplementedError" in raised[0] and "non-contiguous" in raised[1], raised
+        for name in TWINSHARD:
+            assert out["channels_last", name] == {"equal": True}, (name, out["channels_last", name])
 
 
 @pytest.mark.parametrize("case", TP_CASES)
