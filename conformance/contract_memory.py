@@ -18,13 +18,16 @@ The contract turns the setting into windows of hooks, per group:
 - **gradients** may be alive from the group's pre-backward up to the post-backward hook that
   follows its own (one reduction in flight while the next group computes), to the end of the
   micro-batch where gradient sync is off (they wait for a later one), and into the next
-  micro-batches until they are reduced.
+  micro-batches until they are reduced. One rank's block of the reduced sums (in
+  ``reduce_dtype``, the size of a shard, not unsharded memory) may live until the end of
+  backward: torch's ``fully_shard`` keeps each group's until its final callback when
+  ``reduce_dtype`` differs from the parameters' dtype on HSDP.
 
 The bytes allowed after a hook are the sum, over the groups whose window covers it, of the
 group padded to the shard group (in ``param_dtype`` for parameters, in the larger of
 ``param_dtype`` and ``reduce_dtype`` for gradients, whose unsharded copy may be cast for the
-reduction), plus one rank's block of the reduced sums (in ``reduce_dtype``) for an HSDP group
-whose all-reduce waits (``set_requires_all_reduce(False)``). With the default prefetch of one
+reduction), plus one rank's block of the reduced sums (in ``reduce_dtype``) where that may
+live, and for an HSDP group whose all-reduce waits (``set_requires_all_reduce(False)``). With the default prefetch of one
 group this is the memory model's bound (``twinshard.bench.memmodel``): the root, the group
 computing and the one prefetched; ``reshard_after_forward=False`` keeps them all.
 """
@@ -66,9 +69,10 @@ class Windows:
         self.must: dict[str, set[int]] = {}
         self.grads: dict[str, set[int]] = {}
         self.partial: dict[str, set[int]] = {}
+        self.reduced: dict[str, set[int]] = {}  # its reduced block, until the end of backward
         self.issue: dict[tuple[str, str], tuple[int, int]] = {}  # (group, pass) -> first, last
         for g in plan.groups:
-            for kind in (self.may, self.lag, self.must, self.grads, self.partial):
+            for kind in (self.may, self.lag, self.must, self.grads, self.partial, self.reduced):
                 kind[g.path] = set()
             self._params(g.path, steps[g.path], n)
             self._grads(g.path, steps[g.path], n)
@@ -126,6 +130,11 @@ class Windows:
             later = [e.index for e in ev if e.hook == "post_backward" and e.index > end]
             until = (later[0] if later else self.final) if st.reduce else n
             self.grads[path].update(range(0 if st.carries_grads else pb, until))
+            # a block apart from the sharded gradient: across replicas, or in another dtype
+            g = self.plan.group(path)
+            apart = self.plan.replicas > 1 or self.plan.grad_dtype(g) != g.dtypes[0]
+            if st.reduce and apart:  # the size of a shard: may stay until the end of backward
+                self.reduced[path].update(range(pb, self.final))
         if st.partial_sums:
             self.partial[path].update(range(0, n if not st.all_reduce else end + 1))
         if st.reduce and not st.all_reduce and self.plan.replicas > 1:
@@ -147,10 +156,12 @@ class Windows:
         allowed, names = 0, []
         for g in plan.groups:
             size = max(plan.gather_dtype(g).itemsize, plan.grad_dtype(g).itemsize)
-            if i in self.grads[g.path]:  # with replicas, also the reduced block they all-reduce
-                block = g.padded(S) // S * plan.grad_dtype(g).itemsize if plan.replicas > 1 else 0
-                allowed += g.padded(S) * size + block
+            if i in self.grads[g.path]:
+                allowed += g.padded(S) * size
                 names.append(name(g.path))
+            if i in self.reduced[g.path]:  # one rank's block of the sums, in reduce_dtype
+                allowed += g.padded(S) // S * plan.grad_dtype(g).itemsize
+                names.append(f"{name(g.path)} (reduced block)")
             if i in self.partial[g.path]:
                 allowed += g.padded(S) // S * plan.grad_dtype(g).itemsize
                 names.append(f"{name(g.path)} (partial sums)")

@@ -84,6 +84,11 @@ PLANTED = {
         "reshards_kept": {"cost_reshard_false": "the setting keeps it unsharded here"},
         "optimized_prefetch_all": {"cost_default": "bytes of unsharded parameters"},
         "keeps_grad_buffers": {"cost_default": "bytes of unsharded gradients"},
+        "reshards_after_backward": {"cost_last_backward": "the setting keeps it unsharded here"},
+        "keeps_after_forward": {"cost_default": "is unsharded; it must be freed"},
+        "reduces_fp32": {
+            "cost_bf16_reduce": "reduce_scatter: 23 collective(s), 4410 elements in float32"
+        },
     },
     "2x2": {"all_reduces_every_micro_batch": {"cost_no_all_reduce": "all_reduce: 23"}},
 }

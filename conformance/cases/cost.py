@@ -296,6 +296,19 @@ def case_cost_bf16(ctx):
 
 
 @case("cost")
+def case_cost_bf16_reduce(ctx):
+    """param_dtype bf16 and no reduce_dtype: the reductions run in bf16 too (half the bytes of
+    fp32; an implementation that upcasts the gradients for the reduction pays double)."""
+    plan = plan_for(ctx, "bf16 parameters and reductions")
+    plan.param_dtype = torch.bfloat16
+
+    def wrap(impl, model, mesh):
+        shard(impl, model, mesh, mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+    return cost_case(ctx, plan, wrap)
+
+
+@case("cost")
 def case_cost_offload(ctx):
     """CPUOffloadPolicy: the same collectives and the same unsharded memory as without it."""
 

@@ -33,6 +33,9 @@ Planted costs: the values stay right, only what is communicated or kept alive is
                                        after forward and gathered again in backward
     keeps_grad_buffers                 each padded gradient stays alive after its reduction
     optimized_prefetch_all             every group still to run is prefetched at once
+    reshards_after_backward            set_reshard_after_backward(False) is ignored
+    keeps_after_forward                no group is resharded after forward
+    reduces_fp32                       bf16 parameters: gradients reduced in fp32 anyway
 
 ``twinshard conform twinshard.conformance.planted.scaled_grads`` must fail; the test suite
 asserts that it does, case by case. The bugs are planted per object (by swapping the class

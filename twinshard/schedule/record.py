@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 import weakref
 
 import torch
@@ -144,12 +145,21 @@ def _held_by_python(ref: weakref.ref) -> bool:
     A backend's worker thread can hold a collective's tensors for a moment after the wait
     returns (gloo's does), and then torch keeps the Python object alive for it: the tensor's
     C++ object, referred to from C++ (its use count above one), holds one reference to it.
-    ``t`` below and ``getrefcount``'s argument are two more; anything beyond is Python's."""
-    t = ref()
-    if t is None:
-        return False
-    from_cpp = 1 if t._use_count() > 1 else 0
-    return sys.getrefcount(t) - 2 - from_cpp > 0
+    ``t`` below and ``getrefcount``'s argument are two more; anything beyond is Python's.
+    The worker lets go of the tensor before it can let go of that reference (it needs the
+    GIL, which this thread holds), so an apparent holder is asked about again after the GIL
+    was given up for a moment."""
+    for attempt in range(3):
+        if attempt:
+            time.sleep(0.0005)  # the GIL is free: a worker thread may finish letting go
+        t = ref()
+        if t is None:
+            return False
+        from_cpp = 1 if t._use_count() > 1 else 0
+        if sys.getrefcount(t) - 2 - from_cpp <= 0:
+            return False
+        del t
+    return True
 
 
 class _Watch(TorchDispatchMode):
