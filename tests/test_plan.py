@@ -180,3 +180,12 @@ def test_command_writes_table_json_and_picture(tmp_path, capsys):
     row = json.loads(out.read_text())["plans"][0]
     assert row["config"]["world"] == 4 and row["memory"]["fits"]["h100"]
     assert picture.stat().st_size > 10_000
+
+
+def test_sweep_prints_a_table_per_point_and_plots_them(tmp_path, capsys):
+    picture = tmp_path / "sweep.png"
+    args = "plan --model tiny --seq 32 --impls torch --sweep world=2,4 --no-progress".split()
+    assert main([*args, "--plot", str(picture)]) == 0
+    text = capsys.readouterr().out
+    assert "2 ranks, FSDP" in text and "4 ranks, FSDP" in text
+    assert picture.stat().st_size > 10_000

@@ -26,7 +26,7 @@ from twinshard.bench.checks import parse_reshard
 from . import profiles
 from .config import DEVICE_CHOICES, PlanConfig
 from .summary import add_ratios, summarize
-from .table import format_plan, plot_plan
+from .table import format_plan, plot_plan, plot_sweep
 
 SWEEPABLE = {"world": int, "batch": int, "seq": int, "hsdp": int, "ac": str, "layers": int}
 
@@ -167,7 +167,12 @@ def run(args) -> int:
         slim = [{k: v for k, v in row.items() if k != "timeline"} for row in rows]
         with open(args.json, "w") as f:
             json.dump({"plans": slim}, f, indent=1, default=str)
-    if args.plot:
+    if args.plot and args.sweep:
+        axis = args.sweep.partition("=")[0]
+        points = [(json.loads(key)[axis], rows) for key, rows in groups.items()]
+        plot_sweep(points, axis, args.plot)
+        print(f"wrote {args.plot}")
+    elif args.plot:
         last = list(groups.values())[-1]
         plot_plan(last, {n: r.get("timeline") for n, r in last.items()}, args.plot)
         print(f"wrote {args.plot}")

@@ -125,3 +125,31 @@ def plot_plan(rows: dict, timelines: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_sweep(points: list[tuple], axis: str, path: str) -> None:
+    """Step time, peak memory and MFU against the swept ``axis``, one line per
+    implementation (``points``: (value, implementation -> row) in the sweep's order)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("step time (ms)", lambda r: r["time"]["step_s"] * 1e3),
+        ("peak device memory (GiB)", lambda r: r["memory"]["peak_bytes"] / GiB),
+        ("MFU", lambda r: r["time"]["mfu"] or 0.0),
+    ]
+    impls = list(dict.fromkeys(name for _, rows in points for name in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for ax, (title, value) in zip(axes, panels):
+        for impl in impls:
+            xs = [str(v) for v, rows in points if "error" not in rows.get(impl, {"error": 1})]
+            ys = [value(rows[impl]) for v, rows in points if str(v) in xs and impl in rows]
+            ax.plot(xs, ys, marker="o", label=impl)
+        ax.set_xlabel(axis)
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

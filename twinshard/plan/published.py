@@ -1,0 +1,222 @@
+"""Published FSDP2 runs, planned: predicted against published, configuration by configuration.
+
+``RUNS`` holds every run of torchtitan's performance pages that FSDP alone reproduces in shape
+and policy (no tensor, pipeline or context parallelism, no ``torch.compile``, no Float8):
+
+- ``docs/performance.md`` at commit 04133643 (2024): Llama 3 8B and 70B, Llama 2 13B and 70B,
+  FSDP2 on 64 A100 80GB, tokens per second per GPU ("WPS") and MFU, no memory;
+- ``benchmarks/llama3_h100_202412_torchtitan.md`` (= ``docs/performance.md`` at eaea6f6a):
+  Llama 3.1 8B, FSDP2 on 8 and 128 H100 96GB (500 W, Grand Teton: NVLink in a host of 8,
+  400 Gb/s RDMA per GPU), tokens per second per GPU and memory (GiB, max reserved).
+
+Their policies as torchtitan names them: "selective op" is ``--ac selective``, "selective
+layer" checkpoints every second block (``layer:2``), "full" every block (``block``); training
+is bf16 with fp32 reduction and fused AdamW; sequences are 8192 tokens for Llama 3, 4096 for
+Llama 2. Each run is planned with torch's ``fully_shard`` and the device's and network's
+constants (``profiles.py``), the same for every run; two runs are marked as the ones the
+efficiencies were fitted on (``CALIBRATED_ON``) and are not evidence.
+
+    python -m twinshard.plan.published --out benchmarks/results/2026-11-24-plan-published.md
+    python -m twinshard.plan.published --only 8b,13b     # runs whose name has one of these
+    python -m twinshard.plan.published --traces DIR --fit  # keep the recorded steps; re-time
+    # them with other constants without recording again; print the fitted efficiencies
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import pickle
+from dataclasses import replace
+
+from .config import PlanConfig
+from .profiles import BF16, FP32
+
+TITAN_A100 = "torchtitan docs/performance.md @04133643, 64 A100 80GB"
+TITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, H100 96GB 500 W"
+HARDWARE = {  # the cluster of each source: device, network, source
+    "a100": (dict(device="a100", network="a100-ib"), TITAN_A100),
+    "h100": (dict(device="h100-500w", network="h100-roce"), TITAN_H100),
+}
+SEQ = {"llama3": 8192, "llama2": 4096}
+# name, model, local batch, activation checkpointing, ranks, hardware, tokens/s/GPU, GiB
+TABLE = [
+    ("llama3-8b a100 bs1 selective-layer", "llama3-8b", 1, "layer:2", 64, "a100", 2904, None),
+    ("llama3-8b a100 bs1 selective-op", "llama3-8b", 1, "selective", 64, "a100", 2973, None),
+    ("llama3-70b a100 bs1 full", "llama3-70b", 1, "block", 64, "a100", 331, None),
+    ("llama2-13b a100 bs2 none", "llama2-13b", 2, "none", 64, "a100", 2162, None),
+    ("llama2-13b a100 bs2 selective-layer", "llama2-13b", 2, "layer:2", 64, "a100", 1914, None),
+    ("llama2-13b a100 bs2 selective-op", "llama2-13b", 2, "selective", 64, "a100", 1904, None),
+    ("llama2-70b a100 bs1 selective-op", "llama2-70b", 1, "selective", 64, "a100", 355, None),
+    ("llama2-70b a100 bs2 full", "llama2-70b", 2, "block", 64, "a100", 353, None),
+    ("llama3.1-8b h100 8 bs2 selective-op", "llama3-8b", 2, "selective", 8, "h100", 5762, 82.4),
+    ("llama3.1-8b h100 128 bs2 selective-op", "llama3-8b", 2, "selective", 128, "h100", 5605, 67.0),
+]
+# name -> (plan, published tokens/s per GPU, published memory in GiB or None, source)
+RUNS = {
+    name: (
+        dict(
+            model=model,
+            batch=batch,
+            ac=ac,
+            world=world,
+            seq=SEQ[model.split("-")[0]],
+            **HARDWARE[hardware][0],
+        ),
+        tps,
+        gib,
+        HARDWARE[hardware][1],
+    )
+    for name, model, batch, ac, world, hardware, tps, gib in TABLE
+}
+FITTED = ("llama3-8b a100 bs1 selective-op", "llama3.1-8b h100 8 bs2 selective-op")
+
+
+def configs(only: str | None = None) -> dict[str, PlanConfig]:
+    """The runs (those whose name contains one of ``only``'s comma-separated words) as plans
+    with torch's ``fully_shard``."""
+    words = only.split(",") if only else [""]
+    return {
+        name: PlanConfig(impl="torch", **run[0])
+        for name, run in RUNS.items()
+        if any(word in name for word in words)
+    }
+
+
+def compare(rows: dict) -> list[dict]:
+    """Predicted against published for each planned run (``rows``: name -> summary row)."""
+    out = []
+    for name, row in rows.items():
+        _, tps, memory, source = RUNS[name]
+        if "error" in row:
+            out.append(dict(name=name, error=row["error"].strip().splitlines()[-1]))
+            continue
+        predicted_tps = row["time"]["tokens_per_s"]
+        predicted_gib = row["memory"]["peak_bytes"] / 2**30
+        out.append(
+            dict(
+                name=name,
+                source=source,
+                fitted=name in FITTED,
+                published_tps=tps,
+                predicted_tps=predicted_tps,
+                tps_ratio=predicted_tps / tps,
+                published_gib=memory,
+                predicted_gib=predicted_gib,
+                memory_ratio=predicted_gib / memory if memory else None,
+                mfu=row["time"]["mfu"],
+                exposed_ms=row["time"]["exposed_s"] * 1e3,
+                record_s=row["record_s"],
+            )
+        )
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    lines = [
+        "| run (torch's fully_shard) | published tok/s/GPU | predicted | ratio "
+        "| published GiB | predicted GiB (allocated) | ratio | predicted MFU | planned in (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error']} |||||||")
+            continue
+        fitted = " (fitted here)" if r["fitted"] else ""
+        gib = f"{r['published_gib']:.1f}" if r["published_gib"] else "-"
+        mem_ratio = f"{r['memory_ratio']:.2f}" if r["memory_ratio"] else "-"
+        lines.append(
+            f"| {r['name']}{fitted} | {r['published_tps']:,} | {r['predicted_tps']:,.0f} "
+            f"| {r['tps_ratio']:.2f} | {gib} | {r['predicted_gib']:.1f} | {mem_ratio} "
+            f"| {r['mfu']:.1%} | {r['record_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def record(names: list[str], traces: str | None) -> dict:
+    """The recorded steps of ``names`` (one spawned process), read from ``traces`` (a
+    directory) where they were saved there before, and saved there otherwise."""
+    from .runner import record_many
+
+    chosen = configs()
+    saved = (
+        {n: os.path.join(traces, n.replace(" ", "_") + ".pkl.gz") for n in names} if traces else {}
+    )
+    todo = [n for n in names if not (traces and os.path.exists(saved[n]))]
+    recorded = dict(zip(todo, record_many([chosen[n] for n in todo]))) if todo else {}
+    for name in names:
+        if name in recorded and traces and "error" not in recorded[name]:
+            os.makedirs(traces, exist_ok=True)
+            with gzip.open(saved[name], "wb") as f:
+                pickle.dump(recorded[name], f)
+        elif name not in recorded:
+            with gzip.open(saved[name], "rb") as f:
+                recorded[name] = pickle.load(f)
+    return recorded
+
+
+def time_all(recorded: dict, efficiency: dict | None = None) -> dict:
+    """Each recorded step summarized with the constants (``efficiency``: device name ->
+    a replacement efficiency, for ``fit``)."""
+    from .cli import device_and_network
+    from .summary import summarize
+
+    chosen, rows = configs(), {}
+    for name, rec in recorded.items():
+        if "error" in rec:
+            rows[name] = rec
+            continue
+        device, network = device_and_network(chosen[name])
+        if efficiency and chosen[name].device in efficiency:
+            e = efficiency[chosen[name].device]
+            device = replace(device, efficiency={BF16: e, FP32: e})
+        rows[name] = summarize(rec, device, network)
+    return rows
+
+
+def fit(recorded: dict) -> dict:
+    """The efficiency of each device that makes its ``FITTED`` run's predicted tokens per
+    second the published figure (bisection: the predicted speed grows with it)."""
+    out = {}
+    for name in FITTED:
+        if name not in recorded:
+            continue
+        device = configs()[name].device
+        low, high = 0.05, 1.0
+        for _ in range(30):
+            middle = (low + high) / 2
+            row = time_all({name: recorded[name]}, {device: middle})[name]
+            low, high = (
+                (middle, high) if row["time"]["tokens_per_s"] < RUNS[name][1] else (low, middle)
+            )
+        out[device] = round((low + high) / 2, 3)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default=None, help="runs whose name contains this")
+    parser.add_argument("--out", default=None, help="write the markdown table here")
+    parser.add_argument("--json", default=None, help="write the comparison here")
+    parser.add_argument("--traces", default=None, help="save (or reuse) the recorded steps here")
+    parser.add_argument("--fit", action="store_true", help="print the fitted efficiencies")
+    args = parser.parse_args(argv)
+    recorded = record(list(configs(args.only)), args.traces)
+    if args.fit:
+        print("fitted efficiencies:", fit(recorded))
+    table = compare(time_all(recorded))
+    text = markdown(table)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
