@@ -189,3 +189,23 @@ def test_sweep_prints_a_table_per_point_and_plots_them(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "2 ranks, FSDP" in text and "4 ranks, FSDP" in text
     assert picture.stat().st_size > 10_000
+
+
+def test_published_runs_are_valid_plans_and_compared_as_ratios():
+    from twinshard.plan import published
+
+    plans = published.configs()
+    assert len(plans) == len(published.RUNS) >= 10
+    assert all(config.check() is None for config in plans.values())
+    assert set(published.FITTED) <= set(plans)
+    name = "llama3.1-8b h100 8 bs2 selective-op"
+    row = {
+        "time": {"tokens_per_s": 2 * 5762.0, "mfu": 0.35, "exposed_s": 0.0},
+        "memory": {"peak_bytes": 41.2 * 2**30},
+        "record_s": 1.0,
+    }
+    (compared,) = published.compare({name: row})
+    assert compared["tps_ratio"] == pytest.approx(2.0)
+    assert compared["memory_ratio"] == pytest.approx(0.5)
+    assert compared["fitted"]
+    assert "| 11,524 | 2.00 | 82.4 | 41.2 | 0.50 |" in published.markdown([compared])

@@ -110,7 +110,10 @@ def plot_plan(rows: dict, timelines: dict, path: str) -> None:
     for name in ok:
         points = timelines.get(name) or []
         line.plot([p[0] for p in points], [p[1] / GiB for p in points], label=name)
-    line.set_xlabel("recorded entry of the step (forward, backward, optimizer)")
+    _shade_phases(line, timelines.get(next(iter(ok))) or [])
+    line.set_xlabel(
+        "recorded entry of the step (shaded, the first one's: backward, recompute, optimizer)"
+    )
     line.set_ylabel("device memory (GiB)")
     line.legend(fontsize=8)
     bottom = [0.0] * len(ok)
@@ -125,6 +128,24 @@ def plot_plan(rows: dict, timelines: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+PHASE_COLOURS = {"backward": "#dde8f5", "recompute": "#f5e6d3", "optimizer": "#e2f0d9"}
+
+
+def _shade_phases(ax, points: list) -> None:
+    """Shade the spans of ``points`` ((entry, bytes, label) samples) by the hook's kind, and
+    mark where the peak was, with its label."""
+    start = 0
+    for i in range(1, len(points) + 1):
+        kind = points[start][2].split()[0]
+        if i == len(points) or points[i][2].split()[0] != kind:
+            if kind in PHASE_COLOURS:
+                ax.axvspan(points[start][0], points[i - 1][0], color=PHASE_COLOURS[kind], lw=0)
+            start = i
+    if points:
+        top = max(points, key=lambda p: p[1])
+        ax.annotate(top[2], (top[0], top[1] / GiB), fontsize=7, ha="center", va="bottom")
 
 
 def plot_sweep(points: list[tuple], axis: str, path: str) -> None:
