@@ -50,6 +50,7 @@ class PlanConfig:
     device: str = "h100"
     network: str | None = None  # None: the device's usual network; "simnet:<link>" for a CPU
     probe: bool = False  # also bench.probe's categories at its peak (slow for large models)
+    real: bool = False  # the CPU target only: real tensors instead of FakeTensors (a check)
     extra: dict = field(default_factory=dict)  # LlamaConfig overrides (tests, sweeps)
 
     @property
@@ -102,6 +103,8 @@ class PlanConfig:
             return f"--optimizer {self.optimizer!r} unknown; use {', '.join(OPTIMIZERS)}"
         if self.device not in DEVICE_CHOICES:
             return f"--device {self.device!r} unknown; use {', '.join(DEVICE_CHOICES)}"
+        if self.real and not self.cpu:
+            return "real tensors (real=True) are for --device cpu only"
         if self.network and not (self.network in NETWORKS or self.network.startswith("simnet:")):
             return f"--network {self.network!r} unknown; use {', '.join(NETWORKS)} or simnet:<link>"
         wrong = reshard_problem(self.reshard_after_forward, self.world, self.hsdp)

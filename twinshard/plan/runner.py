@@ -11,7 +11,8 @@ lazily and creates the optimizer's state):
   composite a CPU build would fall back to (it keeps a T x T matrix a GPU never holds);
 - on the CPU profile, ``FakeTensor``s on the CPU and the fake process group there, the code
   path ``twinshard bench`` runs on a CPU rank (collectives issued asynchronously where the
-  implementation does so on a CPU, waited for by ``Work.wait()``).
+  implementation does so on a CPU, waited for by ``Work.wait()``); with ``config.real``, the
+  same with real tensors (uninitialized values), to check the fake tensors' memory against.
 
 The model is built on ``meta`` (``twinshard.models.Llama``), wrapped for activation
 checkpointing (``checkpointing.py``), sharded by the implementation with the plan's policies
@@ -61,7 +62,8 @@ def record(config, progress=print) -> dict:
     params = sum(p.numel() for p in model.parameters())
     labels = Labels()
     trace = StepTrace(device.type, labels)
-    with FakeTensorMode(allow_non_fake_inputs=True), trace, _watch_waits(trace):
+    fake = contextlib.nullcontext() if config.real else FakeTensorMode(allow_non_fake_inputs=True)
+    with fake, trace, _watch_waits(trace):
         progress(f"{config.impl}: sharding {params / 1e9:.2f}B parameters over {config.world}")
         shard(model, run, device, mesh)
         model.to_empty(device="cpu" if config.offload else device)
