@@ -9,9 +9,12 @@ the key-value store that every ``torch.distributed`` job has, and read the tally
 late, when every rank has long posted its part:
 
 - at the end of backward n each rank adds ``1 + K * has_unused`` to the counter of backward n
-  (``K`` is one more than the number of ranks, so the sum holds both counts), after appending
-  the names of its unused parameters (none, almost always) to that backward's list; the rank
-  whose addition completes the count writes the tally, how many ranks had unused parameters;
+  (``K`` is one more than the number of ranks, so the sum holds both counts), after writing
+  the names of its unused parameters (none, almost always) under a key of its own (numbered
+  by one more ``add``: a store's ``append`` is a get and a set in several stores, such as
+  the ``FileStore`` of ``init_method="file://"``, and two ranks appending at once lose one
+  list); the rank whose addition completes the count writes the tally, how many ranks had
+  unused parameters;
 - before that, it reads the tally of backward n - 1 (a parameter unused everywhere is fine;
   unused on some ranks only is reported) and the lowest rank deletes the keys of backward n - 2,
   which every rank has read by then.
@@ -46,6 +49,7 @@ class _Ranks:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # keys of a fresh attempt
         self.base = f"{PREFIX}/{attempt}/{root}/{'-'.join(map(str, ranks))}"
         self.posted = 0  # backwards posted so far; the next one is number ``posted``
+        self.lists = {}  # backward number -> how many ranks posted a list there (once read)
 
     def key(self, n: int, what: str) -> str:
         return f"{self.base}/{n}/{what}"
@@ -53,8 +57,9 @@ class _Ranks:
     def post(self, unused: list[str]) -> int:
         """Post this rank's unused parameters for the next backward; returns its number."""
         n, world = self.posted, len(self.ranks)
-        if unused:
-            self.store.append(self.key(n, "unused"), json.dumps(unused) + "\n")
+        if unused:  # a key of its own: see the module's docstring
+            i = self.store.add(self.key(n, "lists"), 1)
+            self.store.set(self.key(n, f"unused/{i}"), json.dumps(unused))
         total = self.store.add(self.key(n, "count"), 1 + (world + 1) * bool(unused))
         if total % (world + 1) == world:  # the last rank to post writes the tally
             self.store.set(self.key(n, "tally"), str(total // (world + 1)))
@@ -67,19 +72,24 @@ class _Ranks:
         world = len(self.ranks)
         try:
             ranks_with_unused = int(self.store.get(self.key(n, "tally")))
-            lists = self.store.get(self.key(n, "unused")) if ranks_with_unused else b""
+            lists = [
+                self.store.get(self.key(n, f"unused/{i}")) for i in range(1, ranks_with_unused + 1)
+            ]
         except Exception as e:  # noqa: BLE001 - the store's own timeout or connection error
             raise RuntimeError(
                 f"twinshard: the ranks {list(self.ranks)} did not all finish backward {n} in time "
                 f"to tally which parameters they used ({type(e).__name__}: {e}); a rank stopped "
                 "or fell far behind"
             ) from e
+        self.lists[n] = ranks_with_unused
+        previous_lists = self.lists.pop(n - 1, 0)
         if dist.get_rank() == min(self.ranks) and n >= 1:
-            for what in ("count", "tally", "unused"):
+            listed = [f"unused/{i}" for i in range(1, previous_lists + 1)]
+            for what in ("count", "tally", "lists", *listed):
                 self.store.delete_key(self.key(n - 1, what))
         unused_on: dict[str, int] = {}
-        for line in lists.decode().splitlines():
-            for name in json.loads(line):
+        for names in lists:
+            for name in json.loads(names):
                 unused_on[name] = unused_on.get(name, 0) + 1
         return [(name, world - k) for name, k in unused_on.items() if k < world]
 
