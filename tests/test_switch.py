@@ -161,7 +161,9 @@ SCRIPT = textwrap.dedent(
         model(torch.randn(4, 8)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
-    print(f"rank {dist.get_rank()} trained with", fully_shard.__module__)
+    # one write per line: the ranks share stdout, and print's pieces could interleave
+    sys.stdout.write(f"rank {dist.get_rank()} trained with {fully_shard.__module__}\\n")
+    sys.stdout.flush()
     """
 )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from twinshard import devices
 from twinshard.models import PRESETS
 
 from . import simnet
@@ -92,8 +93,12 @@ def problem(args) -> str | None:
             return str(error)
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device here; use --device cpu (or --backend fakeaccel)"
-    if args.backend == "nccl" and args.device != "cuda":
-        return "--backend nccl needs --device cuda; on the CPU use gloo, fake or simnet"
+    runs_on = devices.backend_device(args.backend or "gloo", 0).type  # the backend's device
+    if runs_on != "cpu" and args.device != runs_on:
+        return (
+            f"--backend {args.backend} runs on {runs_on} only: it needs --device {runs_on}; "
+            "on the CPU use gloo, fake or simnet"
+        )
     if args.backend == "gloo" and args.world is not None and args.world > 64:
         return f"--world {args.world} gloo processes on one machine: use --backend fake or simnet"
     return _model_problem(args)

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .attribute import Attributor, GroupInfo, infer_post_forward_pieces, shard_size_of
+from .groups import find_groups
 from .steps import Collective, Event, Schedule
 
 # c10d operator -> (collective, argument holding the results, argument holding the inputs)
@@ -73,34 +74,6 @@ def gathered_in_place(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -
     numel = out.numel() + inp.numel()
     shared = memory.data_ptr() == inp.untyped_storage().data_ptr()
     return numel if shared and memory.nbytes() == numel * out.element_size() else None
-
-
-def is_fsdp_module(module: nn.Module) -> bool:
-    """Sharded by twinshard (either implementation, or a variant) or by torch's fully_shard."""
-    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-
-    from twinshard.api import FSDPModule
-
-    return isinstance(module, (FSDPModule, TorchFSDPModule))
-
-
-def find_groups(model: nn.Module) -> list[GroupInfo]:
-    """Every sharded module with the parameters it manages (not those of sharded children)."""
-    groups, seen = [], set()
-    fsdp = [(path, m) for path, m in model.named_modules() if is_fsdp_module(m)]
-    for path, module in reversed(fsdp):  # children first: a tie belongs to the lower group
-        owned, todo = [], [("", module)]
-        while todo:
-            prefix, m = todo.pop()
-            for attr, p in m.named_parameters(recurse=False):
-                if isinstance(p, DTensor) and id(p) not in seen:
-                    seen.add(id(p))
-                    owned.append((prefix + attr, m, attr, p))
-            for child_name, child in reversed(list(m.named_children())):
-                if not is_fsdp_module(child):
-                    todo.append((f"{prefix}{child_name}.", child))
-        groups.append(GroupInfo(path, module, owned))
-    return list(reversed(groups))
 
 
 class _AfterPostBackward(torch.autograd.Function):
