@@ -39,10 +39,11 @@ the all-gather: ``all_to_all_single`` takes one input split per peer, so it woul
 rank's slot once per peer, a copy of the whole group.
 
 [Note: mixed dtypes in one group]
-A group may hold parameters of several dtypes (a frozen float8 weight beside float32 ones). A
-flat buffer has one dtype, and float8 has no type promotion, so such a group is gathered as
-bytes: each block is viewed as uint8, gathered, and each parameter's output is viewed as uint8
-for the copy-out. No value is converted, so the result is the same as gathering each dtype on
+A group may hold parameters of several dtypes (a frozen float8 weight beside float32 ones), and
+a parameter with the all-gather extension may gather tensors of several dtypes (float8 data
+and a float32 scale; ``reference/extension.py``). A flat buffer has one dtype, and float8 has
+no type promotion, so such a group is gathered as bytes: each tensor is viewed as uint8,
+gathered, and each output is viewed as uint8 for the copy-out. No value is converted, so the result is the same as gathering each dtype on
 its own. Reductions need arithmetic, so those are grouped by dtype instead (``flat_group.py``).
 
 [Note: HSDP after the reduce-scatter]
@@ -150,19 +151,18 @@ def all_gather(
     reference's ``ShardedParam.unshard`` loop of one blocking all-gather per parameter; see
     [Note: one flat buffer per group]."""
     comm.before_all_gather(after_current)
-    first = dtypes[0]
-    mixed = dtypes.count(first) != len(dtypes)
-    as_bytes = mixed or (first.itemsize == 1 and first.is_floating_point)  # float8 too
-    kept = None if as_bytes else kept
+    kept = None if is_float8(dtypes[0]) else kept  # float8 blocks go as bytes
     ranks = mesh.shard_size
     with comm.on(comm.copy_in_stream):
-        if kept is None:
-            pieces = [p.all_gather_input(d).ravel() for p, d in zip(params, dtypes)]
+        if kept is None:  # a parameter with the all-gather extension may bring several tensors
+            pieces = [x.ravel() for p, d in zip(params, dtypes) for x in p.all_gather_inputs(d)]
+            kinds = [x.dtype for x in pieces]
+            as_bytes = kinds.count(kinds[0]) != len(kinds) or is_float8(kinds[0])
             pieces = [x.view(torch.uint8) for x in pieces] if as_bytes else pieces
             numel, dtype, device = sum(x.numel() for x in pieces), pieces[0].dtype, pieces[0].device
         else:  # see [Note: the group keeps its blocks padded] in flat_group.py
             pieces, numel = kept
-            dtype, device = first, pieces[0].device
+            dtype, device, as_bytes = dtypes[0], pieces[0].device, False
         if ranks == 1:  # one rank: nothing to exchange, the copy-out reads the input itself
             send = torch.cat(pieces).to(dtype=dtype)  # a new tensor: the kept blocks stay
             pending = comm.done_on(comm.copy_in_stream)
@@ -223,7 +223,7 @@ def copy_out(result: AllGatherResult, comm: CommContext, views: dict) -> None:
 
 
 def gathered_views(result: AllGatherResult, cache: dict) -> tuple[list, list]:
-    """Each parameter's all-gather output (``all_gather_output``, its memory allocated again)
+    """Each parameter's all-gather outputs (``all_gather_outputs``, memory allocated again)
     viewed as (ranks, numel per rank), as bytes for a group of mixed dtypes, and the numel per
     rank of each view (the split sizes of the copy-out).
 
@@ -233,7 +233,7 @@ def gathered_views(result: AllGatherResult, cache: dict) -> tuple[list, list]:
     stays a view of it, so the views made by one copy-out serve every later one; making nine
     views costs about as much as the split-copy that fills them. They are made again when the
     outputs are not the same tensors (another set of parameters) or the shape differs."""
-    outs = [p.all_gather_output(d) for p, d in zip(result.params, result.dtypes)]
+    outs = [o for p, d in zip(result.params, result.dtypes) for o in p.all_gather_outputs(d)]
     key = (result.ranks, result.as_bytes)
     kept = cache.get(key)
     if kept is None or not same_tensors(kept[0], outs):
@@ -242,6 +242,11 @@ def gathered_views(result: AllGatherResult, cache: dict) -> tuple[list, list]:
             views = [v.view(torch.uint8) for v in views]  # (ranks, bytes per rank)
         kept = cache[key] = (outs, views, [v.shape[1] for v in views])
     return kept[1], kept[2]
+
+
+def is_float8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a float8: gloo and type promotion know no such dtype."""
+    return dtype.itemsize == 1 and dtype.is_floating_point
 
 
 def same_tensors(a: list, b: list) -> bool:

@@ -136,7 +136,7 @@ class FlatParamGroup(ParamGroup):
     def kept_shards(self, params: list) -> tuple[list, int] | None:
         """Each parameter's padded block, flat, in storage the group keeps, ready to be
         concatenated into the all-gather as they are, and their total numel; None where each
-        block is taken through ``all_gather_input`` (a group that cannot be kept so, of mixed
+        block is taken through ``all_gather_inputs`` (a group that cannot be kept so, of mixed
         dtypes, or with only a post-forward piece to gather).
 
         [Note: the group keeps its blocks padded]
@@ -175,6 +175,9 @@ class FlatParamGroup(ParamGroup):
         whose dtypes became mixed."""
         for p in self.params:
             p.refresh()  # adopt parameters the user replaced, before their dtype is read
+            if p.shard_storage_shape() is None:  # the all-gather extension, set on it since
+                self.can_keep_shards = False  # its shard gathers itself from now on
+                return None
         dtypes = [p.sharded_param.dtype for p in self.params]
         if dtypes.count(dtypes[0]) != len(dtypes):
             return None

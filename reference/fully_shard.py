@@ -93,7 +93,9 @@ def shard_module(
     owners, managed = _collect_params(modules, set(ignored_params or ()))
     cpu_offload = offload if isinstance(offload, CPUOffloadPolicy) else None
     params = [
-        ShardedParam(p, where, info, device, cpu_offload, shard_dim(shard_placement_fn, p, where))
+        ShardedParam(
+            p, where, info, device, cpu_offload, shard_dim(shard_placement_fn, p, where), mp
+        )
         for p, where in owners.items()
     ]
     for p in owners:  # the original tensor: a tie elsewhere still holds it (_collect_params)

@@ -47,6 +47,11 @@ class MeshInfo:
         return (Replicate(), Shard(0))
 
     @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1D mesh of the shard group (what an all-gather extension is handed, HSDP too)."""
+        return self.mesh if self.replicate_group is None else self.mesh[self.mesh.mesh_dim_names[1]]
+
+    @property
     def device(self) -> torch.device:
         """The compute device of this rank: the mesh's device type, current index."""
         kind = self.mesh.device_type

@@ -37,6 +37,8 @@ class GradientPath:
             return
         if self.tp is not None:
             grad = grad.to_local()
+        if hasattr(grad, "__tensor_flatten__"):  # a subclass: collectives move plain tensors
+            grad = torch.empty(grad.shape, dtype=reduce_dtype, device=self.device).copy_(grad)
         grad = grad.to(dtype=reduce_dtype)  # (rows, *rest)
         self.unsharded_param.grad = None
         if self.grad_to_reduce is None:

@@ -20,8 +20,8 @@ The contract. A parameter group moves a parameter between its states only throug
 methods below, in this order; the reference's ``ParamGroup`` calls them one parameter at a
 time, and ``twinshard.optimized`` calls the very same methods around its batched collectives:
 
-    unshard   all_gather_mesh -> all_gather_input -> (all-gather) -> all_gather_output
-              -> finish_unshard                                   (``unshard`` does all five)
+    unshard   all_gather_mesh -> all_gather_inputs -> all_gather_outputs -> (all-gather
+              each input into its output) -> finish_unshard       (``unshard`` does all five)
     reshard   reshard
     keep      shard_storage_shape -> keep_shard_in; shard_is_kept at each unshard
               (an implementation's own storage for the shards; the reference does not use it)
@@ -41,6 +41,7 @@ from twinshard.api import CPUOffloadPolicy, FSDPUsageError
 from twinshard.guard import check_collective
 
 from .collectives import all_gather_rows, pad_rows, padded_rows
+from .extension import ExtensionPath
 from .mesh import MeshInfo
 from .sharded_grad import GradientPath
 from .tensor_parallel import tp_layout
@@ -52,7 +53,7 @@ class ParamState(Enum):
     UNSHARDED = auto()  # module holds the whole parameter as a plain tensor
 
 
-class ShardedParam(GradientPath):
+class ShardedParam(GradientPath, ExtensionPath):
     """Shards one parameter at construction and moves it between its states."""
 
     def __init__(
@@ -63,6 +64,7 @@ class ShardedParam(GradientPath):
         device: torch.device,
         offload: CPUOffloadPolicy | None,
         dim: int = 0,
+        mp=None,  # the group's MixedPrecisionPolicy, for an all-gather extension
     ):
         if param.dim() == 0:
             raise FSDPUsageError(
@@ -78,11 +80,7 @@ class ShardedParam(GradientPath):
         self.pin = offload is not None and offload.pin_memory and device.type != "cpu"
         self.tp = tp_layout(param, info, self.fqn)  # tensor parallel: shard each rank's piece
         whole = param.to_local() if self.tp is not None else param  # what FSDP cuts and gathers
-        if hasattr(whole, "__tensor_flatten__"):  # TwoTensor, float8...: gloo takes plain ones
-            raise FSDPUsageError(
-                f"parameter '{self.fqn}' of {type(owners[0][0]).__name__} is a tensor subclass "
-                f"({type(whole).__name__}): twinshard gathers plain tensors; ignore it or unwrap it"
-            )
+        self.mp = mp
         self.shape = param.shape  # the global shape
         self.stride = torch.empty(param.shape, device="meta").stride()  # of the whole tensor
         self.dim = dim % param.dim()  # the dim cut into blocks ("rows"; 0 unless Shard(dim))
@@ -122,25 +120,15 @@ class ShardedParam(GradientPath):
         return self._as_dtensor(block)
 
     def _as_dtensor(self, block: torch.Tensor) -> DTensor:
+        mesh, stride = self.info.mesh, self.stride
         placements = tuple(
             Shard(self.dim) if isinstance(q, Shard) else q for q in self.info.placements
         )
         if self.tp is not None:  # a 2-D (dp, tp) DTensor; see tensor_parallel.py
-            return DTensor.from_local(
-                block,
-                self.tp.spmd_mesh,
-                self.tp.sharded_placements(self.info, self.dim),
-                run_check=False,
-                shape=self.shape,
-                stride=self.tp.stride,
-            )
+            mesh, stride = self.tp.spmd_mesh, self.tp.stride
+            placements = self.tp.sharded_placements(self.info, self.dim)
         return DTensor.from_local(
-            block,
-            self.info.mesh,
-            placements,
-            run_check=False,
-            shape=self.shape,
-            stride=self.stride,
+            block, mesh, placements, run_check=False, shape=self.shape, stride=stride
         )
 
     def _register(self, tensor: nn.Parameter) -> None:
@@ -181,9 +169,10 @@ class ShardedParam(GradientPath):
         if self.state is ParamState.UNSHARDED:
             return
         group = self.all_gather_mesh(post_forward).shard_group
-        block = self.all_gather_input(dtype)  # (chunk, *rest), or (S*chunk/N, *rest)
-        check_collective("all_gather", block, group, self.fqn)  # debug mode: do the ranks agree?
-        all_gather_rows(self.all_gather_output(dtype), block, group, comm)  # (S * chunk, *rest)
+        blocks = self.all_gather_inputs(dtype)  # [(chunk, *rest)], or an extension's inputs
+        for block, out in zip(blocks, self.all_gather_outputs(dtype)):  # out: (S * chunk, *rest)
+            check_collective("all_gather", block, group, self.fqn)  # debug mode: ranks agree?
+            all_gather_rows(out, block, group, comm)
         self.finish_unshard()
 
     def all_gather_mesh(self, post_forward: MeshInfo | None) -> MeshInfo:
@@ -207,9 +196,13 @@ class ShardedParam(GradientPath):
     def shard_storage_shape(self) -> torch.Size | None:
         """The (chunk, *rest) tensor ``keep_shard_in`` takes, or None where the shard cannot
         live in a caller's storage: a tensor-parallel parameter, a ``Shard(dim)`` with dim > 0
-        (its block is not whole rows of memory) and an offloaded one (its shard stays on the
-        host while the all-gather runs on the compute device)."""
+        (its block is not whole rows of memory), an offloaded one (its shard stays on the
+        host while the all-gather runs on the compute device) and a tensor subclass or a shard
+        with the all-gather extension (``extension.py``), asked at each call."""
+        local = self.sharded_param._local_tensor
         if self.tp is not None or self.dim != 0 or self.shard_device != self.device:
+            return None
+        if hasattr(local, "__tensor_flatten__") or hasattr(local, "fsdp_pre_all_gather"):
             return None
         return self.block_shape
 
@@ -225,7 +218,7 @@ class ShardedParam(GradientPath):
         kept.copy_(self.sharded_param._local_tensor)
         storage.narrow(0, self.local_rows, self.chunk - self.local_rows).zero_()  # the padding
         self.sharded_param._local_tensor = kept
-        self.kept_local = kept
+        self.kept_local, self.extended = kept, False  # a kept block is a plain one
 
     def shard_is_kept(self) -> bool:
         """Whether the module's sharded parameter still lives where ``keep_shard_in`` put it.
@@ -235,6 +228,7 @@ class ShardedParam(GradientPath):
         return (
             module._parameters[name] is self.sharded_param
             and self.sharded_param._local_tensor is self.kept_local
+            and not hasattr(self.kept_local, "fsdp_pre_all_gather")  # set on it since
         )
 
     def all_gather_output(self, dtype: torch.dtype) -> torch.Tensor:
@@ -270,6 +264,8 @@ class ShardedParam(GradientPath):
         """Once ``all_gather_output`` holds the gathered rows: put the unsharded parameter on
         the module and drop the post-forward piece."""
         self.post_forward_block = None
+        if self.extended:  # the extension makes the parameter from what it gathered
+            self.finish_extension()
         if self.dim:  # filled from the gathered rows, as torch's Shard(dim) parameters are
             self.own.untyped_storage().resize_(self.own_bytes)
             self.own.copy_(self.gathered)  # (rows along dim, ...) in the parameter's layout
@@ -283,11 +279,14 @@ class ShardedParam(GradientPath):
         if self.state is not ParamState.UNSHARDED:
             return
         buffer = self.all_gather_buffer  # (S * chunk, *rest)
-        if post_forward is not None and post_forward is not self.info:
-            piece = buffer.shape[0] // post_forward.shard_size
-            start = post_forward.shard_rank * piece
-            self.post_forward_block = buffer[start : start + piece].clone()  # (S*chunk/N, *rest)
-        self.all_gather_storage.resize_(0)  # the memory FSDP saves
+        if self.extended:  # (extension.py: it refuses to keep a post-forward piece)
+            self.free_extension(post_forward is not None and post_forward is not self.info)
+        else:
+            if post_forward is not None and post_forward is not self.info:
+                piece = buffer.shape[0] // post_forward.shard_size
+                start = post_forward.shard_rank * piece
+                self.post_forward_block = buffer[start : start + piece].clone()  # (S*chunk/N, ...)
+            self.all_gather_storage.resize_(0)  # the memory FSDP saves
         if self.dim:
             self.own.untyped_storage().resize_(0)
         self._register(self.sharded_param)

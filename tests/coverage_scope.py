@@ -15,6 +15,7 @@ import os
 
 COVERAGE_ENV = "COVERAGE_PROCESS_CONFIG"
 MEASURED_MODULES = {
+    "test_all_gather_extension",
     "test_api",
     "test_conformance",
     "test_contract",

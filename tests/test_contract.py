@@ -19,8 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPTIMIZED = sorted((ROOT / "optimized").glob("*.py"))
 CONTRACT = (
     "all_gather_mesh",
-    "all_gather_input",
-    "all_gather_output",
+    "all_gather_inputs",
+    "all_gather_outputs",
     "finish_unshard",
     "reshard",
     "take_grad",
@@ -35,8 +35,8 @@ CONTRACT = (
 OFFERED = ("shard_storage_shape", "keep_shard_in", "shard_is_kept")
 BATCHED = (
     "all_gather_mesh",
-    "all_gather_input",
-    "all_gather_output",
+    "all_gather_inputs",
+    "all_gather_outputs",
     "finish_unshard",
     "reduce_scatter_input",
     "combine_partial_sum",

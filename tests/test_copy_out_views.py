@@ -4,8 +4,8 @@
 A view kept from one copy-out must still show the parameter's memory after a reshard freed it
 and an unshard allocated it again, and the views must be made anew for other outputs or
 another number of ranks. The parameters here are stand-ins with the one contract method the
-function calls, ``all_gather_output``, which behaves like ``ShardedParam``'s: one tensor for
-the whole run, its storage resized to nothing and back.
+function calls, ``all_gather_outputs``, which behaves like ``ShardedParam``'s for a plain
+parameter: one tensor for the whole run, its storage resized to nothing and back.
 """
 
 import torch
@@ -17,10 +17,10 @@ class StandInParam:
     def __init__(self, rows: int, cols: int):
         self.buffer = torch.zeros(rows, cols)
 
-    def all_gather_output(self, dtype):
+    def all_gather_outputs(self, dtype):
         storage = self.buffer.untyped_storage()
         storage.resize_(self.buffer.numel() * self.buffer.element_size())
-        return self.buffer
+        return [self.buffer]
 
     def reshard(self):
         self.buffer.untyped_storage().resize_(0)

@@ -45,8 +45,11 @@ def test_whole_reference_is_small():
     # and after their sum, offloaded gradients copied to host memory without waiting and
     # waited for once, the usage tally over the store instead of a collective, the default
     # mesh from the accelerator API. The bound moved to 1,700.
+    # FSDP2's all-gather extension (tensor subclasses and shards that gather themselves:
+    # float8 weights, extension.py) and PyTorch's own FSDP2 tests passing (issue 24) cost about
+    # 140 more: the bound moved to 1,850. extension.py is optional reading for a student.
     total = sum(len(p.read_text().splitlines()) for p in FILES)
-    assert total < 1700, f"reference/ has {total} lines; keep it under 1,700"
+    assert total < 1850, f"reference/ has {total} lines; keep it under 1,850"
 
 
 def test_tensor_lines_carry_shape_comments():
