@@ -162,6 +162,11 @@ class ShardedParam(GradientPath, ExtensionPath):
             local = local.to(self.shard_device)
             self.sharded_param._local_tensor = local.pin_memory() if self.pin else local
 
+    def on_meta(self) -> bool:
+        """Whether the module's parameter (this one, or one that replaced it) is on meta."""
+        module, name = self.owners[0]
+        return module._parameters[name].is_meta
+
     # --- unshard and reshard ----------------------------------------------------------------
     def unshard(self, dtype: torch.dtype, post_forward: MeshInfo | None, comm=None) -> None:
         """All-gather the whole parameter into the unsharded tensor and put it on the module

@@ -92,10 +92,28 @@ class FSDPState:
                 for p in state.group.params:  # full names, from the module that holds it
                     owner, attr = p.owners[0]
                     p.fqn = f"{named[id(owner)][0]}.{attr}".lstrip(".")
+        self.check_materialized()
         if self.auto_reshard_after_forward and self.group is not None:
             # The root's parameters are the first ones backward needs: keep them.
             self.group.post_forward_info = None
         check_model(self.module, self.all_states)  # do all ranks hold the same model?
+
+    def check_materialized(self) -> None:
+        """Refuse parameters still on the meta device, naming those of the first group that
+        has any, as torch's ``fully_shard`` does (its tests match the words), and counting
+        the others."""
+        groups = [s.group.params for s in self.all_states if s.group is not None]
+        meta = [[p.fqn for p in params if p.on_meta()] for params in groups]
+        meta = [names for names in meta if names]
+        if meta:
+            more = sum(map(len, meta[1:]))
+            raise FSDPUsageError(
+                "FSDP parameters should be materialized from meta device before training, but "
+                f"the following were still on meta device: {meta[0]}"
+                + (f" (and {more} more in other groups)" if more else "")
+                + "; materialize them first, e.g. model.to_empty(device=...), then initialize "
+                "or load the weights"
+            )
 
     # --- forward: pre and post ------------------------------------------------------------------
     @torch.compiler.disable

@@ -46,10 +46,11 @@ def test_whole_reference_is_small():
     # waited for once, the usage tally over the store instead of a collective, the default
     # mesh from the accelerator API. The bound moved to 1,700.
     # FSDP2's all-gather extension (tensor subclasses and shards that gather themselves:
-    # float8 weights, extension.py) and PyTorch's own FSDP2 tests passing (issue 24) cost about
-    # 140 more: the bound moved to 1,850. extension.py is optional reading for a student.
+    # float8 weights, extension.py) and the rest of PyTorch's own FSDP2 tests that use the
+    # public interface (issue 24) cost about 170 more: the bound moved to 1,875. extension.py
+    # is optional reading for a student.
     total = sum(len(p.read_text().splitlines()) for p in FILES)
-    assert total < 1850, f"reference/ has {total} lines; keep it under 1,850"
+    assert total < 1875, f"reference/ has {total} lines; keep it under 1,875"
 
 
 def test_tensor_lines_carry_shape_comments():

@@ -151,6 +151,10 @@ def _errors(impl) -> dict:
     custom.set_allocate_memory_from_process_group_for_comm(True)  # accepted before, as torch's
     custom.set_custom_all_gather(CustomAllGather())
     dim_1 = lambda p: impl_shard(1)  # noqa: E731 - invalid for a bias
+    with torch.device("meta"):  # two groups and the root, never materialized
+        on_meta = nn.Sequential(MLP(), MLP())
+    for module in (on_meta[0], on_meta[1], on_meta):
+        impl.fully_shard(module)
     return {
         "unnamed_2d": _error(lambda: impl.fully_shard(MLP(), mesh=unnamed)),
         "3d": _error(lambda: impl.fully_shard(MLP(), mesh=three_d)),
@@ -162,6 +166,7 @@ def _errors(impl) -> dict:
         "alloc_after_custom": _error(
             lambda: custom.set_allocate_memory_from_process_group_for_comm(True)
         ),
+        "meta": _error(lambda: on_meta(torch.ones(2, 8))),
     }
 
 
@@ -285,6 +290,12 @@ ERRORS = {  # what torch's tests expect: an exception of this type whose message
     "scalar": ("ValueError", "Change scalar_p to a 1D tensor with numel equal to 1."),
     "shard_dim": ("AssertionError", "Shard dim 1 is invalid for 1D tensor"),
     "alloc_after_custom": ("AssertionError", "set_allocate_memory_from_process_group"),
+    "meta": (  # every parameter of the first group that has any, by its full name
+        "RuntimeError",
+        "FSDP parameters should be materialized from meta device before training, but the "
+        r"following were still on meta device: \['0\.w1\.weight', '0\.w1\.bias', "
+        r"'0\.w2\.weight', '0\.w2\.bias'\]",
+    ),
 }
 
 
