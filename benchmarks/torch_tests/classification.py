@@ -23,7 +23,7 @@ _PATCHED_GROUP = (
 )
 _EXTENSION = (
     "the fsdp_pre_all_gather / fsdp_post_all_gather tensor-subclass extension; twinshard "
-    "refuses such parameters by name (a draft exists: it does not fit the reference's line bound)"
+    "refused such parameters by name before 8a97b7a, where both implementations gained it"
 )
 _PER_PARAM = (
     "counts collectives with CommDebugMode expecting one all-gather / reduce-scatter per group; "
@@ -67,7 +67,7 @@ CLASSIFICATION: dict[str, tuple[str, str]] = {
     "test_invalid_meta_device_init": (
         "difference",
         "wording: torch lists every parameter of the group still on meta in one message; "
-        "twinshard names the first and says how to materialize it (left for a later round)",
+        "twinshard named the first before e713cf2, which says what torch says",
     ),
     # test_fully_shard_comm.py
     "test_fully_shard_communication_count": ("by design", _PER_PARAM),
