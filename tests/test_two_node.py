@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from tests.train_support import SMALL
 from twinshard.train import checkpoint as ckpt
@@ -44,18 +45,24 @@ def _torchrun(nodes: str, *train_args) -> list[str]:
 
 
 def _finish(agents: list[subprocess.Popen]) -> list[str]:
-    outputs = []
-    try:
-        for agent in agents:
-            out, _ = agent.communicate(timeout=TIMEOUT_S)
-            outputs.append(out)
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.communicate()
-    for agent, out in zip(agents, outputs):
-        assert agent.returncode == 0, out[-3000:]
+    """Wait for every agent, all within one ``TIMEOUT_S``; past it, stop them all and fail
+    with each agent's last output (which agent waited, and for what)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    outputs, late = [], []
+    for agent in agents:
+        try:
+            out, _ = agent.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            out, _ = agent.communicate()
+            late.append(len(outputs))
+        outputs.append(out)
+    tails = "\n".join(
+        f"--- agent {i} (exit {a.returncode}):\n{o[-2000:]}"
+        for i, (a, o) in enumerate(zip(agents, outputs))
+    )
+    assert not late, f"agent(s) {late} still running after {TIMEOUT_S} s\n{tails}"
+    assert all(agent.returncode == 0 for agent in agents), tails
     return outputs
 
 

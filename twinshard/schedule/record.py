@@ -29,9 +29,6 @@ collective itself only knows its tensors.
 from __future__ import annotations
 
 import itertools
-import sys
-import time
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -41,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .attribute import Attributor, GroupInfo, infer_post_forward_pieces, shard_size_of
+from .buffers import CollectiveBuffers, storage_key
 from .groups import find_groups
 from .steps import Collective, Event, Schedule
 
@@ -100,41 +98,6 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int] | None:
-    """(address, bytes) of a plain tensor's memory, None for subclasses or freed memory. A
-    ``FakeTensor`` (``twinshard.fakeaccel``) has no address: its storage, on ``meta`` while
-    the tensor stands for another device, is named by the storage object instead."""
-    if is_traceable_wrapper_subclass(t) or t.device.type == "meta":
-        return None
-    s = t.untyped_storage()
-    if not s.nbytes():
-        return None
-    return (s._cdata if s.device.type == "meta" else s.data_ptr(), s.nbytes())
-
-
-def _held_by_python(ref: weakref.ref) -> bool:
-    """Whether a Python object refers to the tensor behind ``ref`` (False once it is gone).
-
-    A backend's worker thread can hold a collective's tensors for a moment after the wait
-    returns (gloo's does), and then torch keeps the Python object alive for it: the tensor's
-    C++ object, referred to from C++ (its use count above one), holds one reference to it.
-    ``t`` below and ``getrefcount``'s argument are two more; anything beyond is Python's.
-    The worker lets go of the tensor before it can let go of that reference (it needs the
-    GIL, which this thread holds), so an apparent holder is asked about again after the GIL
-    was given up for a moment."""
-    for attempt in range(3):
-        if attempt:
-            time.sleep(0.0005)  # the GIL is free: a worker thread may finish letting go
-        t = ref()
-        if t is None:
-            return False
-        from_cpp = 1 if t._use_count() > 1 else 0
-        if sys.getrefcount(t) - 2 - from_cpp <= 0:
-            return False
-        del t
-    return True
-
-
 class _Watch(TorchDispatchMode):
     """Sees every operator: records collectives and the first read of their results."""
 
@@ -148,7 +111,10 @@ class _Watch(TorchDispatchMode):
         if self.recorder.busy or namespace == "profiler":
             pass  # the recorder's own arithmetic, or a profiler label: not part of the step
         elif namespace == "c10d" and name in OPS:
-            self.recorder._issued(func, name, args, kwargs)
+            collective = self.recorder._issued(func, name, args, kwargs)
+            out = func(*args, **kwargs)
+            self.recorder.buffers.keep_work(collective, out)
+            return out
         elif not func.is_view:
             self.recorder._computed(args, kwargs)
         return func(*args, **kwargs)
@@ -233,8 +199,7 @@ class Recorder:
     # --- recording -----------------------------------------------------------------------------
     def __enter__(self) -> Recorder:
         self.events, self.collectives, self.in_flight = [], [], {}
-        self.gathered = []  # (weak reference, Collective): all-gather outputs
-        self.reduced = []  # (weak reference, Collective): the gradients being reduced
+        self.buffers = CollectiveBuffers()
         self.ticks, self.phase, self.callback_queued = itertools.count(), "forward", False
         self.attributor = Attributor(self.groups)
         self.watch = _Watch(self)
@@ -244,6 +209,7 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.active = False
+        self.buffers.release()
         self.watch.__exit__(*exc)
 
     def remove(self) -> None:
@@ -308,7 +274,7 @@ class Recorder:
     def _state(t: torch.Tensor, shard_size: int) -> str:
         if isinstance(t, DTensor):  # torch keeps a post-forward piece as a DTensor on fewer ranks
             return "P" if shard_size_of(t) < shard_size else "S"
-        return "U" if _storage(t) else "-"
+        return "U" if storage_key(t) else "-"
 
     def _memory(self) -> tuple[int, int]:
         params, grads, sharded = {}, {}, set()
@@ -319,29 +285,23 @@ class Recorder:
                     # With one rank per shard a reduction's buffer can become the sharded
                     # gradient itself: memory that sharding keeps anyway, not a cost of the step.
                     for kept in (t, t.grad):
-                        if isinstance(kept, DTensor) and (s := _storage(kept._local_tensor)):
+                        if isinstance(kept, DTensor) and (s := storage_key(kept._local_tensor)):
                             sharded.add(s[0])
                     continue
-                params.update([_storage(t) or (0, 0)])
+                params.update([storage_key(t) or (0, 0)])
                 if t.grad is not None:
-                    grads.update([_storage(t.grad) or (0, 0)])
+                    grads.update([storage_key(t.grad) or (0, 0)])
         # A collective's buffer (an all-gather's output, a gradient being reduced) counts while
         # the collective is in flight and, once its result was read, while the implementation
         # still holds it (the output of an all-gather not yet copied out, a buffer kept for the
-        # next reduction, or one kept by mistake); not while only the backend's worker thread
-        # does (gloo's, for a moment after the wait), which is not the implementation's memory.
-        self.gathered = [(r, c) for r, c in self.gathered if r() is not None]
-        self.reduced = [(r, c) for r, c in self.reduced if r() is not None]
-        for found, buffers in ((params, self.gathered), (grads, self.reduced)):
-            found.update(
-                _storage(t) or (0, 0)
-                for r, c in buffers
-                if (c.used_tick is None or _held_by_python(r)) and (t := r()) is not None
-            )
+        # next reduction, or one kept by mistake); not while only the backend does.
+        gathered, reduced = self.buffers.held()
+        params.update(gathered)  # (address, bytes) pairs
+        grads.update(reduced)
         alive = lambda found: sum(n for at, n in found.items() if at not in sharded)  # noqa: E731
         return alive(params), alive(grads)
 
-    def _issued(self, func, name: str, args, kwargs) -> None:
+    def _issued(self, func, name: str, args, kwargs) -> Collective:
         op, out_name, in_name = OPS[name]
         bound = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
         bound.update(zip((a.name for a in func._schema.arguments), args))
@@ -374,17 +334,18 @@ class Recorder:
             self.busy = False
         self.collectives.append(c)
         for t in outs:
-            if not blocking and (s := _storage(t)):
+            if not blocking and (s := storage_key(t)):
                 self.in_flight[s[0]] = c
         if op == "all_gather":
-            self.gathered += [(weakref.ref(t), c) for t in outs]
+            self.buffers.watch(c, gathered=outs)
         elif op == "reduce_scatter" or (op == "all_reduce" and big[0].is_floating_point()):
-            self.reduced += [(weakref.ref(t), c) for t in ins]  # gradients, being reduced
+            self.buffers.watch(c, reduced=ins)  # gradients, being reduced
+        return c
 
     def _computed(self, args, kwargs) -> None:
         """Any other operator: time moves on by one; does it read a collective's result?"""
         tick = next(self.ticks)
         for t in _tensors((args, kwargs)) if self.in_flight else ():
-            s = _storage(t)
+            s = storage_key(t)
             if s and (c := self.in_flight.pop(s[0], None)) is not None:
                 c.used_tick = tick

@@ -23,12 +23,13 @@ SIGINT, 143 for SIGTERM; the checkpoint of the last finished step can be resumed
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
-import time
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -90,23 +91,26 @@ def _interrupted(result: dict, run_dir: Path, say: bool = True) -> int:
     return 128 + getattr(signal, result["interrupted"], signal.SIGTERM)
 
 
-def _let_collective_threads_finish() -> None:
-    """Give gloo's worker threads the interpreter before it shuts down.
+def _end_torchrun_rank(code: int) -> NoReturn:
+    """End a torchrun rank with ``code`` once its group is destroyed, without finalizing.
 
     [Note: a torchrun rank's exit]
     A gloo worker thread drops its reference to a finished collective's tensors only after
     ``wait()`` has returned on the main thread, and dropping a tensor that Python created
-    takes the GIL. If the main thread holds the GIL from there until the interpreter
-    finalizes, the worker asks for it during finalization; Python then ends that thread inside
-    a C++ destructor, and the process aborts ("terminate called without an active exception",
-    exit -6) after the run has finished and saved. ``destroy_process_group`` does not join
-    those threads once DCP or FSDP is imported (torch keeps the group alive). Ranks started by
-    ``twinshard.launch`` never finalize (multiprocessing ends them with ``os._exit``); a
-    ``torchrun`` rank does, so it sleeps briefly first: a waiting worker takes the GIL, lets
-    its tensors go, and goes back to its idle wait, which needs no GIL.
-    """
-    for _ in range(10):
-        time.sleep(0.01)  # each sleep releases the GIL; a late worker gets another chance
+    takes the GIL. If the worker asks for it while the interpreter finalizes, Python ends that
+    thread inside a C++ destructor and the process aborts ("terminate called without an active
+    exception", exit -6) after the run has finished and saved; ``destroy_process_group`` does
+    not join those threads once DCP or FSDP is imported (torch keeps the group alive). Sleeping
+    first so that a late worker gets the GIL only makes the abort rarer (a loaded machine can
+    keep the worker off a core longer than any sleep), and when one rank of a two-node run
+    aborts, the other agent waits at torchrun's exit barrier for minutes. So the rank does
+    what ``twinshard.launch``'s ranks do: its output flushed and its log handlers closed, it
+    leaves with ``os._exit`` before the interpreter finalizes; nothing of the run is left to
+    write by then."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _join_torchrun_group() -> torch.device:
@@ -119,22 +123,23 @@ def _join_torchrun_group() -> torch.device:
     return devices.join_group(backend, local_rank, timeout=timedelta(seconds=RUN_TIMEOUT))
 
 
-def _run_torchrun(cfg: TrainConfig) -> int:
+def _run_torchrun(cfg: TrainConfig) -> NoReturn:
     _join_torchrun_group()
     if cfg.hang_timeout:
         watchdog.start_torchrun(cfg.hang_timeout)
     try:
         result = rank_main(cfg, lock_run_dir=True)
         if result.get("interrupted"):
-            return _interrupted(result, Path(cfg.out), dist.get_rank() == 0)
-        return 0
+            code = _interrupted(result, Path(cfg.out), dist.get_rank() == 0)
+        else:
+            code = 0
     except OUR_ERRORS as e:
         if dist.get_rank() == 0:
             print(f"twinshard train: error: {e}", file=sys.stderr)
-        return 1
+        code = 1
     finally:
         dist.destroy_process_group()
-        _let_collective_threads_finish()  # see [Note: a torchrun rank's exit]
+    _end_torchrun_rank(code)  # see [Note: a torchrun rank's exit]
 
 
 def run(args: argparse.Namespace) -> int:
