@@ -38,7 +38,7 @@ VARIANTS = {
 HAZARD_CONFIG = dict(impl="optimized", world=8)
 
 SCRIPT = """
-import json, sys, time, traceback
+import json, os, sys, time, traceback
 from twinshard.bench.config import RunConfig
 from twinshard.fakeaccel.runner import check_all
 from twinshard.fakeaccel.stream_order import first_difference, orders
@@ -72,7 +72,8 @@ print(json.dumps(dict(
     orders=attempt(stream_orders),
     schedule=attempt(schedule),
     seconds=time.perf_counter() - start,
-)))
+)), flush=True)
+os._exit(0)  # as twinshard.fresh_process's workers end: [Note: a worker's exit]
 """
 
 

@@ -16,16 +16,16 @@ shared machine hits all implementations alike rather than one of them.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import resource
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+
+from twinshard import fresh_process
 
 from .config import RunConfig, build, forward_backward
 from .probe import Probe, sharded_modules
@@ -163,9 +163,7 @@ def run(config: RunConfig, timeout: float = 1800) -> dict:
     """Run ``config`` in processes of its own; the ranks' results combined (rank 0's memory,
     each step as slow as its slowest rank)."""
     if config.simulated:
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
-            return pool.submit(run_rank, config).result(timeout)
+        return fresh_process.call(run_rank, config, timeout=timeout)
     from twinshard.launch import launch
 
     results = launch(run_rank, config.nproc, config, backend=config.backend, timeout=timeout)

@@ -26,15 +26,14 @@ plant into every model, for the tests of the checks themselves (see ``planted.py
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from twinshard import fresh_process
 from twinshard.bench import memmodel
 from twinshard.bench.config import DTYPES, RunConfig, build, mesh_for, shard
 from twinshard.bench.probe import Probe, sharded_modules
@@ -97,9 +96,7 @@ def check_all(configs: list, **options) -> list[dict]:
 
 def run(configs: list, timeout: float = 900, **options) -> list[dict]:
     """``check_all`` in one freshly spawned process; the results in order."""
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
-        return pool.submit(check_all, list(configs), **options).result(timeout)
+    return fresh_process.call(check_all, list(configs), timeout=timeout, **options)
 
 
 # --- the two runs --------------------------------------------------------------------------------

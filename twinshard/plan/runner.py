@@ -26,13 +26,12 @@ registration is process-wide and for good); ``progress`` receives a line per sta
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.distributed as dist
 
+from twinshard import fresh_process
 from twinshard.bench.config import mesh_for, shard
 from twinshard.bench.probe import Probe, sharded_modules
 from twinshard.bench.runner import join_simulated_world
@@ -223,6 +222,4 @@ def record_all(configs: list, progress: bool = True) -> list[dict]:
 
 def record_many(configs: list, progress: bool = True, timeout: float = 3600) -> list[dict]:
     """``record_all`` in one freshly spawned process."""
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
-        return pool.submit(record_all, list(configs), progress).result(timeout)
+    return fresh_process.call(record_all, list(configs), progress, timeout=timeout)

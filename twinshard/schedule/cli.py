@@ -123,13 +123,9 @@ def record_on_fake_accelerator(impls: list[str], world_size: int, **options) -> 
 
 def record_fake_steps(impls: list[str], world_size: int, **options) -> list[Schedule]:
     """``record_on_fake_accelerator`` in a freshly spawned process."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from twinshard import fresh_process
 
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
-        job = pool.submit(record_on_fake_accelerator, impls, world_size, **options)
-        return job.result(600)
+    return fresh_process.call(record_on_fake_accelerator, impls, world_size, timeout=600, **options)
 
 
 def record_step(impl: str = "reference", world_size: int = 2, rank: int = 0, **options) -> Schedule:

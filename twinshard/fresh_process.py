@@ -1,0 +1,80 @@
+"""One call in a freshly spawned process, which ends without finalizing its interpreter.
+
+The fake-accelerator run, the schedule recorded on it, the memory planner and the simulated
+network each need a process of their own: they register a device or a process-group backend
+for good, or set the process's thread count. ``call`` spawns one, runs the function there and
+returns its result (or raises its exception, with the child's traceback as the cause).
+
+[Note: a worker's exit]
+Such a process leaves threads behind that still hold Python objects: autograd's thread for the
+fake accelerator (backward on a non-CPU device runs on a thread of its own, which can drop the
+last reference to a finished backward's graph task, with the Python callbacks FSDP queued on
+it, after the main thread went on: the core dump of the abort below shows exactly that),
+the simulated network's wire thread, a gloo worker (``twinshard/train/cli.py``, [Note: a
+torchrun rank's exit]). Dropping a Python object takes the GIL; a thread that asks for it while
+the interpreter finalizes is ended by Python inside a C++ destructor, and the process aborts
+("terminate called without an active exception") after its work was done: one
+fake-accelerator run of six did so on the 2-core VM, and one in CI. So the child sends its answer, flushes its output and
+leaves with ``os._exit``, as ``twinshard.launch``'s ranks do; there is nothing left to save.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import traceback
+
+
+class ChildTraceback(Exception):
+    """The traceback of an exception raised in the child process, as text."""
+
+    def __str__(self) -> str:
+        return f"\n\nin the spawned process:\n{self.args[0]}"
+
+
+def call(fn, *args, timeout: float, **kwargs):
+    """``fn(*args, **kwargs)`` in a freshly spawned process; its result, or its exception.
+    ``TimeoutError`` (the process is stopped) when it has not answered within ``timeout``
+    seconds; ``RuntimeError`` when it ended without answering."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_serve, args=(send, fn, args, kwargs), daemon=True)
+    child.start()
+    send.close()  # the child holds the only sending end: its death ends the wait below
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        if not receive.poll(timeout):
+            raise TimeoutError(f"{name}: no answer from its process within {timeout:.0f} s")
+        answer = receive.recv()
+    except EOFError:
+        child.join(10)
+        raise RuntimeError(
+            f"{name}: its process ended (exit code {child.exitcode}) without answering; its "
+            "output above says why"
+        ) from None
+    finally:
+        receive.close()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    if answer[0] == "error":
+        _, error, text = answer
+        raise error from ChildTraceback(text)
+    return answer[1]
+
+
+def _serve(send, fn, args, kwargs) -> None:
+    try:
+        answer = ("ok", fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+        answer = ("error", e, traceback.format_exc())
+    try:
+        send.send(answer)
+    except Exception:  # noqa: BLE001 - an answer that cannot be pickled
+        send.send(("error", RuntimeError(traceback.format_exc()), traceback.format_exc()))
+    send.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see [Note: a worker's exit]
