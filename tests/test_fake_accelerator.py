@@ -38,7 +38,8 @@ VARIANTS = {
 HAZARD_CONFIG = dict(impl="optimized", world=8)
 
 SCRIPT = """
-import json, os, sys, time, traceback
+import json, sys, time, traceback
+from twinshard import fresh_process
 from twinshard.bench.config import RunConfig
 from twinshard.fakeaccel.runner import check_all
 from twinshard.fakeaccel.stream_order import first_difference, orders
@@ -73,7 +74,7 @@ print(json.dumps(dict(
     schedule=attempt(schedule),
     seconds=time.perf_counter() - start,
 )), flush=True)
-os._exit(0)  # as twinshard.fresh_process's workers end: [Note: a worker's exit]
+fresh_process.leave(0)  # as its workers end: [Note: a worker's exit]
 """
 
 

@@ -13,17 +13,21 @@ it, after the main thread went on: the core dump of the abort below shows exactl
 the simulated network's wire thread, a gloo worker (``twinshard/train/cli.py``, [Note: a
 torchrun rank's exit]). Dropping a Python object takes the GIL; a thread that asks for it while
 the interpreter finalizes is ended by Python inside a C++ destructor, and the process aborts
-("terminate called without an active exception") after its work was done: one
-fake-accelerator run of six did so on the 2-core VM, and one in CI. So the child sends its answer, flushes its output and
-leaves with ``os._exit``, as ``twinshard.launch``'s ranks do; there is nothing left to save.
+("terminate called without an active exception") after its work was done: 2 of 10
+fake-accelerator runs did so on the 2-core VM, and one in CI. So the child sends its answer and
+``leave``s: its output flushed and its log handlers closed, it ends with ``os._exit``, as
+``twinshard.launch``'s ranks and a torchrun rank of ``twinshard train`` do; nothing is left to
+save by then.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 
 class ChildTraceback(Exception):
@@ -43,22 +47,24 @@ def call(fn, *args, timeout: float, **kwargs):
     child.start()
     send.close()  # the child holds the only sending end: its death ends the wait below
     name = getattr(fn, "__qualname__", repr(fn))
+    answer = None
     try:
         if not receive.poll(timeout):
             raise TimeoutError(f"{name}: no answer from its process within {timeout:.0f} s")
         answer = receive.recv()
     except EOFError:
-        child.join(10)
-        raise RuntimeError(
-            f"{name}: its process ended (exit code {child.exitcode}) without answering; its "
-            "output above says why"
-        ) from None
+        pass  # it ended without answering: said below, once it has been joined
     finally:
         receive.close()
         child.join(10)
         if child.is_alive():
             child.kill()
             child.join()
+    if answer is None:
+        raise RuntimeError(
+            f"{name}: its process ended (exit code {child.exitcode}) without answering; its "
+            "output above says why"
+        )
     if answer[0] == "error":
         _, error, text = answer
         raise error from ChildTraceback(text)
@@ -75,6 +81,15 @@ def _serve(send, fn, args, kwargs) -> None:
     except Exception:  # noqa: BLE001 - an answer that cannot be pickled
         send.send(("error", RuntimeError(traceback.format_exc()), traceback.format_exc()))
     send.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see [Note: a worker's exit]
+    leave(0)
+
+
+def leave(code: int) -> NoReturn:
+    """End this process with ``code`` now, without finalizing the interpreter; output is
+    flushed and log handlers are closed first. See [Note: a worker's exit]."""
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)

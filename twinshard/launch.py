@@ -70,7 +70,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import devices, watchdog
+from . import devices, fresh_process, watchdog
 from .supervise import HangError, LaunchError, Watch, collect, forwarding, stop
 
 __all__ = ["HangError", "LaunchError", "RankInfo", "get_rank_info", "launch"]
@@ -273,21 +273,17 @@ def _worker(fn, args, kwargs, setup: _Setup, conn) -> None:
         kind = f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins.")
         try:
             conn.send_bytes(pickle.dumps(("error", kind, str(e), traceback.format_exc())))
-            sys.stdout.flush()
-            sys.stderr.flush()
         finally:
-            os._exit(1)  # skip teardown: peers may be stuck, and the parent stops them anyway
+            fresh_process.leave(1)  # skip teardown: peers may be stuck, the parent stops them
     try:
         if dist.is_initialized():
             dist.barrier()  # nobody tears down while a peer still talks to it
             dist.destroy_process_group()
     finally:
         conn.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
         # Communication threads left behind by subgroups (device meshes) can abort the
         # interpreter's own shutdown; the result is already delivered, so leave directly.
-        os._exit(0)
+        fresh_process.leave(0)
 
 
 def launch(

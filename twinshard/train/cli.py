@@ -23,7 +23,6 @@ SIGINT, 143 for SIGTERM; the checkpoint of the last finished step can be resumed
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -34,7 +33,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from twinshard import devices, watchdog
+from twinshard import devices, fresh_process, watchdog
 
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
@@ -105,12 +104,9 @@ def _end_torchrun_rank(code: int) -> NoReturn:
     keep the worker off a core longer than any sleep), and when one rank of a two-node run
     aborts, the other agent waits at torchrun's exit barrier for minutes. So the rank does
     what ``twinshard.launch``'s ranks do: its output flushed and its log handlers closed, it
-    leaves with ``os._exit`` before the interpreter finalizes; nothing of the run is left to
-    write by then."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leaves with ``os._exit`` before the interpreter finalizes (``fresh_process.leave``);
+    nothing of the run is left to write by then."""
+    fresh_process.leave(code)
 
 
 def _join_torchrun_group() -> torch.device:
