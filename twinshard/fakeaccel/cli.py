@@ -18,9 +18,9 @@ collectives than the CPU run.
 from __future__ import annotations
 
 import argparse
-import json
 
 from twinshard.bench.config import DTYPES, SHARDED, RunConfig
+from twinshard.report_files import publish
 from twinshard.schedule.cli import reshard_value
 
 from . import report
@@ -91,13 +91,7 @@ def check_and_report(configs: list[RunConfig], args) -> int:
         f"{first.seq} tokens per rank; figures of step {args.steps} of {args.steps}"
     )
     text = report.render(results, title)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"title": title, "results": results}, f, indent=1)
+    publish(text, args.markdown, args.json, {"title": title, "results": results})
     return 0 if all(clean(r) for r in results) else 1
 
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import os
 import pickle
 from dataclasses import replace
+
+from twinshard.report_files import publish
 
 from .config import PlanConfig
 from .profiles import BF16, FP32
@@ -208,13 +209,7 @@ def main(argv=None) -> int:
         print("fitted efficiencies:", fit(recorded))
     table = compare(time_all(recorded))
     text = markdown(table)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(table, f, indent=1)
+    publish(text, args.out, args.json, table)
     return 0
 
 

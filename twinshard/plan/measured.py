@@ -1,0 +1,157 @@
+"""``twinshard plan`` against ``twinshard bench`` at small scale, on this CPU (issue 26, item 3).
+
+One job, planned and measured: the small Llama (``LAYERS`` blocks) on 2 ranks, 2 x 128 tokens
+per rank, fp32, SGD, over the simulated network (``bench --backend simnet --world 2``, which
+really runs rank 0's step on this CPU while the network is simulated). ``twinshard plan
+--device cpu`` predicts it with constants it measures on this machine as it starts
+(``profiles.measure_cpu``); ``twinshard bench`` measures it.
+
+- **memory** is deterministic: the plan's probe (``bench.probe``'s categories at their peak,
+  recorded under ``FakeTensorMode``) and the bench's measured one are compared to the byte by
+  ``tests/test_plan_measured.py``, in CI;
+- **time** is a measurement on a shared machine, so it is a benchmark, not a test: this module
+  runs the job ``--runs`` times and reports, run by run and implementation by implementation,
+  the predicted step against the measured step's CPU time (``time.process_time`` of the rank's
+  process, the median of ``STEPS`` steps: on shared cores a wall-clock step is as long as the
+  neighbours make it, and the plan predicts a step on a core of its own). The target is
+  within 20%; the exit code is 1 when an implementation's median ratio misses it.
+
+    python -m twinshard.plan.measured --runs 5 \\
+        --out benchmarks/results/DATE-plan-measured.md --json benchmarks/results/DATE-plan-measured.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from twinshard.bench.config import RunConfig
+from twinshard.report_files import publish
+
+IMPLS = ("reference", "optimized", "torch")
+LAYERS = 4
+SHAPE = dict(world=2, seq=128, dtype="fp32")
+STEPS = 8  # timed steps per run; their CPU times vary by about 8% from step to step
+TARGET = (0.8, 1.2)  # predicted over measured
+
+
+def bench_config(steps: int = STEPS) -> RunConfig:
+    """The job as ``twinshard bench`` runs it (2 warm-up steps, then ``steps`` timed)."""
+    return RunConfig(
+        preset="small",
+        model={"n_layers": LAYERS},
+        per_rank=2,
+        steps=steps,
+        warmup=2,
+        backend="simnet",
+        link="ib",
+        **SHAPE,
+    )
+
+
+def plan_configs(impls=IMPLS) -> list:
+    """The same job as ``twinshard plan --device cpu --network simnet:ib --probe`` plans it."""
+    from .config import PlanConfig
+
+    return [
+        PlanConfig(
+            model="small",
+            layers=LAYERS,
+            batch=2,
+            impl=impl,
+            device="cpu",
+            network="simnet:ib",
+            optimizer="sgd",
+            probe=True,
+            **SHAPE,
+        )
+        for impl in impls
+    ]
+
+
+def measure_and_plan(impls=IMPLS, steps: int = STEPS) -> tuple[dict, dict]:
+    """Bench then plan every implementation: (bench's summary by impl, the plan's row by
+    impl). A plan that failed raises, naming the implementation."""
+    from twinshard.bench.cli import side_by_side
+
+    from .cli import plan
+
+    measured = side_by_side(bench_config(steps), list(impls), 1, progress=False, overlap=False)
+    planned = dict(zip(impls, plan(plan_configs(impls), progress=False)))
+    for impl, row in planned.items():
+        if "error" in row:
+            raise RuntimeError(f"twinshard plan ({impl}): {row['error']}")
+    return measured["summary"], planned
+
+
+def step_ratios(measured: dict, planned: dict) -> dict:
+    """impl -> the predicted step, the measured step's CPU seconds and their ratio."""
+    out = {}
+    for impl, row in planned.items():
+        predicted, cpu = row["time"]["step_s"], measured[impl]["cpu_s"]
+        out[impl] = {"predicted_s": predicted, "measured_cpu_s": cpu, "ratio": predicted / cpu}
+    return out
+
+
+def verdict(runs: list[dict]) -> dict:
+    """impl -> the median, lowest and highest ratio over ``runs`` (each ``step_ratios``'s
+    answer), how many runs were within ``TARGET``, and whether the median is."""
+    low, high = TARGET
+    out = {}
+    for impl in runs[0]:
+        ratios = [run[impl]["ratio"] for run in runs]
+        median = statistics.median(ratios)
+        out[impl] = {
+            "median": median,
+            "lowest": min(ratios),
+            "highest": max(ratios),
+            "within": sum(low <= r <= high for r in ratios),
+            "runs": len(ratios),
+            "met": low <= median <= high,
+        }
+    return out
+
+
+def markdown(runs: list[dict], summary: dict) -> str:
+    lines = [
+        "| run | implementation | predicted step (ms) | measured CPU time (ms) | ratio |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for k, run in enumerate(runs, 1):
+        for impl, r in run.items():
+            lines.append(
+                f"| {k} | {impl} | {r['predicted_s'] * 1e3:.1f} | "
+                f"{r['measured_cpu_s'] * 1e3:.1f} | {r['ratio']:.3f} |"
+            )
+    lines += ["", "| implementation | median ratio | lowest | highest | runs within 20% |"]
+    lines.append("|---|---:|---:|---:|---:|")
+    for impl, v in summary.items():
+        lines.append(
+            f"| {impl} | {v['median']:.3f} | {v['lowest']:.3f} | {v['highest']:.3f} | "
+            f"{v['within']} of {v['runs']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="how many times to bench and plan")
+    parser.add_argument("--out", default=None, help="write the markdown tables here")
+    parser.add_argument("--json", default=None, help="write every run's figures here")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, not {args.runs}")
+    runs = []
+    for k in range(args.runs):
+        runs.append(step_ratios(*measure_and_plan()))
+        ratios = ", ".join(f"{i} {r['ratio']:.3f}" for i, r in runs[-1].items())
+        print(f"run {k + 1} of {args.runs}: {ratios}", file=sys.stderr, flush=True)
+    summary = verdict(runs)
+    text = markdown(runs, summary)
+    publish(text, args.out, args.json, {"runs": runs, "summary": summary, "target": TARGET})
+    return 0 if all(v["met"] for v in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
