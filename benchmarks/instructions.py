@@ -9,9 +9,9 @@ CPU time on a shared 2-core VM moves by 5-10% from one process to the next, more
 of a few percent in the hooks. The number of instructions the CPU executes for the same steps
 varies far less, but not by nothing: the optimized path's count per group and step, the same
 code twice, was 6,833,895 and 6,892,872 on 2026-11-24 (0.9% apart; 6,901,643 and 6,894,764 for
-another pair). A difference under about 60,000 per group and step needs several runs of each. Each implementation
-runs twice under ``valgrind --tool=callgrind``, for 2 and for 10 training steps
-after the same set-up; the difference divided by 8 steps and 65 groups is the count per group
+another pair). A difference under about 60,000 per group and step needs several runs of each.
+Each implementation runs twice under ``valgrind --tool=callgrind``, for 2 and for 10 training
+steps after the same set-up; the difference divided by 8 steps and 65 groups is the count per group
 and step, and the plain model's count subtracted from it is the implementation's overhead.
 Instructions are not time (a cache miss costs more than an add), so quote CPU time from
 ``twinshard bench hooks`` and use this to compare two versions of the code.

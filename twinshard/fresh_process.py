@@ -79,7 +79,8 @@ def _serve(send, fn, args, kwargs) -> None:
     try:
         send.send(answer)
     except Exception:  # noqa: BLE001 - an answer that cannot be pickled
-        send.send(("error", RuntimeError(traceback.format_exc()), traceback.format_exc()))
+        text = traceback.format_exc()
+        send.send(("error", RuntimeError(text), text))
     send.close()
     leave(0)
 

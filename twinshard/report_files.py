@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 
 
-def publish(text: str, markdown: str | None, json_path: str | None, data) -> None:
+def write_json(path: str, payload) -> None:
+    """``payload`` as indented JSON at ``path`` (its folder made; what JSON cannot hold as
+    text)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+
+
+def publish(text: str, markdown: str | None, json_path: str | None = None, data=None) -> None:
     """Print ``text``; write it to ``markdown`` and ``data`` as JSON to ``json_path``, each
     only when a path is given."""
     print(text)
@@ -13,5 +22,4 @@ def publish(text: str, markdown: str | None, json_path: str | None, data) -> Non
         with open(markdown, "w") as f:
             f.write(text + "\n")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(data, f, indent=1)
+        write_json(json_path, data)

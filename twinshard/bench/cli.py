@@ -27,9 +27,11 @@ from dataclasses import replace
 
 import torch
 
+from twinshard.report_files import publish, write_json
+
 from . import checks, memmodel
 from .config import BACKENDS, DTYPES, IMPLS, SHARDED, RunConfig
-from .report import memory_table, meta, plot, table, write_json
+from .report import memory_table, meta, plot, table
 from .runner import compare
 from .stats import add_overlap, add_ratios, overlap_efficiency, summarize
 
@@ -226,10 +228,7 @@ def show(base: RunConfig, summary: dict, args) -> None:
     if base.memory:
         text += "\n\nMemory at the peak (bytes alive by category; model = memmodel.predict)\n\n"
         text += memory_table(summary)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    publish(text, args.markdown)
     if args.plot:
         plot(summary, args.plot, describe(base))
 

@@ -26,7 +26,9 @@ import statistics
 import tempfile
 from dataclasses import replace
 
-from .report import meta, write_json
+from twinshard.report_files import publish
+
+from .report import meta
 
 # where a function lives (a fragment of its file path) -> the category it counts in
 CATEGORIES = [
@@ -99,13 +101,8 @@ def run_hooks(args) -> int:
         cats, top = breakdown(os.path.join(profile_dir, f"{impl}.prof"), base.steps * groups)
         profiles[impl] = {"categories": cats, "top": top}
     text = overhead_table(summary, base, groups) + "\n\n" + profile_tables(profiles)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        payload = {"meta": meta(base.as_dict()), **result, "profiles": profiles}
-        write_json(args.json, payload)
+    payload = {"meta": meta(base.as_dict()), **result, "profiles": profiles}
+    publish(text, args.markdown, args.json, payload)
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -125,12 +124,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def write_json(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
 
 
 def plot(summary: dict, path: str, title: str) -> None:

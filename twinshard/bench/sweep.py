@@ -20,8 +20,10 @@ import json
 import os
 from dataclasses import replace
 
+from twinshard.report_files import write_json
+
 from .config import RunConfig
-from .report import meta, write_json
+from .report import meta
 
 IMPLS = ["plain", "reference", "optimized", "torch"]
 BASE = dict(dim=64, n_layers=4, world=8)

@@ -22,6 +22,7 @@ import sys
 from dataclasses import replace
 
 from twinshard.bench.checks import parse_reshard
+from twinshard.report_files import publish
 
 from . import profiles
 from .config import DEVICE_CHOICES, PlanConfig
@@ -159,14 +160,8 @@ def run(args) -> int:
         add_ratios(by_impl)
         texts.append(format_plan(by_impl))
     text = "\n\n".join(texts)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        slim = [{k: v for k, v in row.items() if k != "timeline"} for row in rows]
-        with open(args.json, "w") as f:
-            json.dump({"plans": slim}, f, indent=1, default=str)
+    slim = [{k: v for k, v in row.items() if k != "timeline"} for row in rows]
+    publish(text, args.markdown, args.json, {"plans": slim})
     if args.plot and args.sweep:
         axis = args.sweep.partition("=")[0]
         points = [(json.loads(key)[axis], rows) for key, rows in groups.items()]

@@ -17,7 +17,8 @@ really runs rank 0's step on this CPU while the network is simulated). ``twinsha
   within 20%; the exit code is 1 when an implementation's median ratio misses it.
 
     python -m twinshard.plan.measured --runs 5 \\
-        --out benchmarks/results/DATE-plan-measured.md --json benchmarks/results/DATE-plan-measured.json
+        --out benchmarks/results/DATE-plan-measured.md \\
+        --json benchmarks/results/DATE-plan-measured.json
 """
 
 from __future__ import annotations

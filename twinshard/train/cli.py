@@ -90,8 +90,19 @@ def _interrupted(result: dict, run_dir: Path, say: bool = True) -> int:
     return 128 + getattr(signal, result["interrupted"], signal.SIGTERM)
 
 
-def _end_torchrun_rank(code: int) -> NoReturn:
-    """End a torchrun rank with ``code`` once its group is destroyed, without finalizing.
+def _join_torchrun_group() -> torch.device:
+    """Join the group torchrun set up; return this rank's device. One accelerator per local
+    rank with its backend (nccl, xccl, ...) where the machine has one for each, bound to the
+    rank with ``device_id``; else gloo on the CPU (``twinshard.devices``)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    backend = devices.accelerator_backend(local_world) or "gloo"
+    return devices.join_group(backend, local_rank, timeout=timedelta(seconds=RUN_TIMEOUT))
+
+
+def _run_torchrun(cfg: TrainConfig) -> NoReturn:
+    """Train as one rank of a torchrun job; end with its exit code once its group is
+    destroyed, without finalizing the interpreter.
 
     [Note: a torchrun rank's exit]
     A gloo worker thread drops its reference to a finished collective's tensors only after
@@ -106,20 +117,6 @@ def _end_torchrun_rank(code: int) -> NoReturn:
     what ``twinshard.launch``'s ranks do: its output flushed and its log handlers closed, it
     leaves with ``os._exit`` before the interpreter finalizes (``fresh_process.leave``);
     nothing of the run is left to write by then."""
-    fresh_process.leave(code)
-
-
-def _join_torchrun_group() -> torch.device:
-    """Join the group torchrun set up; return this rank's device. One accelerator per local
-    rank with its backend (nccl, xccl, ...) where the machine has one for each, bound to the
-    rank with ``device_id``; else gloo on the CPU (``twinshard.devices``)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-    backend = devices.accelerator_backend(local_world) or "gloo"
-    return devices.join_group(backend, local_rank, timeout=timedelta(seconds=RUN_TIMEOUT))
-
-
-def _run_torchrun(cfg: TrainConfig) -> NoReturn:
     _join_torchrun_group()
     if cfg.hang_timeout:
         watchdog.start_torchrun(cfg.hang_timeout)
@@ -135,7 +132,7 @@ def _run_torchrun(cfg: TrainConfig) -> NoReturn:
         code = 1
     finally:
         dist.destroy_process_group()
-    _end_torchrun_rank(code)  # see [Note: a torchrun rank's exit]
+    fresh_process.leave(code)  # see [Note: a torchrun rank's exit]
 
 
 def run(args: argparse.Namespace) -> int:
