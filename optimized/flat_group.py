@@ -67,6 +67,7 @@ class FlatParamGroup(ParamGroup):
         # each parameter's block, (numel, shape): fixed when the parameter was sharded
         self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}
         self.kept_numel = sum(numel for numel, _ in self.blocks.values())  # all blocks, per rank
+        self.keep_shards_now()  # see [Note: the kept blocks alias the sharded parameters]
 
     def use_comm(self, comm: CommContext) -> None:
         """Share ``comm`` (the root's) from now on."""
@@ -188,12 +189,60 @@ class FlatParamGroup(ParamGroup):
             return None
         for i, p in enumerate(self.params):
             if not p.shard_is_kept():
-                storage = torch.empty(p.shard_storage_shape(), dtype=dtypes[0], device=self.device)
-                p.keep_shard_in(storage)  # (chunk, *rest)
+                storage = self.storage_for(i, p, dtypes[0])  # (chunk, *rest)
+                p.keep_shard_in(storage)
                 self.kept_blocks[i] = storage.view(-1)  # (chunk * rest,)
                 self.moved_blocks = True  # on the current stream: the copy-in waits for it
         self.kept_dtypes = super().param_dtypes(self.params)  # compute dtypes, asked anew
         return self.kept_blocks, self.kept_numel
+
+    @without_grad
+    def keep_shards_now(self) -> None:
+        """Move the blocks into the group's storage now, not at the next unshard: called when
+        the group is made and whenever the module's sharded parameters may have been given new
+        tensors (``FSDPModule._apply``: ``to``, ``float``, ``to_empty``; a load with
+        ``assign=True``). Nothing to do for a group that cannot keep its blocks, or while a
+        parameter is still on the meta device (``to_empty`` comes back here).
+
+        [Note: the kept blocks alias the sharded parameters]
+        What a user holds of a sharded parameter's data (a ``state_dict()`` or
+        ``get_model_state_dict`` taken before the first step, ``to_local()``, ``.data``, a
+        ``detach()``) is a view of the local tensor it had at that moment. Trainers rely on it
+        staying the parameter's: torchtitan takes the model's state dict once, before its first
+        step, and saves that dict at every checkpoint. Moving a block into new storage at the
+        first unshard left every such view with the initial values (and writes through it
+        lost). So the storage is taken here, at the two moments torch's ``fully_shard`` pads
+        too (construction, and after anything that replaced the local tensor), and never
+        again behind the user's back. A block that already is a whole padded block of its own
+        (rows divide evenly, contiguous, on the device, in the group's dtype) is adopted as
+        it is, with no copy: a tensor loaded with ``assign=True`` stays the parameter's, as
+        under torch. Only a parameter replaced outside these moments (``module._parameters``
+        written directly) is moved at its next unshard, as before."""
+        if not self.can_keep_shards or any(p.on_meta() for p in self.params):
+            return
+        self.wait_for_unshard()  # an all-gather in flight reads the blocks being replaced
+        self.keep_shards()
+
+    def storage_for(self, i: int, p, dtype: torch.dtype) -> torch.Tensor:
+        """Where parameter ``i``'s block is kept from now on, (chunk, *rest): its old storage
+        when the local tensor still starts it (an ``_apply`` that changed nothing), the local
+        tensor itself when it is a whole padded block that no other parameter keeps (rows that
+        divide evenly; see [Note: the kept blocks alias the sharded parameters]), else new."""
+        local, old = p.sharded_param.to_local(), self.kept_blocks[i]  # a view: the same memory
+        shape = p.shard_storage_shape()
+        if local.dtype != dtype or local.device != self.device or not local.is_contiguous():
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        if old is not None and starts(local, old) and old.dtype == dtype:
+            return old.view(shape)
+        memory = local.untyped_storage()._cdata
+        others = [
+            b.untyped_storage()._cdata
+            for k, b in enumerate(self.kept_blocks)
+            if k != i and b is not None
+        ]
+        if local.shape == shape and local.storage_offset() == 0 and memory not in others:
+            return local
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather in flight, if any, and copy the parameters out of it."""
@@ -245,6 +294,15 @@ class FlatParamGroup(ParamGroup):
             if result is not None:
                 self.usage.update(zip(result.params, result.used))
                 comm.pending_reduce.append((result, self.comms.all_reduce_hook))
+
+
+def starts(local: torch.Tensor, block: torch.Tensor) -> bool:
+    """Whether ``local`` begins where ``block`` does, in the same memory (compared by storage,
+    which works on fake tensors too, where data pointers read 0)."""
+    return (
+        local.untyped_storage()._cdata == block.untyped_storage()._cdata
+        and local.storage_offset() == block.storage_offset()
+    )
 
 
 def finish_reduce(comm: CommContext) -> None:

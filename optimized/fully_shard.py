@@ -42,7 +42,7 @@ def fully_shard(
 ) -> nn.Module:
     """Shard ``module`` like ``twinshard.reference.fully_shard``, communicating per group and
     overlapping communication with compute."""
-    return shard_module(
+    sharded = shard_module(
         module,
         FlatParamGroup,
         FSDPState,
@@ -55,6 +55,11 @@ def fully_shard(
         shard_placement_fn,
         dp_mesh_dims,
     )
+    group = get_state(sharded[0] if isinstance(sharded, (list, tuple)) else sharded).group
+    if group is not None:  # see [Note: the kept blocks alias the sharded parameters]
+        for m in group.modules_with_params():
+            m.register_load_state_dict_post_hook(lambda *args: group.keep_shards_now())
+    return sharded
 
 
 class _Handle(UnshardHandle):
@@ -77,6 +82,14 @@ class FSDPModule(ReferenceModule):
             state.group.wait_for_unshard()
             return None
         return _Handle(state.group)
+
+    def _apply(self, *args, **kwargs):
+        # The reference's (reshard, then nn.Module's), and the new local tensors move into the
+        # group's storage at once; see [Note: the kept blocks alias the sharded parameters].
+        module = super()._apply(*args, **kwargs)
+        if (group := get_state(self).group) is not None:
+            group.keep_shards_now()
+        return module
 
     def set_modules_to_forward_prefetch(self, modules) -> None:
         get_state(self).forward_hint = check_fsdp_modules(

@@ -12,6 +12,11 @@ comes first and prefetches the last block. ``set_modules_to_forward_prefetch`` /
 computes, so a wrong guess costs memory and time, never correctness. Every rank derives the
 same order from the same model, so the collectives stay matched across ranks. One group
 ahead keeps at most two groups' unsharded parameters in flight (plus the root's).
+What an early all-gather reads: the group's sharded parameters as they are when it is issued.
+An edit of them made after that and before the group's own pre-forward (a pre-hook registered
+with ``prepend=True``, the parent's forward) is seen from the group's next all-gather on, not
+by this forward; torch's explicit prefetch lists behave the same way, its default does not
+prefetch in forward (docs/concepts.md, the conformance case ``edit_between_forwards``).
 
 [Note: in forward, the next all-gather goes out before the copy-out]
 A block's pre-forward issues the next group's all-gather before it waits for its own and

@@ -12,6 +12,7 @@ import inspect
 import pathlib
 
 import pytest
+import torch.nn as nn
 
 from twinshard.reference.sharded_param import ShardedParam
 
@@ -55,7 +56,9 @@ def _private_names_of_the_reference() -> set[str]:
                 names.add(node.attr)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
-    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+    # Names torch's nn.Module defines (``_apply``, ``_load_from_state_dict``) are torch's: both
+    # trees may override them, as torch's own FSDPModule does.
+    return {n for n in names if n.startswith("_") and not n.startswith("__")} - set(dir(nn.Module))
 
 
 def _sharded_param_attributes() -> set[str]:
@@ -104,6 +107,7 @@ def test_the_checks_can_fail():
     """The two checks above find what they look for (on a made-up file)."""
     private = _private_names_of_the_reference()
     assert {"_register", "_as_dtensor", "_shard"} <= private
+    assert "_apply" not in private  # torch's, overridden by both trees
     assert {"state", "post_forward_block", "grad_to_reduce"} <= _sharded_param_attributes()
 
 

@@ -9,6 +9,7 @@ the order the suite runs them (``dcp_save`` before ``dcp_load``):
     mixed_precision.py  MixedPrecisionPolicy against the low-precision plain model
     api.py              offload, unshard/reshard, forward methods, parameter states, hints
     state_dict.py       state dicts, DCP across world sizes and implementations, meta init
+    aliasing.py         what a user holds of a sharded parameter stays the parameter's
     errors.py           misuse and its error messages
     collective_trace.py the collectives of one step: ranks agree, dtypes, amounts
     cost.py             what each setting may communicate and keep alive, micro-batch by micro-batch
@@ -17,6 +18,7 @@ the order the suite runs them (``dcp_save`` before ``dcp_load``):
 """
 
 from . import (  # noqa: F401 - imported to register their cases
+    aliasing,
     api,
     collective_trace,
     comm_hooks,
@@ -32,7 +34,7 @@ from .core import CASES, Case, Context, case, train_case
 
 # The import sorter decides the import order; the run order is decided here, module by module
 # as listed in the docstring, each module's cases in the order they are written.
-MODULES = ["training", "gradients", "mixed_precision", "api", "state_dict", "errors",
+MODULES = ["training", "gradients", "mixed_precision", "api", "state_dict", "aliasing", "errors",
            "collective_trace", "cost", "interface", "comm_hooks"]  # fmt: skip
 _ordered = sorted(CASES.items(), key=lambda kv: MODULES.index(kv[1].fn.__module__.rsplit(".")[-1]))
 CASES.clear()
