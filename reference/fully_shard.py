@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from twinshard.api import (
     CPUOffloadPolicy,
@@ -91,6 +91,13 @@ def shard_module(
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
     device = info.device
     owners, managed = _collect_params(modules, set(ignored_params or ()))
+    plain = [where[0][1] for p, where in owners.items() if not isinstance(p, DTensor)]
+    if dp_mesh_dims is not None and plain:  # the first words are torch's
+        raise FSDPUsageError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
+            f"(e.g. via distribute_module). Got plain tensor for parameter '{plain[0]}'. Make "
+            "each a DTensor on that mesh, or pass the data-parallel mesh and no dp_mesh_dims"
+        )
     cpu_offload = offload if isinstance(offload, CPUOffloadPolicy) else None
     params = [
         ShardedParam(

@@ -42,9 +42,7 @@ class MeshInfo:
     @property
     def placements(self) -> tuple:
         """DTensor placements of a sharded parameter on ``mesh``."""
-        if self.replicate_group is None:
-            return (Shard(0),)
-        return (Replicate(), Shard(0))
+        return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -157,5 +155,4 @@ def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims) -> DeviceMesh:
             f"dp_mesh_dims={dp_mesh_dims}: twinshard takes one shard dim name and at most one "
             "replicate dim name (several dims flattened into one are not supported)"
         )
-    names = (*replicate, *shard)
-    return mesh[names] if len(names) > 1 else mesh[names[0]]
+    return mesh[(*replicate, *shard)]

@@ -32,6 +32,4 @@ def cast_inputs(mp: MixedPrecisionPolicy, args: tuple, kwargs: dict) -> tuple[tu
 
 def cast_output(mp: MixedPrecisionPolicy, output: Any) -> Any:
     """Cast floating-point forward outputs to ``output_dtype`` (if set)."""
-    if mp.output_dtype is None:
-        return output
-    return _cast_floats(output, mp.output_dtype)
+    return output if mp.output_dtype is None else _cast_floats(output, mp.output_dtype)

@@ -75,10 +75,8 @@ class FSDPState:
         named = {id(m): (n, m) for top in self.modules for n, m in top.named_modules()}
         for name, module in named.values():
             state = get_state(module)
-            if state is None:
-                continue
-            if state in self.all_states:
-                continue  # a state of several modules (a list) is met once per module
+            if state is None or state in self.all_states:
+                continue  # not sharded, or a state of several modules (a list) met again
             if state is not self:
                 if state.is_root is not None:
                     raise FSDPUsageError(

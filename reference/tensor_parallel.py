@@ -15,6 +15,10 @@ Two things change around it:
   ``tp`` mesh, wrapping the all-gathered piece; its gradient is one too, and FSDP reduces the
   gradient's TP piece.
 
+A parameter on the whole SPMD mesh (``dp_mesh_dims``; ``Replicate`` on its dp dims) is unsharded
+on that mesh, as torch's is. With dp dims only (torchtitan's ``full_dtensor``) its local tensor
+is the whole parameter, sharded like a plain one; the sharded ``DTensor`` is on the dp mesh.
+
 ``TPLayout`` holds what a parameter needs for this; ``tp_layout`` finds it (or None: no TP).
 """
 
@@ -34,28 +38,25 @@ from .mesh import MeshInfo
 
 @dataclass
 class TPLayout:
-    tp_mesh: DeviceMesh  # the mesh the TP layers compute on
-    tp_placements: tuple  # the parameter's placements on it
-    spmd_mesh: DeviceMesh  # (dp..., tp): where the sharded parameter lives
+    mesh: DeviceMesh  # the parameter's own: the unsharded parameter lives (and computes) here
+    placements: tuple  # its placements there
+    tp_placements: tuple  # those of its TP dims (none: a whole-mesh parameter, dp dims only)
+    spmd_mesh: DeviceMesh  # (dp..., tp...): where the sharded parameter lives
     shape: torch.Size  # the whole (global) parameter
     stride: tuple
 
     def sharded_placements(self, info: MeshInfo, dim: int) -> tuple:
         """Placements of the sharded parameter on the spmd mesh, FSDP cutting ``dim``."""
         cut_by_tp = any(isinstance(p, Shard) and p.dim == dim for p in self.tp_placements)
-        fsdp = _StridedShard(dim, split_factor=self.tp_mesh.size()) if cut_by_tp else Shard(dim)
+        tp_size = self.spmd_mesh.size() // info.mesh.size()
+        fsdp = _StridedShard(dim, split_factor=tp_size) if cut_by_tp else Shard(dim)
         replicate = (Replicate(),) if info.replicate_group is not None else ()
         return (*replicate, fsdp, *self.tp_placements)
 
     def unsharded(self, piece: torch.Tensor) -> DTensor:
-        """The gathered TP piece as the DTensor the TP layers expect."""
+        """The gathered TP piece as the DTensor the layers expect."""
         return DTensor.from_local(
-            piece,
-            self.tp_mesh,
-            self.tp_placements,
-            run_check=False,
-            shape=self.shape,
-            stride=self.stride,
+            piece, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
 
@@ -63,7 +64,7 @@ def tp_layout(param: torch.nn.Parameter, info: MeshInfo, where: str) -> TPLayout
     """The TP layout of ``param`` when tensor parallelism made it a DTensor, else None."""
     if not isinstance(param, DTensor):
         return None
-    mesh, placements = param.device_mesh, tuple(param.placements)
+    own = mesh, placements = param.device_mesh, tuple(param.placements)  # own: the unsharded's
     dp_names = tuple(info.mesh.mesh_dim_names or ())
     names = tuple(mesh.mesh_dim_names or ())
     if any(name in names for name in dp_names):  # on the whole mesh: drop its dp dims
@@ -71,17 +72,17 @@ def tp_layout(param: torch.nn.Parameter, info: MeshInfo, where: str) -> TPLayout
         if any(not placements[i].is_replicate() for i, n in enumerate(names) if n in dp_names):
             raise FSDPUsageError(f"parameter '{where}' must be replicated on the dp mesh dims")
         placements = tuple(placements[i] for i in keep)
-        mesh = mesh[tuple(names[i] for i in keep)] if len(keep) > 1 else mesh[names[keep[0]]]
+        mesh = mesh[tuple(names[i] for i in keep)] if keep else None  # None: dp dims only
     if any(not isinstance(p, (Shard, Replicate)) for p in placements):
         raise FSDPUsageError(f"parameter '{where}': TP placements {placements} unsupported")
-    spmd = spmd_mesh(info.mesh, mesh)
+    spmd = spmd_mesh(info.mesh, mesh) if mesh is not None else info.mesh
     if spmd is None:
         raise FSDPUsageError(
             f"parameter '{where}' is a DTensor on a mesh not cut from the fully_shard mesh's "
             f"parent after its dims {dp_names}; build one named mesh (dp, tp or pp, dp, tp, say), "
             "pass mesh['tp'] to parallelize_module and mesh['dp'] to fully_shard"
         )
-    return TPLayout(mesh, placements, spmd, param.shape, param.stride())
+    return TPLayout(*own, placements, spmd, param.shape, param.stride())
 
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None:
