@@ -113,6 +113,13 @@ class CommContext:
         """What was just queued on ``stream`` (no collective: a group of one rank)."""
         return Pending(None, stream.record_event())
 
+    def after_copy_in(self) -> None:
+        """Order the current stream after the copy-in queued so far: an all-gather issued
+        early read the shards there, and the next work on the current stream may write them
+        (see [Note: a prefetch reads the shards when it is issued] in ``flat_group.py``)."""
+        if self.streams.collectives_follow_streams:  # on the CPU the copy-in is done already
+            self.current_stream().wait_stream(self.copy_in_stream)
+
     def wait(self, pending: Pending, stream=None) -> None:
         """Make ``stream`` (default: the current one) wait for ``pending``."""
         if pending.work is not None:

@@ -99,6 +99,26 @@ class FlatParamGroup(ParamGroup):
         if self.in_flight is None:
             self.issue_all_gather()
 
+    def prefetch(self) -> None:
+        """``unshard_async`` for a group that computes later: a prefetch, or the user's
+        ``unshard(async_op=True)``.
+
+        [Note: a prefetch reads the shards when it is issued]
+        An early all-gather copies the shards in when it is issued, and user code may write
+        them before the group computes: a forward pre-hook registered with ``prepend=True``,
+        the parent's forward. The rule (``docs/concepts.md``, the conformance case
+        ``edit_between_forwards``) is that such a write is seen from the next all-gather on,
+        never half. On the CPU the copy-in runs at once, so that holds by itself; on an
+        accelerator the copy-in is queued on its own stream, which the write on the current
+        stream could overtake. So the current stream waits for the copy-in here. That orders
+        only the copy-in, a copy of 1/S of the group that starts as soon as the compute queued
+        before it is done, not the all-gather, which still overlaps; stand-in streams report
+        the write as a race without it."""
+        if self.in_flight is None:
+            self.unshard_async()
+            if self.in_flight is not None:
+                self.own_comm().after_copy_in()
+
     @without_grad
     def issue_all_gather(self) -> None:
         params = [p for p in self.params if p.state is not UNSHARDED]

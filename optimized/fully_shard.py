@@ -77,11 +77,11 @@ class FSDPModule(ReferenceModule):
         state = get_state(self)  # no lazy init: an unshard must not make a child a root
         if state.group is None:
             return None if wait else UnshardHandle()
-        state.group.unshard_async()
-        if wait:
-            state.group.wait_for_unshard()
-            return None
-        return _Handle(state.group)
+        if not wait:
+            state.group.prefetch()
+            return _Handle(state.group)
+        state.group.unshard()
+        return None
 
     def _apply(self, *args, **kwargs):
         # The reference's (reshard, then nn.Module's), and the new local tensors move into the

@@ -143,7 +143,7 @@ class FSDPState(ReferenceState):
             if backward and not group.unshard_in_backward:
                 continue  # set_unshard_in_backward(False): backward does not need them
             if isinstance(group, FlatParamGroup) and group is not self.group:
-                group.unshard_async()
+                group.prefetch()
 
     def prefetch_targets(self, hint: list | None, order: list) -> list:
         """The groups to all-gather now, while this one computes: the modules of ``hint`` (an

@@ -56,6 +56,7 @@ PLANTED = {
     "optimized_dropped_partial": (["no_all_reduce"], "2x2", PLAIN),
     "optimized_wrong_prefetch": (["per_block", "llama"], "2", PLAIN),
     "optimized_scaled_grads": (["per_block", "llama"], "2", PLAIN),
+    "optimized_prefetch_races_edits": (["edit_between_forwards"], "2", STANDIN),
     "optimized_moves_shards_late": (["views_before_training", "views_after_replacing"], "2", PLAIN),
 }
 

@@ -20,6 +20,8 @@ suite and the fuzzer check the stream order: run them with ``--stand-in-streams`
     optimized_wrong_prefetch   a group computes with the all-gather prefetched for another
     optimized_scaled_grads     scaled_grads's parameter class in the optimized path: a bug in
                                a contract method of ``ShardedParam`` reaches both trees
+    optimized_prefetch_races_edits  a prefetch's copy-in can be overtaken by a write to the
+                               shards on the current stream (stand-in streams show it)
     optimized_moves_shards_late  a shard moves into new memory at its first all-gather (and
                                after ``module.to``, ``assign=True`` loads): views and state
                                dicts taken earlier go stale, values stay right

@@ -1,0 +1,20 @@
+"""Planted bug (optimized): a prefetch leaves the current stream free to overtake its copy-in,
+so user code that writes a group's shards before the group computes (a forward pre-hook
+registered with ``prepend=True``) races the copy-in that reads them: on an accelerator the
+forward may see the old values, the new ones or a mixture. Stand-in streams report the write
+(``edit_between_forwards``, run with ``--stand-in-streams``); on the CPU the copy-in is done
+before the write and nothing shows."""
+
+from twinshard.optimized.flat_group import FlatParamGroup
+
+from . import plant
+from ._optimized import *  # noqa: F401,F403
+from ._optimized import optimized_fully_shard
+
+
+class RacesEdits(FlatParamGroup):
+    def prefetch(self):
+        self.unshard_async()  # no ordering of the current stream after the copy-in
+
+
+fully_shard = plant(bug_group_class=RacesEdits, base=optimized_fully_shard)
