@@ -249,8 +249,8 @@ class FlatParamGroup(ParamGroup):
         tensor itself when it is a whole padded block that no other parameter keeps (rows that
         divide evenly; see [Note: the kept blocks alias the sharded parameters]), else new."""
         local, old = p.sharded_param.to_local(), self.kept_blocks[i]  # a view: the same memory
-        shape = p.shard_storage_shape()
-        if local.dtype != dtype or local.device != self.device or not local.is_contiguous():
+        shape = p.shard_storage_shape()  # ``refresh`` put ``local`` on the device, in ``dtype``
+        if not local.is_contiguous():
             return torch.empty(shape, dtype=dtype, device=self.device)
         if old is not None and starts(local, old) and old.dtype == dtype:
             return old.view(shape)

@@ -90,3 +90,48 @@ def test_the_group_keeps_the_blocks_and_follows_replaced_parameters():
         assert found["kept_before_mixed"]
         assert not found["kept_when_mixed"], "a group of mixed dtypes cannot keep one layout"
     assert [f["local_rows"] for f in results] == [3, 2]
+
+
+def _storage_choices():
+    """Where each block is kept after operations that give the parameters new local tensors."""
+    from torch.distributed.tensor import DTensor
+
+    _, model = _plain_and_sharded()
+    rank = torch.distributed.get_rank()
+    w = model[0].weight  # (5, 4): rank 0 holds its whole block of 3 rows, rank 1 two of three
+    found = {"rows": w.to_local().shape[0]}
+    early = model.state_dict()["0.weight"].to_local()  # taken before any step
+    found["early_is_kept"] = _is_kept(w, [early])
+    before = [b.data_ptr() for b in _kept_blocks(model)]
+    model.to("cpu")  # new local tensors that still start the kept blocks: nothing moves
+    found["to_moves_nothing"] = [b.data_ptr() for b in _kept_blocks(model)] == before
+    given = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(given, assign=True)
+    # a whole padded block is kept as it is (no copy), a shorter one is moved into new memory
+    found["given_is_kept"] = _is_kept(model[0].weight, [given["0.weight"].to_local()])
+    wide = torch.randn(4, w.to_local().shape[0]).t()  # the same shape, not contiguous
+    spec = model[0].weight
+    odd = DTensor.from_local(
+        wide, spec.device_mesh, spec.placements, shape=spec.shape, stride=spec.stride()
+    )
+    model[0].load_state_dict({"weight": odd, "bias": model[0].bias.detach()}, assign=True)
+    kept = model[0].weight.to_local()
+    found["odd_copied"] = kept.is_contiguous() and torch.equal(kept, wide)
+    found["odd_kept"] = _is_kept(model[0].weight, _kept_blocks(model))
+    found["rank"] = rank
+    return found
+
+
+def test_blocks_are_kept_when_made_and_when_replaced():
+    """[Note: the kept blocks alias the sharded parameters]: a state dict taken right after
+    fully_shard is a view of the kept block; ``module.to`` that changes nothing moves no block;
+    an assigning load keeps a whole padded block as it is and copies a shorter or
+    non-contiguous one into new memory."""
+    results = launch(_storage_choices, 2, backend="gloo")
+    for found in results:
+        assert found["early_is_kept"], "the early state dict is not the kept block"
+        assert found["to_moves_nothing"], "module.to moved blocks although nothing changed"
+        whole = found["rows"] == 3  # rank 0
+        assert found["given_is_kept"] == whole, found
+        assert found["odd_copied"] and found["odd_kept"], found
+    assert [f["rows"] for f in results] == [3, 2]
