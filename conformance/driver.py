@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from twinshard.standin import paused
+
 from .compare import Checker, local_rows
-from .stream_check import paused
 
 DEVICE = torch.device("cpu")  # where models and batches live; the runner sets it per process
 

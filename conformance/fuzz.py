@@ -15,12 +15,11 @@ event recorded after the step (``set_post_optim_event``) and the model's own sta
 loaded back with ``assign=True``, so that every parameter is a new ``DTensor`` (in new memory,
 or in the old) that the next all-gather must adopt.
 
-With ``stand_in``, the second implementation (the optimized path) runs its accelerator
-schedule on stand-in streams with the stream sanitizer on (``optimized/standin.py``,
-``conformance/stream_check.py``), as ``twinshard conform --stand-in-streams`` runs the cases: a
-read before its wait or a buffer released too early fails the example with the sanitizer's
-report (the ranks stop, and the launch names the example), and the values are compared as in
-any other example.
+With ``stand_in``, the second implementation (the optimized path) runs its accelerator schedule
+on stand-in streams with the stream sanitizer on (``twinshard/standin.py``), as ``twinshard
+conform --stand-in-streams`` runs the cases: a read before its wait or a buffer released too
+early fails the example with the sanitizer's report (the ranks stop, and the launch names the
+example), and the values are compared as in any other example.
 
 Nothing here compares by itself: ``check_example`` is ``conformance.driver``'s ``run_plain``,
 ``run_sharded`` and ``compare`` with ``conformance.compare.Checker``'s tolerance classes, as in

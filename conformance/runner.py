@@ -126,7 +126,7 @@ def stream_checks():
 
     if os.environ.get(STANDIN_ENV, "0") in ("", "0"):
         return contextlib.nullcontext()
-    from twinshard.optimized.standin import standin_streams
+    from twinshard.standin import standin_streams
 
     return standin_streams().checking()
 

@@ -71,7 +71,7 @@ def run_suite(
 ) -> list[dict]:
     """Every selected case on every mesh; one row per (mesh, case), SKIP where a case does not
     apply. ``stand_in_streams``: run the accelerator schedule on the CPU, with stream checks
-    (``twinshard.optimized.standin``). ``oracles=False`` compares with the plain model only
+    (``twinshard.standin``). ``oracles=False`` compares with the plain model only
     (not with the reference and torch): faster, for a second pass in another mode; a tuple
     of names (``("reference",)``) runs only those oracles."""
     import torch

@@ -14,9 +14,8 @@ import gc
 import pytest
 import torch
 
-from twinshard.conformance.stream_check import StreamOrderError
 from twinshard.launch import launch
-from twinshard.optimized.standin import StandInStreams
+from twinshard.standin import StandInStreams, StreamOrderError
 
 
 @pytest.fixture
@@ -79,7 +78,7 @@ def test_a_reused_address_is_a_new_buffer(streams):
 def _two_steps(post_optim_event: bool):
     import twinshard.optimized as O
     from twinshard.models import MLPStack
-    from twinshard.optimized.standin import standin_streams
+    from twinshard.standin import standin_streams
 
     streams = standin_streams()
     torch.manual_seed(0)
@@ -168,7 +167,7 @@ def _hsdp_partial_sums(shape: tuple):
 
     import twinshard.optimized as O
     from twinshard.models import MLPStack
-    from twinshard.optimized.standin import standin_streams
+    from twinshard.standin import standin_streams
 
     streams = standin_streams()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
@@ -205,7 +204,7 @@ def _assign_load_after_post_optim_event(mixed: bool):
     kept in the group's storage (a frozen bf16 weight beside fp32 ones)."""
     import twinshard.optimized as O
     from twinshard.models import MLPStack
-    from twinshard.optimized.standin import standin_streams
+    from twinshard.standin import standin_streams
 
     streams = standin_streams()
     torch.manual_seed(0)

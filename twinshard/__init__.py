@@ -5,6 +5,8 @@
 - ``twinshard.conformance``: checks any implementation against the truth.
 - ``twinshard.api``: the shared types (policies, the ``FSDPModule`` contract, errors).
 - ``twinshard.launch``: run a function on N local ranks.
+- ``twinshard.standin``: stand-in streams and their sanitizer (the accelerator schedule on the
+  CPU), imported by the optimized path and the suite alike.
 - ``twinshard.models``: small example models with adjustable (uneven) sizes.
 - ``twinshard.train``: the training application (``twinshard train``, ``twinshard export``).
 - ``twinshard.cli``: the ``twinshard`` command.

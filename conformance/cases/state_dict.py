@@ -13,10 +13,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from twinshard.standin import paused
+
 from .. import models as M
 from ..compare import Checker, local_rows
 from ..driver import compare, make_optimizer, run_plain, run_sharded
-from ..stream_check import paused
 from .core import Context, case
 
 

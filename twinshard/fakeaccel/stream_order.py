@@ -1,7 +1,7 @@
 """The order of waits and events the optimized path asks of a device, compared across devices.
 
 The optimized path's accelerator schedule is checked on the CPU with stand-in streams
-(``optimized/standin.py``), which log every ``wait_stream``, ``record_event`` and ``wait_event``.
+(``twinshard/standin.py``), which log every ``wait_stream``, ``record_event`` and ``wait_event``.
 The same schedule runs on the fake accelerator through ``shim`` (the same log) and on a real
 GPU through ``torch.cuda``'s streams and events, which ``CudaRecorder`` logs the same way. If
 the three logs are one sequence, the stand-in checks (the stream sanitizer) checked the order
@@ -130,8 +130,8 @@ def orders(config: RunConfig, steps: int = 2, on: str = "fake") -> tuple[list, l
 def standin_log(config: RunConfig, steps: int) -> list[tuple]:
     """The stand-in streams' log of ``steps`` steps of ``config`` on the CPU (fake process
     group, real tensors)."""
-    from twinshard.optimized.standin import standin_streams
     from twinshard.optimized.streams import STANDIN_ENV
+    from twinshard.standin import standin_streams
 
     from .runner import cpu_run
 
