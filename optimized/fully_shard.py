@@ -21,7 +21,7 @@ from twinshard.api import (
 )
 from twinshard.reference.fsdp_module import FSDPModule as ReferenceModule
 from twinshard.reference.fsdp_module import register_fsdp_forward_method, states_below
-from twinshard.reference.fully_shard import shard_module
+from twinshard.reference.fully_shard import Implementation, shard_module
 from twinshard.reference.state import get_state
 
 from .comm import CommContext
@@ -44,16 +44,14 @@ def fully_shard(
     overlapping communication with compute."""
     sharded = shard_module(
         module,
-        FlatParamGroup,
-        FSDPState,
-        FSDPModule,
-        mesh,
-        reshard_after_forward,
-        mp_policy,
-        offload_policy,
-        ignored_params,
-        shard_placement_fn,
-        dp_mesh_dims,
+        Implementation(group_type=FlatParamGroup, state_type=FSDPState, module_type=FSDPModule),
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        shard_placement_fn=shard_placement_fn,
+        dp_mesh_dims=dp_mesh_dims,
     )
     group = get_state(sharded[0] if isinstance(sharded, (list, tuple)) else sharded).group
     if group is not None:  # see [Note: the kept blocks alias the sharded parameters]

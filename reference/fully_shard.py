@@ -54,16 +54,22 @@ def fully_shard(
     them again in backward; ``False`` keeps them until after backward; an int N keeps a 1/N
     piece; ``None`` (default) means ``True``, except for the root, which keeps them.
     """
-    types = (ParamGroup, FSDPState, FSDPModule)  # the reference's three (see shard_module)
+    impl = Implementation(ParamGroup, FSDPState, FSDPModule)  # the reference's three
     options = (mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
-    return shard_module(module, *types, *options, shard_placement_fn, dp_mesh_dims)
+    return shard_module(module, impl, *options, shard_placement_fn, dp_mesh_dims)
+
+
+class Implementation:
+    """The types that make an implementation: a ``ParamGroup`` schedules one group's
+    collectives, an ``FSDPState`` holds the hooks, an ``FSDPModule`` adds the methods."""
+
+    def __init__(self, group_type: type, state_type: type, module_type: type):
+        self.group_type, self.state_type, self.module_type = group_type, state_type, module_type
 
 
 def shard_module(
     module,
-    group_type,
-    state_type,
-    module_type,
+    impl: Implementation,
     mesh,
     reshard_after_forward,
     mp_policy,
@@ -72,13 +78,8 @@ def shard_module(
     shard_placement_fn,
     dp_mesh_dims=None,
 ) -> nn.Module:
-    """The steps of ``fully_shard``, given the three types that make an implementation.
-
-    ``group_type`` (a ``ParamGroup`` subclass) schedules the collectives of one group's
-    parameters, ``state_type`` (an ``FSDPState`` subclass) holds the hooks, and ``module_type``
-    (an ``FSDPModule`` subclass) adds the methods. ``twinshard.optimized`` calls this with its
-    own three types; together with ``ShardedParam``'s public methods it is the contract
-    between the two implementations."""
+    """The steps of ``fully_shard`` for ``impl``'s types. With ``ShardedParam``'s methods, what
+    ``twinshard.optimized`` uses of these is the contract between the trees (docs/concepts.md)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         _check_module(m)
@@ -89,7 +90,6 @@ def shard_module(
     auto = reshard_after_forward is None
     post_forward = post_forward_mesh_info(True if auto else reshard_after_forward, info)
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
-    device = info.device
     owners, managed = _collect_params(modules, set(ignored_params or ()))
     plain = [where[0][1] for p, where in owners.items() if not isinstance(p, DTensor)]
     if dp_mesh_dims is not None and plain:  # the first words are torch's
@@ -101,7 +101,7 @@ def shard_module(
     cpu_offload = offload if isinstance(offload, CPUOffloadPolicy) else None
     params = [
         ShardedParam(
-            p, where, info, device, cpu_offload, shard_dim(shard_placement_fn, p, where), mp
+            p, where, info, info.device, cpu_offload, shard_dim(shard_placement_fn, p, where), mp
         )
         for p, where in owners.items()
     ]
@@ -111,9 +111,9 @@ def shard_module(
         for buffer_owner in m.modules():  # buffers are not sharded; they follow the device
             for name, b in buffer_owner._buffers.items():
                 if b is not None and b.device.type != "meta":
-                    buffer_owner._buffers[name] = b.to(device)
-    group = group_type(params, info, post_forward, mp, device) if params else None
-    state = state_type(modules, group, mp, auto)
+                    buffer_owner._buffers[name] = b.to(info.device)
+    group = impl.group_type(params, info, post_forward, mp, info.device) if params else None
+    state = impl.state_type(modules, group, mp, auto)
     if group is not None:
         for m in group.modules_with_params():
             m.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
@@ -123,7 +123,7 @@ def shard_module(
     for m in modules:
         m.__dict__["_twinshard_state"] = state
         m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()  # for replicate()
-        m.__class__ = fsdp_class(module_type, type(m))
+        m.__class__ = fsdp_class(impl.module_type, type(m))
     return module
 
 
