@@ -121,13 +121,23 @@ def test_time_is_compute_plus_what_was_not_hidden(plans):
         assert t["tokens_per_s"] == pytest.approx(2 * 64 / t["step_s"])
 
 
-def test_ratios_to_torch(plans):
-    rows = {"torch": plans["torch"], "optimized": plans["optimized"]}
+def test_ratios_to_torch():
+    """Rows with known answers: torch's own ratios are 1, a plan twice as slow as torch's with
+    half its peak reads 2.0 and 0.5, a failed plan gets none, and without a plan of torch's
+    (or with a failed one) no row gets any."""
+
+    def row(step_s, peak_bytes):
+        return {"time": {"step_s": step_s}, "memory": {"peak_bytes": peak_bytes}}
+
+    rows = {"torch": row(2.0, 1000), "optimized": row(4.0, 500), "mine": {"error": "refused"}}
     add_ratios(rows)
     assert rows["torch"]["vs_torch"] == {"step_time": 1.0, "peak_memory": 1.0}
-    mine, theirs = rows["optimized"], rows["torch"]
-    ratio = mine["memory"]["peak_bytes"] / theirs["memory"]["peak_bytes"]
-    assert mine["vs_torch"]["peak_memory"] == ratio
+    assert rows["optimized"]["vs_torch"] == {"step_time": 2.0, "peak_memory": 0.5}
+    assert "vs_torch" not in rows["mine"]
+    for base in ({}, {"torch": {"error": "refused"}}):
+        rows = {**base, "optimized": row(4.0, 500)}
+        add_ratios(rows)
+        assert "vs_torch" not in rows["optimized"]
 
 
 class Flat:
