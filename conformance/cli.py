@@ -5,21 +5,23 @@
     twinshard conform torch.distributed.fsdp --report conformance.md
 
 MODULE is any importable module with the fully_shard interface (fully_shard, the policies,
-FSDPModule, register_fsdp_forward_method). The exit status is 1 when a case fails or an
-expected failure passes, 0 otherwise. Every argument is checked before a rank starts (the
-module imports and has the interface, meshes, case patterns, the expected-failures file, the
-timeout, enough GPUs for ``--device cuda``, a writable ``--report``); a bad one ends the
-command with one line and status 2.
+FSDPModule, register_fsdp_forward_method), or a short name: reference, optimized, torch
+(``twinshard.impls``). The exit status is 1 when a case fails or an expected failure passes, 0
+otherwise. Every argument is checked before a rank starts (the module imports and has the
+interface, meshes, case patterns, the expected-failures file, the timeout, enough GPUs for
+``--device cuda``, a writable ``--report``); a bad one ends the command with one line and status
+2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import sys
 import tempfile
+
+from twinshard import impls
 
 from .cases import CASES
 from .runner import select
@@ -45,7 +47,10 @@ REQUIRED = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "module", nargs="?", help="importable module providing the fully_shard interface"
+        "module",
+        nargs="?",
+        help="importable module providing the fully_shard interface, or reference, optimized, "
+        "torch",
     )
     parser.add_argument(
         "--world-sizes",
@@ -105,23 +110,12 @@ def refuse(message: str) -> SystemExit:
 
 
 def check_module(name: str) -> None:
-    """Fail early, in the parent, if MODULE cannot be imported or lacks the interface."""
+    """Fail early, in the parent, if MODULE cannot be imported or lacks the interface (by
+    ``twinshard.impls``, as every command resolves an implementation)."""
     try:
-        module = importlib.import_module(name)
-    except Exception as error:  # a syntax error or a failing import inside MODULE, too
-        where = (
-            f" ({error.filename}, line {error.lineno})" if isinstance(error, SyntaxError) else ""
-        )
-        raise refuse(
-            f"cannot import {name!r}: {type(error).__name__}: "
-            f"{getattr(error, 'msg', None) or error}{where}"
-        ) from None
-    missing = [attr for attr in REQUIRED if not hasattr(module, attr)]
-    if missing:
-        raise refuse(
-            f"{name!r} lacks {', '.join(missing)}; it must "
-            "provide the fully_shard interface (see twinshard.api)"
-        )
+        impls.load(name, needs=REQUIRED)
+    except impls.ImplError as error:
+        raise refuse(str(error)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             "name the implementation module to check "
             "(e.g. twinshard.reference); --list shows the cases"
         )
+    args.module = impls.module_name(args.module)  # a short name: reference, optimized, torch
     check_module(args.module)
     try:
         meshes = parse_meshes(args.world_sizes)

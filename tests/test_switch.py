@@ -83,7 +83,10 @@ def test_a_switched_fully_shard_is_what_a_client_imports_at_call_time():
 def test_bad_implementations_are_named_with_what_to_do():
     with pytest.raises(switch.SwitchError, match="'no_such_fsdp'.*importable module name"):
         switch.use("no_such_fsdp")
-    with pytest.raises(switch.SwitchError, match="json has no fully_shard function"):
+    with pytest.raises(
+        switch.SwitchError,
+        match="json lacks fully_shard; name a module with the fully_shard interface",
+    ):
         switch.use("json")
     with pytest.raises(switch.SwitchError, match="module or its name"):
         switch.use(3)

@@ -4,6 +4,7 @@
 - ``twinshard.optimized``: the overlapped production path (same interface).
 - ``twinshard.conformance``: checks any implementation against the truth.
 - ``twinshard.api``: the shared types (policies, the ``FSDPModule`` contract, errors).
+- ``twinshard.impls``: which implementation a command runs (a short name or any module).
 - ``twinshard.launch``: run a function on N local ranks.
 - ``twinshard.standin``: stand-in streams and their sanitizer (the accelerator schedule on the
   CPU), imported by the optimized path and the suite alike.

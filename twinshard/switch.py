@@ -43,6 +43,8 @@ import types
 import warnings
 from collections.abc import Iterator
 
+from twinshard import impls
+
 __all__ = ["ENV_VAR", "SwitchError", "active", "restore", "use", "use_from_env", "using"]
 
 # The environment variable the launcher reads (python -m twinshard.run).
@@ -56,12 +58,8 @@ TORCH_MODULES = (
 )
 # The functions the switch rebinds; an implementation must provide the first.
 FUNCTIONS = ("fully_shard", "register_fsdp_forward_method", "share_comm_ctx")
-# Short names for the implementations people switch between.
-SHORT_NAMES = {
-    "optimized": "twinshard.optimized",
-    "reference": "twinshard.reference",
-    "torch": "torch.distributed.fsdp",
-}
+# Short names for the implementations people switch between (one table for every command).
+SHORT_NAMES = impls.SHORT_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -87,27 +85,17 @@ def _torch_originals() -> dict[tuple[str, str], object]:
 
 
 def _resolve(impl: str | types.ModuleType) -> tuple[str, types.ModuleType]:
-    """The module name and the module of ``impl`` (a short name, a module name or a module)."""
-    if isinstance(impl, types.ModuleType):
-        module = impl
-    else:
-        if not isinstance(impl, str) or not impl:
-            raise SwitchError(
-                f"twinshard.switch: the implementation must be a module or its name "
-                f"({', '.join(SHORT_NAMES)} or e.g. my_pkg.my_fsdp), got {impl!r}"
-            )
-        try:
-            module = importlib.import_module(SHORT_NAMES.get(impl, impl))
-        except ImportError as error:
-            raise SwitchError(
-                f"twinshard.switch: cannot import the implementation {impl!r} ({error}); "
-                f"use one of {', '.join(SHORT_NAMES)} or an importable module name"
-            ) from error
-    if not callable(getattr(module, "fully_shard", None)):
+    """The module name and the module of ``impl`` (a short name, a module name or a module),
+    by ``twinshard.impls``, as every command resolves one."""
+    if not isinstance(impl, (str, types.ModuleType)) or not impl:
         raise SwitchError(
-            f"twinshard.switch: {module.__name__} has no fully_shard function, so it cannot "
-            f"stand in for torch.distributed.fsdp; name a module with the fully_shard interface"
+            f"twinshard.switch: the implementation must be a module or its name "
+            f"({', '.join(SHORT_NAMES)} or e.g. my_pkg.my_fsdp), got {impl!r}"
         )
+    try:
+        module = impls.load(impl)
+    except impls.ImplError as error:
+        raise SwitchError(f"twinshard.switch: {error}") from error
     return module.__name__, module
 
 

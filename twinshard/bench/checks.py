@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from twinshard import devices
+from twinshard import devices, impls
 from twinshard.models import PRESETS
 
 from . import simnet
-from .config import IMPLS, SHARDED
+from .config import BASELINES, FAKEACCEL_RUNS
 
 POSITIVE = (
     "world",
@@ -72,12 +72,11 @@ def problem(args) -> str | None:
     if args.world is not None and args.world % args.hsdp:
         return f"--hsdp {args.hsdp} does not divide --world {args.world}: use a divisor"
     if args.impls is not None:
-        impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-        unknown = [i for i in impls if i not in IMPLS]
-        if unknown or not impls:
-            return f"--impls {args.impls!r}: use a comma-separated list of {', '.join(IMPLS)}"
-        if args.backend == "fakeaccel" and not set(impls) & set(SHARDED):
-            return f"--backend fakeaccel runs {', '.join(SHARDED)} only"
+        wrong = impls.problem(args.impls, "--impls", also=BASELINES)
+        if wrong:
+            return wrong
+        if args.backend == "fakeaccel" and not set(impls.names(args.impls)) - set(BASELINES):
+            return FAKEACCEL_RUNS
     if args.world is not None:
         wrong = reshard_problem(args.reshard_after_forward, args.world, args.hsdp)
         if wrong:

@@ -30,7 +30,7 @@ import torch
 from twinshard.report_files import publish, write_json
 
 from . import checks, memmodel
-from .config import BACKENDS, DTYPES, IMPLS, SHARDED, RunConfig
+from .config import BACKENDS, BASELINES, DTYPES, FAKEACCEL_RUNS, IMPLS, SHARDED, RunConfig
 from .report import memory_table, meta, plot, table
 from .runner import compare
 from .stats import add_overlap, add_ratios, overlap_efficiency, summarize
@@ -45,7 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compare (default): the implementations side by side; hooks: CPU time per group "
         "and step with tiny blocks, profiled; sweep: model size, groups and world size",
     )
-    parser.add_argument("--impls", default=None, help=f"comma-separated, of: {','.join(IMPLS)}")
+    parser.add_argument(
+        "--impls",
+        default=None,
+        help=f"comma-separated, of: {','.join(IMPLS)} or an importable module (my_pkg.my_fsdp)",
+    )
     parser.add_argument("--preset", default=None, help="tiny, small, medium, 1b")
     parser.add_argument("--layers", type=int, default=None, help="blocks (groups), overrides")
     parser.add_argument("--dim", type=int, default=None, help="model width, overrides")
@@ -170,8 +174,10 @@ def add_memory_model(summary: dict, base: RunConfig) -> None:
         if name in SHARDED:
             gloo = base.backend == "gloo" and base.replicas == 1
             pred = memmodel.predict(groups, name, base.world // base.replicas, pb, rb, gloo)
-        else:
+        elif name in BASELINES:
             pred = memmodel.predict_replicated(groups, name, pb)
+        else:
+            continue  # a module from outside: the memory model knows twinshard's and torch's
         row["model"] = pred
         row["model_total"] = sum(pred.values())
 
@@ -211,9 +217,9 @@ def fake_accelerator(base: RunConfig, impls: list[str], args) -> int:
     accelerator (``twinshard.fakeaccel``), two steps each, and its report."""
     from twinshard.fakeaccel.cli import check_and_report
 
-    sharded = [i for i in impls if i in SHARDED]
+    sharded = [i for i in impls if i not in BASELINES]
     if not sharded:
-        print(f"--backend fakeaccel runs {', '.join(SHARDED)} only", file=sys.stderr)
+        print(FAKEACCEL_RUNS, file=sys.stderr)
         return 2
     configs = [replace(base, impl=i, device="cpu") for i in sharded]
     options = argparse.Namespace(

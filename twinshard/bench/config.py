@@ -2,7 +2,7 @@
 
 ``RunConfig`` is everything a process needs to build the model and train it (it travels to
 the ranks by pickle); ``build(config, device)`` returns the model, wrapped by the chosen
-implementation, and its optimizer. Five implementations are compared:
+implementation, and its optimizer. Five implementations are compared by default:
 
     plain      the model without any wrapper: each rank trains a full replica on its own slice
                and nothing is communicated (the compute floor)
@@ -11,28 +11,27 @@ implementation, and its optimizer. Five implementations are compared:
     optimized  twinshard.optimized.fully_shard (the fast path)
     torch      torch.distributed.fsdp.fully_shard (FSDP2)
 
+and any importable module with the ``fully_shard`` interface runs as the last three do
+(``twinshard.impls`` resolves the name, as for every command).
+
 Every block of ``model.blocks`` is one parameter group, then the root; all runs start from
 the same seed and see the same batches.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from twinshard import impls
 from twinshard.models import Llama, LlamaConfig
 
-IMPLS = {
-    "plain": None,
-    "ddp": None,
-    "reference": "twinshard.reference",
-    "optimized": "twinshard.optimized",
-    "torch": "torch.distributed.fsdp",
-}
-SHARDED = ("reference", "optimized", "torch")
+BASELINES = ("plain", "ddp")  # run by the bench itself, without FSDP
+SHARDED = tuple(impls.SHORT_NAMES)  # FSDP by short name (and the memory model's coverage)
+IMPLS = BASELINES + SHARDED  # the five compared by default
+FAKEACCEL_RUNS = "--backend fakeaccel runs FSDP implementations only (not plain or ddp)"
 # fake, simnet and fakeaccel: one process stands in for W (fakeaccel: twinshard.fakeaccel's
 # checks of an accelerator job, on the CPU)
 BACKENDS = ("gloo", "nccl", "fake", "simnet", "fakeaccel")
@@ -107,12 +106,10 @@ def build(config: RunConfig, device: torch.device):
             model = model.to(low)  # compute in bf16 like the sharded runs (no fp32 master)
         if config.impl == "ddp":
             model = _ddp(model, device, config.backend)
-    elif config.impl in SHARDED:
+    else:  # an FSDP implementation: a short name or a module (impls.ImplError if neither)
         if device.type != "cpu" and not config.offload:
             model = model.to(device)
         shard(model, config, device)
-    else:
-        raise ValueError(f"unknown implementation {config.impl!r}; use one of {', '.join(IMPLS)}")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=config.foreach)
     return model, opt
 
@@ -120,7 +117,7 @@ def build(config: RunConfig, device: torch.device):
 def shard(model, config: RunConfig, device: torch.device, mesh=None) -> None:
     """``fully_shard`` every block of ``model``, then the root, with the implementation,
     policies and (unless ``mesh`` is given) mesh of ``config``."""
-    impl = importlib.import_module(IMPLS[config.impl])
+    impl = impls.load(config.impl, "--impls", impls.MEASURED)
     kwargs = {"mesh": mesh if mesh is not None else mesh_for(config, device)}
     if DTYPES[config.dtype] is not None:
         kwargs["mp_policy"] = impl.MixedPrecisionPolicy(

@@ -6,19 +6,20 @@
     twinshard bench --backend fakeaccel --world 64             # the same, from twinshard bench
     python -m twinshard.fakeaccel --device cuda                # the same checks on a real GPU
 
-Each implementation (``--impls``: reference, optimized, torch) trains ``--steps`` steps on the
-fake accelerator in one spawned process, which plays rank 0 of ``--world`` ranks; the report
-gives per configuration the host syncs, the explicit syncs, the collectives with host tensors,
-the collectives (and whether they equal the CPU run's), the peak bytes on the device and the
-memory model beside what FSDP holds (see ``report.py``). The exit status is 1 if any
-configuration failed, synced the host, sent a host tensor to a collective or issued other
-collectives than the CPU run.
+Each implementation (``--impls``: reference, optimized, torch or a module path) trains
+``--steps`` steps on the fake accelerator in one spawned process, which plays rank 0 of
+``--world`` ranks; the report gives per configuration the host syncs, the explicit syncs, the
+collectives with host tensors, the collectives (and whether they equal the CPU run's), the peak
+bytes on the device and the memory model beside what FSDP holds (see ``report.py``). The exit
+status is 1 if any configuration failed, synced the host, sent a host tensor to a collective or
+issued other collectives than the CPU run.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from twinshard import impls
 from twinshard.bench.config import DTYPES, SHARDED, RunConfig
 from twinshard.report_files import publish
 from twinshard.schedule.cli import reshard_value
@@ -29,7 +30,11 @@ from .runner import run as run_checks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--impls", default=",".join(SHARDED), help="of: " + ", ".join(SHARDED))
+    parser.add_argument(
+        "--impls",
+        default=",".join(SHARDED),
+        help="of: " + ", ".join(SHARDED) + " or an importable module (my_pkg.my_fsdp)",
+    )
     parser.add_argument("--world", type=int, default=8, help="ranks this process plays one of")
     parser.add_argument("--hsdp", type=int, default=1, help="replicas of a 2D (HSDP) mesh")
     parser.add_argument("--preset", default="tiny", help="tiny, small, medium, 1b")
@@ -55,10 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configs_from(args) -> list[RunConfig]:
     model = {k: v for k, v in (("n_layers", args.layers), ("dim", args.dim)) if v}
-    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    unknown = [i for i in impls if i not in SHARDED]
-    if unknown:
-        raise SystemExit(f"--impls: {unknown} unknown; the fake accelerator runs {SHARDED}")
+    wrong = impls.problem(args.impls, "--impls")
+    if wrong:
+        raise SystemExit(wrong)
     if args.world % args.hsdp:
         raise SystemExit(f"--hsdp {args.hsdp} does not divide --world {args.world}")
     return [
@@ -75,7 +79,7 @@ def configs_from(args) -> list[RunConfig]:
             offload=args.offload,
             reshard_after_forward=reshard_value(args.reshard_after_forward),
         )
-        for impl in impls
+        for impl in impls.names(args.impls)
     ]
 
 

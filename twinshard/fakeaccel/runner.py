@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from twinshard import fresh_process
 from twinshard.bench import memmodel
-from twinshard.bench.config import DTYPES, RunConfig, build, mesh_for, shard
+from twinshard.bench.config import DTYPES, SHARDED, RunConfig, build, mesh_for, shard
 from twinshard.bench.probe import Probe, sharded_modules
 from twinshard.bench.runner import join_simulated_world
 from twinshard.models import Llama
@@ -197,6 +197,8 @@ def _memory_model(config: RunConfig, phase: Phase) -> dict:
     """The memory model's prediction for the last step beside the probe's measurement, or why
     the model does not cover this setting."""
     measured = sum(phase.categories.values())
+    if config.impl not in SHARDED:
+        return {"covered": False, "why": f"the model covers {', '.join(SHARDED)} only"}
     if config.offload:
         return {"covered": False, "why": "the model has no offload (shards on the host)"}
     if config.reshard_after_forward is not True:

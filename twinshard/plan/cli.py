@@ -22,6 +22,7 @@ import sys
 from dataclasses import replace
 
 from twinshard.bench.checks import parse_reshard
+from twinshard.impls import names
 from twinshard.report_files import publish
 
 from . import profiles
@@ -36,7 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default="small", help="a preset, llama3-8b/70b/405b, llama2-*, or a config.json")
     add("--layers", type=int, default=None, help="blocks, overriding the model's")
-    add("--impls", default="optimized,torch", help="comma-separated: reference, optimized, torch")
+    add(
+        "--impls",
+        default="optimized,torch",
+        help="comma-separated: reference, optimized, torch or an importable module (my_pkg.my_fsdp)",
+    )
     add("--world", type=int, default=8, help="ranks (default 8)")
     add("--hsdp", type=int, default=1, help="replicas of an HSDP mesh (default 1: FSDP)")
     add("--batch", type=int, default=1, help="sequences per rank per step (default 1)")
@@ -63,7 +68,7 @@ def configs_from(args) -> tuple[list[PlanConfig], str | None]:
         reshard = parse_reshard(args.reshard_after_forward)
     except ValueError as error:
         return [], str(error)
-    impls = [i.strip() for i in args.impls.split(",") if i.strip()] or [""]
+    impls = names(args.impls) or [""]
     base = PlanConfig(
         model=args.model,
         layers=args.layers,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from twinshard import impls
 from twinshard.bench.checks import reshard_problem
-from twinshard.bench.config import DTYPES, SHARDED, RunConfig
+from twinshard.bench.config import DTYPES, RunConfig
 from twinshard.models import PRESETS, LlamaConfig
 
 from . import checkpointing, hf
@@ -95,8 +96,9 @@ class PlanConfig:
             return f"--layers must be a positive integer, got {self.layers!r}"
         if self.world % self.hsdp:
             return f"--hsdp {self.hsdp} does not divide --world {self.world}"
-        if self.impl not in SHARDED:
-            return f"--impl {self.impl!r} unknown; use {', '.join(SHARDED)}"
+        wrong = impls.problem(self.impl, "--impls")
+        if wrong:
+            return wrong
         if self.dtype not in DTYPES:
             return f"--dtype {self.dtype!r} unknown; use {', '.join(DTYPES)}"
         if self.optimizer not in OPTIMIZERS:

@@ -18,20 +18,16 @@ schedule at any world size, with the sizes and memory of that world and no value
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 import torch
+
+from twinshard import impls
 
 from .record import Recorder
 from .steps import Schedule
 from .text import format_table
 
-IMPLS = {
-    "reference": "twinshard.reference",
-    "optimized": "twinshard.optimized",
-    "torch": "torch.distributed.fsdp",
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -70,7 +66,7 @@ def record_on_rank(
 
 
 def _shard(impl: str, net, reshard_after_forward, param_dtype, reduce_dtype, mesh=None) -> None:
-    module = importlib.import_module(IMPLS.get(impl, impl))
+    module = impls.load(impl, "--impl", impls.MEASURED)
     mp = module.MixedPrecisionPolicy(
         param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype)
     )
@@ -201,20 +197,7 @@ def problem(args: argparse.Namespace) -> str | None:
     wrong = reshard_problem(args.reshard_after_forward, args.world_size)
     if wrong:
         return wrong
-    impls = [impl.strip() for impl in args.impl.split(",") if impl.strip()]
-    if not impls:
-        return f"--impl {args.impl!r}: name one of {', '.join(IMPLS)} or a module path"
-    for impl in impls:
-        try:
-            module = importlib.import_module(IMPLS.get(impl, impl))
-        except ImportError:
-            module = None
-        if not all(hasattr(module, name) for name in ("fully_shard", "MixedPrecisionPolicy")):
-            return (
-                f"--impl {impl!r}: not {', '.join(IMPLS)}, nor an importable module with "
-                "fully_shard and MixedPrecisionPolicy"
-            )
-    return None
+    return impls.problem(args.impl, "--impl")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -229,11 +212,11 @@ def run(args: argparse.Namespace) -> int:
         param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype,
     )
-    impls = [impl.strip() for impl in args.impl.split(",") if impl.strip()]
+    chosen = impls.names(args.impl)
     if args.fake_accelerator:
-        schedules = record_fake_steps(impls, args.world_size, **options)
+        schedules = record_fake_steps(chosen, args.world_size, **options)
     else:
-        schedules = [record_step(impl, args.world_size, **options) for impl in impls]
+        schedules = [record_step(impl, args.world_size, **options) for impl in chosen]
     text = "\n\n".join(format_table(s, compact=args.compact) for s in schedules)
     if not args.quiet:
         print(text)

@@ -32,7 +32,7 @@ from twinshard.watchdog import DEFAULT_HANG_TIMEOUT
 
 from . import checkpoint as ckpt
 from .data import BUILTIN, DataError, Windows, load_corpus
-from .flags import DEFAULT_LR, DEFAULTS, FIXED, IMPLS
+from .flags import DEFAULT_LR, DEFAULTS, FIXED
 
 
 class TrainError(ValueError):
@@ -343,16 +343,12 @@ def fresh_run_name() -> Path:
 
 def load_impl(name: str):
     """(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy) of the implementation ``--impl``."""
-    from twinshard import api
+    from twinshard import api, impls
 
-    if name == "optimized":
-        import twinshard.optimized as module
-    elif name == "reference":
-        import twinshard.reference as module
-    elif name == "torch":
-        import torch.distributed.fsdp as module
-    else:
-        raise TrainError(f"unknown --impl {name!r}; choose from {', '.join(IMPLS)}")
+    try:
+        module = impls.load(name, "--impl")
+    except impls.ImplError as error:
+        raise TrainError(str(error)) from None
     return (
         module.fully_shard,
         getattr(module, "MixedPrecisionPolicy", api.MixedPrecisionPolicy),

@@ -17,7 +17,6 @@ from twinshard.watchdog import DEFAULT_HANG_TIMEOUT
 
 from .data import BUILTIN
 
-IMPLS = ("reference", "optimized", "torch")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "medium": 6e-4, "1b": 3e-4}
 # Defaults of the options that a resumed run otherwise takes from its checkpoint.
@@ -59,10 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument(
         "--impl",
-        choices=IMPLS,
         help="fully_shard implementation: optimized is the "
         "fast path to train with, reference the readable spec, torch "
-        f"torch.distributed.fsdp (default {d['impl']})",
+        "torch.distributed.fsdp, or an importable module with fully_shard "
+        f"(my_pkg.my_fsdp; default {d['impl']})",
     )
     g.add_argument(
         "--nproc",
