@@ -4,6 +4,8 @@ for the contract between the trees).
 - The optimized path imports nothing from the conformance suite: the suite imports the optimized
   path, and the stand-in streams with their sanitizer live in ``twinshard/standin.py``, which
   both import.
+- One rule for what identifies a tensor's memory (``twinshard/storages.py``): no other function
+  writes out "the address, or the storage object where there is none" again.
 - One implementation resolver (``twinshard/impls.py``): every command takes a module from
   outside the project by its import path, as it takes the short names, and refuses a bad name
   naming its flag.
@@ -80,6 +82,57 @@ def late():
         "twinshard.conformance.stream_check.StreamSanitizer",
     ]
     assert suite_imports("import torch\nfrom .streams import streams_for\n") == []
+
+
+def rule_copies(source: str) -> list[str]:
+    """The functions of ``source`` that read both a storage's address (``data_ptr``) and its
+    object (``_cdata``): a copy of ``twinshard.storages.memory_key``'s rule."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+            if {"data_ptr", "_cdata"} <= names:
+                found.append(node.name)
+    return found
+
+
+def test_the_memory_identity_rule_is_written_once():
+    rule = ROOT / "twinshard" / "storages.py"
+    copies = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for folder in ("twinshard", "optimized", "reference", "conformance")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != rule
+        for name in rule_copies(path.read_text())
+    ]
+    assert copies == [], "use twinshard.storages.memory_key"
+
+
+def test_the_rule_copy_check_can_fail():
+    made_up = """
+def key(t):
+    s = t.untyped_storage()
+    return s._cdata if s.device.type == "meta" else s.data_ptr()
+def address(t):
+    return t.untyped_storage().data_ptr()
+"""
+    assert rule_copies(made_up) == ["key"]
+
+
+def test_memory_key_names_memory_not_tensors():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from twinshard.storages import memory_key
+
+    t = torch.zeros(8)
+    assert memory_key(t) == t.data_ptr() != 0 and memory_key(t[2:]) == memory_key(t)
+    assert memory_key(torch.zeros(8)) != memory_key(t)
+    assert memory_key(torch.empty(0)) == 0 and memory_key(torch.zeros(8, device="meta")) == 0
+    with FakeTensorMode():
+        fake = torch.zeros(8)
+        assert memory_key(fake) != 0 and memory_key(fake[2:]) == memory_key(fake)
+        assert memory_key(torch.zeros(8)) != memory_key(fake)
 
 
 # One implementation resolver (twinshard/impls.py) for every command: a module from outside the

@@ -6,6 +6,7 @@
 - ``twinshard.api``: the shared types (policies, the ``FSDPModule`` contract, errors).
 - ``twinshard.impls``: which implementation a command runs (a short name or any module).
 - ``twinshard.launch``: run a function on N local ranks.
+- ``twinshard.storages``: what identifies a tensor's memory, for the observers.
 - ``twinshard.standin``: stand-in streams and their sanitizer (the accelerator schedule on the
   CPU), imported by the optimized path and the suite alike.
 - ``twinshard.models``: small example models with adjustable (uneven) sizes.

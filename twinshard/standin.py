@@ -42,6 +42,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from twinshard.storages import memory_key
+
 
 class StandInEvent:
     """A point on a stream: the stream's clock when it was recorded."""
@@ -310,7 +312,7 @@ def _key(t: torch.Tensor) -> int | None:
     if t.device.type != "cpu":
         return None
     try:
-        ptr = _storage(t).data_ptr()
+        ptr = memory_key(t)
     except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
         return None
     return ptr or None

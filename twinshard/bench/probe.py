@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from twinshard.conformance.trace import OPS, collective_size
+from twinshard.storages import memory_key
 
 CATEGORIES = ("sharded", "sharded_grad", "optimizer", "params", "unsharded", "grad", "comm")
 TRACKED = ("unsharded", "grad", "comm")  # what FSDP adds on top of the persistent state
@@ -71,15 +72,6 @@ def heap_in_use() -> int:
         return 0
     info = _MALLINFO2()
     return info.uordblks + info.hblkhd
-
-
-def _storage_key(t: torch.Tensor, storage) -> int:
-    """What identifies ``t``'s memory: its address, or for a ``FakeTensor`` (whose storage is
-    on ``meta`` while the tensor stands for another device, ``twinshard.fakeaccel``), which
-    has no address, the storage object itself. 0 for memory that is not there."""
-    if storage.device.type == "meta":
-        return storage._cdata if t.device.type != "meta" else 0
-    return storage.data_ptr()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -147,7 +139,7 @@ class Probe(TorchDispatchMode):
                 if t is None:
                     continue
                 storage = t.untyped_storage()
-                ptr = _storage_key(t, storage)
+                ptr = memory_key(t, storage)
                 if ptr and ptr not in counted:
                     counted.add(ptr)
                     now[category] += storage.nbytes()

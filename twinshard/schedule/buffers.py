@@ -21,19 +21,20 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from twinshard.storages import memory_key
+
 from .steps import Collective
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
-    """(address, bytes) of a plain tensor's memory, None for subclasses or freed memory. A
-    ``FakeTensor`` (``twinshard.fakeaccel``) has no address: its storage, on ``meta`` while
-    the tensor stands for another device, is named by the storage object instead."""
+    """(key, bytes) of a plain tensor's memory (``twinshard.storages.memory_key``: its address,
+    or a ``FakeTensor``'s storage object), None for subclasses or freed memory."""
     if is_traceable_wrapper_subclass(t) or t.device.type == "meta":
         return None
     s = t.untyped_storage()
     if not s.nbytes():
         return None
-    return (s._cdata if s.device.type == "meta" else s.data_ptr(), s.nbytes())
+    return (memory_key(t, s), s.nbytes())
 
 
 def held_by_python(ref: weakref.ref) -> bool:
