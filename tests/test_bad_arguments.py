@@ -37,7 +37,7 @@ BAD = [
     ("bench hooks --world 0", "--world"),
     ("plan --world 0", "--world"),
     ("plan --world 8 --hsdp 3", "--hsdp 3"),
-    ("plan --impls bogus", "--impl 'bogus'"),
+    ("plan --impls bogus", "--impls 'bogus'"),
     ("plan --model nonesuch", "--model 'nonesuch'"),
     ("plan --model /nowhere/config.json", "no such file"),
     ("plan --dtype fp8", "--dtype 'fp8'"),

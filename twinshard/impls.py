@@ -63,13 +63,10 @@ def load(name: str | types.ModuleType, flag: str = "", needs: tuple[str, ...] = 
         try:
             module = importlib.import_module(path)
         except Exception as error:  # a syntax error or a failing import inside it, too
-            line = (
-                f", {error.filename} line {error.lineno}" if isinstance(error, SyntaxError) else ""
-            )
-            reason = getattr(error, "msg", None) or error
-            raise ImplError(
-                f"{where}cannot import {path!r} ({type(error).__name__}: {reason}{line}); {_INSTEAD}"
-            ) from error
+            said = f"{type(error).__name__}: {error}"
+            if isinstance(error, SyntaxError):  # its file in full, and the line
+                said = f"SyntaxError: {error.msg} ({error.filename}, line {error.lineno})"
+            raise ImplError(f"{where}cannot import {path!r}: {said}; {_INSTEAD}") from error
     missing = [attr for attr in needs if getattr(module, attr, None) is None]
     if missing:
         raise ImplError(
