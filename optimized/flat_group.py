@@ -28,6 +28,7 @@ import torch.distributed as dist
 from twinshard.api import profiled, without_grad
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
+from twinshard.storages import memory_key
 
 from .collectives import AllGatherResult, accumulate, all_gather, copy_out, reduce_scatter
 from .comm import CommContext
@@ -220,7 +221,7 @@ class FlatParamGroup(ParamGroup):
     def keep_shards_now(self) -> None:
         """Move the blocks into the group's storage now, not at the next unshard: called when
         the group is made and whenever the module's sharded parameters may have been given new
-        tensors (``FSDPModule._apply``: ``to``, ``float``, ``to_empty``; a load with
+        tensors (the module's conversions: ``to``, ``float``, ``to_empty``; a load with
         ``assign=True``). Nothing to do for a group that cannot keep its blocks, or while a
         parameter is still on the meta device (``to_empty`` comes back here).
 
@@ -236,7 +237,7 @@ class FlatParamGroup(ParamGroup):
         again behind the user's back. A block that already is a whole padded block of its own
         (rows divide evenly, contiguous, on the device, in the group's dtype) is adopted as
         it is, with no copy: a tensor loaded with ``assign=True`` stays the parameter's, as
-        under torch. Only a parameter replaced outside these moments (``module._parameters``
+        under torch. Only a parameter replaced outside these moments (the module's parameter dict
         written directly) is moved at its next unshard, as before."""
         if not self.can_keep_shards or any(p.on_meta() for p in self.params):
             return
@@ -245,7 +246,7 @@ class FlatParamGroup(ParamGroup):
 
     def storage_for(self, i: int, p, dtype: torch.dtype) -> torch.Tensor:
         """Where parameter ``i``'s block is kept from now on, (chunk, *rest): its old storage
-        when the local tensor still starts it (an ``_apply`` that changed nothing), the local
+        when the local tensor still starts it (a conversion that changed nothing), the local
         tensor itself when it is a whole padded block that no other parameter keeps (rows that
         divide evenly; see [Note: the kept blocks alias the sharded parameters]), else new."""
         local, old = p.sharded_param.to_local(), self.kept_blocks[i]  # a view: the same memory
@@ -254,12 +255,8 @@ class FlatParamGroup(ParamGroup):
             return torch.empty(shape, dtype=dtype, device=self.device)
         if old is not None and starts(local, old) and old.dtype == dtype:
             return old.view(shape)
-        memory = local.untyped_storage()._cdata
-        others = [
-            b.untyped_storage()._cdata
-            for k, b in enumerate(self.kept_blocks)
-            if k != i and b is not None
-        ]
+        memory = memory_key(local)
+        others = [memory_key(b) for k, b in enumerate(self.kept_blocks) if k != i and b is not None]
         if local.shape == shape and local.storage_offset() == 0 and memory not in others:
             return local
         return torch.empty(shape, dtype=dtype, device=self.device)
@@ -320,8 +317,7 @@ def starts(local: torch.Tensor, block: torch.Tensor) -> bool:
     """Whether ``local`` begins where ``block`` does, in the same memory (compared by storage,
     which works on fake tensors too, where data pointers read 0)."""
     return (
-        local.untyped_storage()._cdata == block.untyped_storage()._cdata
-        and local.storage_offset() == block.storage_offset()
+        memory_key(local) == memory_key(block) and local.storage_offset() == block.storage_offset()
     )
 
 
