@@ -13,7 +13,8 @@
 #   4. `twinshard bench` on the simulated network at world sizes 8 and 64 (the GPU stands in
 #      for rank 0; each collective keeps its stream busy for the NVLink time),
 #   5. the hook overhead (fake process group, 64 tiny blocks) with the GPU doing the compute.
-# Results go to ${OUT:-benchmarks/results/gpu}. DEVICE=cpu SMOKE=1 runs the same commands on
+# Each command of steps 3 to 5 has a time limit of its own (LIMIT seconds, 150 by default),
+# so that a slow one leaves the others their turn. Results go to ${OUT:-benchmarks/results/gpu}. DEVICE=cpu SMOKE=1 runs the same commands on
 # the CPU with a tiny model (gloo instead of NCCL; step 2 on the fake accelerator), to check
 # the script without a GPU. The exit status is 1 if a check of step 2 failed (after every step
 # has run); it names them last.
@@ -22,12 +23,15 @@ cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/gpu}
 device=${DEVICE:-cuda}
 py=${PYTHON:-python3}
+limit=${LIMIT:-150}
 mkdir -p "$out"
 if [ "$device" = cuda ]; then
     backend=nccl
     model=(--preset 1b --dtype bf16 --seq 2048 --per-rank 4)
     small=(--preset small --dtype bf16 --seq 1024 --per-rank 4)
-    steps=(--warmup 3 --steps 10 --repeat 3)
+    # One repetition: each run of the 1B bench takes about 30 s on an H200 (most of it building
+    # the model), so the whole script fits the 8 minutes of a loan (measured 2026-11-26).
+    steps=(--warmup 3 --steps 10 --repeat 1)
     $py -m pip install -q --no-deps --no-build-isolation -e .
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" || true
 else
@@ -44,6 +48,7 @@ $py -m twinshard.cli conform twinshard.optimized --device "$device" --world-size
 accel=fake  # step 2 on the CPU: the fake accelerator (twinshard.fakeaccel)
 [ "$device" = cuda ] && accel=cuda
 failed=()
+stopped=()
 for mesh in "8" "64" "64 --hsdp 8 --offload --reshard-after-forward 4"; do
     name=accel-ws${mesh// /}
     name=${name//--/-}
@@ -55,19 +60,24 @@ done
 $py benchmarks/stream_order.py --device "$accel" 2>&1 | tee "$out/stream-order.log" \
     || failed+=(stream-order)
 
-$py -m twinshard.cli bench --device "$device" --backend "$backend" --world 1 "${model[@]}" \
+timeout "$limit" $py -m twinshard.cli bench --device "$device" --backend "$backend" --world 1 "${model[@]}" \
     "${steps[@]}" --json "$out/bench-ws1.json" --markdown "$out/bench-ws1.md" \
-    --plot "$out/bench-ws1.png" 2>&1 | tee "$out/bench-ws1.log"
+    --plot "$out/bench-ws1.png" 2>&1 | tee "$out/bench-ws1.log" || stopped+=(bench-ws1)
 
 for world in 8 64; do
-    $py -m twinshard.cli bench --device "$device" --backend simnet --world "$world" \
+    timeout "$limit" $py -m twinshard.cli bench --device "$device" --backend simnet --world "$world" \
         --link nvlink "${small[@]}" "${steps[@]}" --json "$out/simnet-ws$world.json" \
-        --markdown "$out/simnet-ws$world.md" 2>&1 | tee "$out/simnet-ws$world.log"
+        --markdown "$out/simnet-ws$world.md" 2>&1 | tee "$out/simnet-ws$world.log" \
+        || stopped+=("simnet-ws$world")
 done
 
-$py -m twinshard.cli bench hooks --device "$device" "${steps[@]}" \
-    --json "$out/hooks.json" --markdown "$out/hooks.md" 2>&1 | tee "$out/hooks.log"
+timeout "$limit" $py -m twinshard.cli bench hooks --device "$device" "${steps[@]}" \
+    --json "$out/hooks.json" --markdown "$out/hooks.md" 2>&1 | tee "$out/hooks.log" \
+    || stopped+=(hooks)
 
+if [ ${#stopped[@]} -gt 0 ]; then  # a measurement is missing: say which, without failing
+    echo "benchmarks that failed or ran past ${limit} s: ${stopped[*]}" >&2
+fi
 if [ ${#failed[@]} -gt 0 ]; then
     echo "accelerator checks failed: ${failed[*]} (see $out/<name>.log)" >&2
     exit 1

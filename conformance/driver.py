@@ -144,7 +144,13 @@ def run_oracle(recipe: Recipe, impl, mesh) -> tuple[Trace, nn.Module]:
 
 
 def make_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=0.9)
+    """SGD with momentum. Sharded (``DTensor``) and plain parameters (``ignored_params``) go in
+    two groups: on an accelerator SGD's default multi-tensor step refuses a list that mixes
+    them. The update of each parameter is the same either way."""
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor) is sharded] for sharded in (True, False)]
+    groups = [{"params": g} for g in groups if g]
+    return torch.optim.SGD(groups, lr=recipe.lr, momentum=0.9)
 
 
 def _train(

@@ -127,9 +127,12 @@ class ShardedParam(GradientPath, ExtensionPath):
         if self.tp is not None:  # a 2-D (dp, tp) DTensor; see tensor_parallel.py
             mesh, stride = self.tp.spmd_mesh, self.tp.stride
             placements = self.tp.sharded_placements(self.info, self.dim)
-        return DTensor.from_local(
-            block, mesh, placements, run_check=False, shape=self.shape, stride=stride
-        )
+        # The spec comes from a meta stand-in: ``from_local`` would move a host block (offload)
+        # onto the mesh's device; as torch's, a sharded parameter stays where its block lies.
+        spec = DTensor.from_local(
+            block.to("meta"), mesh, placements, run_check=False, shape=self.shape, stride=stride
+        )._spec
+        return DTensor.__new__(DTensor, block, spec, requires_grad=False)
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Writing _parameters directly skips nn.Module.__setattr__'s checks on every swap.
@@ -241,11 +244,8 @@ class ShardedParam(GradientPath, ExtensionPath):
 
         Its first ``rows`` rows are the unsharded parameter; the rest are padding."""
         if self.all_gather_buffer is None:
-            self.all_gather_buffer = torch.empty(
-                (self.info.shard_size * self.chunk, *self.block_shape[1:]),
-                dtype=dtype,
-                device=self.device,
-            )
+            shape = (self.info.shard_size * self.chunk, *self.block_shape[1:])  # (S * chunk, ...)
+            self.all_gather_buffer = torch.empty(shape, dtype=dtype, device=self.device)
             # ``.data`` gives the parameter its own version counter, so that writing the
             # all-gather into the buffer does not look like an in-place change to autograd.
             view = self.all_gather_buffer.data.narrow(0, 0, self.rows)  # (rows, *rest)

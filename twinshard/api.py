@@ -24,7 +24,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import DataParallelMeshDims  # torch's own: the same names, as is
+
+try:  # torch's own where it has one (2.13 on): the same object works with every implementation
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # torch 2.11 and 2.12
+    from twinshard.mesh_dims import DataParallelMeshDims
 
 __all__ = [
     "MixedPrecisionPolicy",

@@ -124,7 +124,8 @@ def case_fsdp_module_methods(ctx):
         elif getattr(impl, "__name__", "").startswith("twinshard"):
             model.set_separate_reduce_scatter_group(True)  # a second gloo group for twinshard
 
-    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
+    newer = ("set_reduce_scatter_max_input_buffers", "set_force_sum_reduction_for_comms")
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap), no_oracle=_torch_lacks(*newer))
 
 
 @case("comm_hooks")
@@ -146,7 +147,18 @@ def case_reset_after_error(ctx):
         handle.remove()
         model.reshard()  # torch's reset leaves the root unsharded; the optimizer needs DTensors
 
-    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap))
+    return train_case(
+        ctx, M.mlp_recipe(ctx.world, wrap=wrap), no_oracle=_torch_lacks("reset_iter_state")
+    )
+
+
+def _torch_lacks(*methods: str) -> str | None:
+    """Why the installed torch's ``fully_shard`` cannot run a case: methods its FSDPModule lacks
+    (2.11 has no reset_iter_state, for one); None where it has them all."""
+    from torch.distributed.fsdp import FSDPModule
+
+    missing = [m for m in methods if not hasattr(FSDPModule, m)]
+    return f"torch {torch.__version__} has no FSDPModule.{', .'.join(missing)}" if missing else None
 
 
 @case("comm_hooks")
@@ -177,7 +189,7 @@ def case_one_rank_no_collectives(ctx):
     model = M.MLPStack()
     M.shard_blocks(ctx.impl, model, ctx.mesh)
     with T.CollectiveTrace() as recorded:
-        M.mse(model, M.mlp_data()(0)).backward()
+        M.mse(model, [t.to(ctx.device) for t in M.mlp_data()(0)]).backward()
     checker.count += 1
     if recorded.calls:
         ops = sorted({c.op for c in recorded.calls})

@@ -141,7 +141,17 @@ def sources(ctx: Context):
         yield "torch", ctx.oracle, paused()
 
 
-@case("checkpoint", needs=lambda ctx: not ctx.hsdp, why="the checkpoint matrix runs on 1D meshes")
+def _saved_in_this_run(ctx: Context) -> bool:
+    """Whether dcp_save (world size 2) ran earlier in this run: it leaves a dcp-* folder."""
+    return any(name.startswith("dcp-") for name in os.listdir(ctx.tmpdir))
+
+
+@case(
+    "checkpoint",
+    needs=lambda ctx: not ctx.hsdp and _saved_in_this_run(ctx),
+    why="the checkpoint matrix runs on 1D meshes and loads what dcp_save wrote at world size 2 "
+    "in the same run (give --world-sizes with 2 before this size)",
+)
 def case_dcp_load(ctx):
     """Load the world-size-2 checkpoints (this implementation's and torch's) here, into this
     implementation and into torch's, and continue: identical to uninterrupted training."""

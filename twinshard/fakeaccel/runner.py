@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from twinshard import fresh_process
+from twinshard import fresh_process, impls
 from twinshard.bench import memmodel
 from twinshard.bench.config import DTYPES, SHARDED, RunConfig, build, mesh_for, shard
 from twinshard.bench.probe import Probe, sharded_modules
@@ -106,11 +106,19 @@ def fake_accelerator_run(config: RunConfig, steps: int, planted) -> list[Phase]:
     fake_device.join(config.world)
     device = fake_device.device()
     mesh = mesh_for(config, device)  # outside the fake mode: it computes with real tensors
-    with torch.device("meta"):
-        model = Llama(config.llama())
     with FakeTensorMode(allow_non_fake_inputs=True), Monitor(fake_device.DEVICE_TYPE) as monitor:
-        shard(model, config, device, mesh)
-        model.to_empty(device="cpu" if config.offload else device)  # no values to initialize
+        if config.offload and impls.module_name(config.impl) != impls.SHORT_NAMES["torch"]:
+            # Built on the host, where a user keeps an offloaded model (as ``ondevice`` does): a
+            # sharded parameter must stay there. Torch's own fully_shard first moves every
+            # parameter to the device by ``.data`` assignment, which fake tensors refuse across
+            # devices, so torch's run takes the meta path below.
+            model = Llama(config.llama())
+            shard(model, config, device, mesh)
+        else:  # built on meta and materialized after sharding (no values to initialize)
+            with torch.device("meta"):
+                model = Llama(config.llama())
+            shard(model, config, device, mesh)
+            model.to_empty(device="cpu" if config.offload else device)
         opt = _optimizer(model)
         plant_hazard(planted, model)
         tokens = torch.randint(0, model.config.vocab_size, batch_shape(config), device=device)
