@@ -1,9 +1,9 @@
 """The collective trace: every collective a rank issues, as (op, dtype, numel).
 
 ``CollectiveTrace`` is a ``TorchDispatchMode``. Every ``torch.distributed`` collective on
-tensors reaches the dispatcher as a ``c10d`` operator, whichever implementation issued it and
-however it wrapped the call, so the trace sees torch's ``fully_shard`` exactly as it sees
-ours. A case records one training step and then checks that
+tensors reaches the dispatcher as a ``c10d`` operator (``twinshard.c10d``'s table), whichever
+implementation issued it and however it wrapped the call, so the trace sees torch's
+``fully_shard`` exactly as it sees ours. A case records one training step and then checks that
 
 - the traces of all ranks are the same sequence (a mismatch would hang a real run; here it
   is reported, with the first position where two ranks differ);
@@ -22,19 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinshard.schedule.record import gathered_in_place
-
-# c10d operator name -> the collective it is
-OPS = {
-    "_allgather_base_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "broadcast_": "broadcast",
-    "alltoall_base_": "all_to_all",
-}
+from twinshard import c10d
 
 
 @dataclass(frozen=True)
@@ -52,33 +40,12 @@ class CollectiveTrace(TorchDispatchMode):
         self.calls: list[Call] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
-        namespace = getattr(func, "namespace", "")
-        if namespace == "c10d" and name in OPS:
-            tensors = _tensors(args)
-            if tensors:
-                op, numel, big = collective_size(name, tensors)
-                self.calls.append(Call(op, big.dtype, numel))
+        name = c10d.name_of(func)
+        tensors = c10d.tensors(args) if name is not None else []
+        if tensors:  # an exchange in place counts as the all-gather it is
+            op, numel, big = c10d.collective_size(name, tensors)
+            self.calls.append(Call(op, big.dtype, numel))
         return func(*args, **(kwargs or {}))
-
-
-def collective_size(name: str, tensors: list[torch.Tensor]) -> tuple[str, int, torch.Tensor]:
-    """The collective that the c10d operator ``name`` (a key of ``OPS``) issues on ``tensors``
-    (its output, then its input), its elements and its largest tensor (whose dtype it runs
-    in). The elements are the largest tensor's, or for an exchange in place between two ranks
-    the whole buffer it fills, as the all-gather it is."""
-    op, big = OPS[name], max(tensors, key=lambda t: t.numel())
-    if op == "all_to_all" and (whole := gathered_in_place(tensors[:1], tensors[1:2])):
-        return "all_gather", whole, big
-    return op, big.numel(), big
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def compare_ranks(calls: list[Call]) -> str | None:

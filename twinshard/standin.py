@@ -42,6 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from twinshard import c10d
 from twinshard.storages import memory_key
 
 
@@ -169,11 +170,6 @@ class StorageRecord:
     released: str | None = None  # where the schedule released it
 
 
-# Which arguments a collective writes (c10d schemas carry no alias annotations).
-_C10D_WRITES = {"allreduce_": {0}, "broadcast_": {0}}
-_C10D_DEFAULT_WRITES = {0}  # output first: all-gather, reduce-scatter and their variants
-
-
 class StreamSanitizer(TorchDispatchMode):
     """Checks every tensor access against the stand-in streams' order."""
 
@@ -275,9 +271,10 @@ def _ordered(access: Access, stream: object) -> bool:
 def _accesses(func, args, kwargs) -> tuple[list, list, bool]:
     """(tensors read, tensors written, whether the op is a view that touches no data)."""
     schema = func._schema
-    if func.namespace == "c10d":
-        written = _C10D_WRITES.get(func.__name__.split(".")[0], _C10D_DEFAULT_WRITES)
-        flags = [i in written for i in range(len(args))]
+    if func.namespace == "c10d":  # no alias annotations: c10d.OPS names what it writes
+        name = c10d.name_of(func)
+        out = c10d.OPS[name].outputs if name else schema.arguments[0].name  # else: output first
+        flags = [a.name == out for a in schema.arguments[: len(args)]]
         values = list(args)
     else:
         returns = schema.returns

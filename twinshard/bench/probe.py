@@ -18,9 +18,9 @@ by its storage: a storage shared by several tensors counts once, in the first ca
 that claims it, and a storage freed with ``resize_(0)`` counts nothing. Sampling after every
 operator sees each allocation right after it happens, which is where peaks are.
 
-The same mode counts the collectives (op, bytes) the way ``conformance.trace`` does: every
-c10d operator reaches it. A Python process group (``simnet``) bypasses the dispatcher; it
-hands its tensors to ``Probe.saw_collective`` itself.
+The same mode counts the collectives (op, bytes) of ``twinshard.c10d``'s table, as the suite's
+trace does: every c10d operator reaches it. A Python process group (``simnet``) bypasses the
+dispatcher; it hands its tensors to ``Probe.saw_collective`` itself.
 
 It also samples the C allocator's bytes in use (glibc ``mallinfo2``), which covers the
 activations and every temporary: on the CPU the closest thing to an accelerator's
@@ -36,9 +36,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from twinshard.conformance.trace import OPS, collective_size
+from twinshard import c10d
 from twinshard.storages import memory_key
 
 CATEGORIES = ("sharded", "sharded_grad", "optimizer", "params", "unsharded", "grad", "comm")
@@ -166,10 +165,10 @@ class Probe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else ""
-        if getattr(func, "namespace", "") == "c10d" and name in OPS:
-            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            op, numel, big = collective_size(name, tensors)
+        name = c10d.name_of(func)
+        if name is not None:
+            tensors = c10d.tensors((args, kwargs))
+            op, numel, big = c10d.collective_size(name, tensors)
             self.saw_collective(op, tensors, numel * big.element_size())
         else:
             self.sample()

@@ -18,7 +18,7 @@ host tensors in collectives
     The fake process group cannot refuse a fake host tensor, so the monitor does.
 collectives
     (op, dtype, elements, group size, group ranks) in issue order, as
-    ``conformance.trace.collective_size`` counts them, to compare with the CPU run.
+    ``twinshard.c10d.collective_size`` counts them, to compare with the CPU run.
 memory
     every storage an operator touches is held (a strong reference to the storage object, so
     its identity stays unique) and counted while something else still uses it; its bytes are
@@ -31,9 +31,9 @@ Pinned host memory: the fake mode cannot pin (``aten._pin_memory`` is not implem
 so the monitor makes a copy, remembers its storage as pinned, and answers ``is_pinned`` from
 that; ``pin_memory=True`` of a factory is remembered the same way.
 
-On real tensors (``ondevice.py``: a lent GPU; ``Monitor("cpu")``: the CPU run, which records
-collectives only) nothing is answered for the device: values are read, memory is pinned, and
-the holding of storages only delays their release to the next count.
+On real tensors (``runner.device_run``: a lent GPU; ``Monitor("cpu")``: the CPU run, which
+records collectives only) nothing is answered for the device: values are read, memory is
+pinned, and the holding of storages only delays their release to the next count.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from twinshard.conformance.trace import OPS, collective_size
+from twinshard import c10d
 
 from . import shim
 from .shim import short_stack
@@ -184,8 +184,7 @@ class Monitor(TorchDispatchMode):
             kwargs = {**kwargs, "pin_memory": False}
         else:
             pin = False
-        name = func.__name__.split(".")[0]
-        if getattr(func, "namespace", "") == "c10d" and name in OPS:
+        if (name := c10d.name_of(func)) is not None:
             self._collective(name, args, kwargs)
         elif self.on_host:
             pass
@@ -208,11 +207,11 @@ class Monitor(TorchDispatchMode):
         return out
 
     def _collective(self, name: str, args, kwargs) -> None:
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = c10d.tensors((args, kwargs))
         if not tensors:
             return
         group = next((a for a in tree_leaves((args, kwargs)) if _is_group(a)), None)
-        op, numel, big = collective_size(name, tensors)
+        op, numel, big = c10d.collective_size(name, tensors)
         ranks = tuple(_group_ranks(group))
         call = Collective(op, str(big.dtype).replace("torch.", ""), numel, len(ranks), ranks)
         self.phase.collectives.append(call)

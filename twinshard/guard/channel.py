@@ -15,6 +15,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from twinshard.c10d import exchanges_values
+
 ENV = "TWINSHARD_DEBUG"  # "1": check every collective across ranks before it is issued
 TIMEOUT_ENV = "TWINSHARD_GUARD_TIMEOUT"  # seconds to wait for a peer in a debug check
 DEFAULT_TIMEOUT = 30.0
@@ -64,8 +66,6 @@ def connection():
     if _conn is not None and _conn[0] is world:
         return _conn[1]
     seq.clear(), _members_of.clear()
-    from .usage import exchanges_values
-
     store = base = c10d._get_default_store()
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store

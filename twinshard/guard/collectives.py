@@ -19,15 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from twinshard import c10d
+
 from . import channel
 from .channel import ENV, PREFIX, TIMEOUT_ENV
 
-# how a collective's name reads without underscores -> the name the guard gives it
-OPS = {
-    "allgather": "all_gather",
-    "reducescatter": "reduce_scatter",
-    "allreduce": "all_reduce",
-}
+CHECKED = ("all_gather", "reduce_scatter", "all_reduce")  # what ``watch`` checks of c10d.OPS
 _step = 0  # the current root's forward count: collectives are labelled with it
 _forwards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> its forwards
 _last: dict[tuple, str] = {}  # ranks of a group -> the last collective all of them reached
@@ -54,7 +51,7 @@ def _check(op, tensor: torch.Tensor, group, about) -> None:
     ranks = channel.members(group) if store is not None else ()
     if len(ranks) < 2:
         return
-    op = _op_name(op)
+    op = c10d.kind(op)  # a custom all-gather or reduce-scatter hook by its class
     names = [about] if isinstance(about, str) else [getattr(a, "fqn", a) for a in about or ()]
     in_backward = torch._C._current_graph_task_id() != -1
     entry = [op, str(tensor.dtype).removeprefix("torch."), tensor.numel(), names, _step]
@@ -75,14 +72,6 @@ def _check(op, tensor: torch.Tensor, group, about) -> None:
         }
         channel.fail(store, topic, ranks, _disagreement(ranks, seq, every))
     _last[ranks] = entry
-
-
-def _op_name(op) -> str:
-    """ "all_gather", "reduce_scatter", "all_reduce", or the name of ``op`` as it is. A
-    callable object (a custom all-gather or reduce-scatter hook) is named by its class: its
-    ``repr`` holds an address, which differs from rank to rank."""
-    name = op if isinstance(op, str) else getattr(op, "__name__", type(op).__name__)
-    return next((v for k, v in OPS.items() if k in name.replace("_", "")), name)
 
 
 def _show(entry: list) -> str:
@@ -147,23 +136,13 @@ class _Watch(TorchDispatchMode):
     """Checks each ``c10d`` collective as it reaches the dispatcher."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if getattr(func, "namespace", "") == "c10d" and _op_name(name) in OPS.values():
-            tensors = [t for a in args for t in (a if isinstance(a, list) else [a])]
-            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-            group = next((g for a in args if (g := _group(a)) is not None), None)
+        name = c10d.name_of(func)
+        if name is not None and c10d.OPS[name].kind in CHECKED:
+            tensors = c10d.tensors(args)
+            group = next((g for a in args if (g := c10d.group_of(a)) is not None), None)
             if tensors and group is not None:
                 check_collective(name, max(tensors, key=torch.Tensor.numel), group)
         return func(*args, **(kwargs or {}))
-
-
-def _group(value):
-    if not isinstance(value, torch.ScriptObject):
-        return None
-    try:
-        return dist.ProcessGroup.unbox(value)
-    except RuntimeError:  # another script object (a ReduceOp)
-        return None
 
 
 @contextlib.contextmanager

@@ -36,6 +36,8 @@ import weakref
 
 import torch.distributed as dist
 
+from twinshard.c10d import exchanges_values
+
 from . import channel
 
 PREFIX = "twinshard-usage"
@@ -159,13 +161,3 @@ def tally_connection():
             pass  # a store without clone(): share the guard's
         _connection = (guard, own)
     return _connection[1]
-
-
-def exchanges_values(group) -> bool:
-    """Whether ``group``'s collectives carry values between processes: PyTorch's fake process
-    group (one process playing one rank of many) answers every collective without any."""
-    try:
-        backends = [group._get_backend(d) for d in group._device_types]
-    except (AttributeError, RuntimeError):
-        return True
-    return not any(type(b).__name__ == "FakeProcessGroup" for b in backends)

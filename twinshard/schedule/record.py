@@ -14,8 +14,9 @@ collective issued). It never calls into the implementation; it sees what a user 
   the implementation wraps them (a prepended pre-hook), so in backward it runs after theirs;
 - the end of backward: an autograd-engine callback queued behind the implementation's;
 - collectives: a ``TorchDispatchMode`` (like ``twinshard.conformance.trace``) that sees each
-  c10d operator, its tensors and its process group, and notices the first operator that reads
-  a collective's result (for an asynchronous collective, the moment it had to be finished).
+  c10d operator of ``twinshard.c10d``'s table, its tensors and its process group, and notices
+  the first operator that reads a collective's result (for an asynchronous collective, the
+  moment it had to be finished).
 
 After each hook it notes the state of every parameter of every group (a sharded ``DTensor``,
 an unsharded plain tensor, or freed) and the bytes alive in unsharded parameters (including
@@ -35,43 +36,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from twinshard import c10d
 
 from .attribute import Attributor, GroupInfo, infer_post_forward_pieces, shard_size_of
 from .buffers import CollectiveBuffers, storage_key
 from .groups import find_groups
 from .steps import Collective, Event, Schedule
-
-# c10d operator -> (collective, argument holding the results, argument holding the inputs)
-OPS = {
-    "_allgather_base_": ("all_gather", "output_tensor", "input_tensor"),
-    "allgather_into_tensor_coalesced_": ("all_gather", "outputs", "inputs"),
-    "_reduce_scatter_base_": ("reduce_scatter", "output_tensor", "input_tensor"),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "outputs", "inputs"),
-    "allreduce_": ("all_reduce", "tensors", "tensors"),
-    "allreduce_coalesced_": ("all_reduce", "tensors", "tensors"),
-    "broadcast_": ("broadcast", "tensors", "tensors"),
-    "alltoall_base_": ("all_to_all", "output", "input"),
-}
-
-
-def gathered_in_place(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> int | None:
-    """The elements of the all-gather that an all-to-all stands for, or None when it is not one.
-
-    Two ranks all-gather by exchanging their blocks: each sends its slot of a buffer and
-    receives the other's slot of the same buffer (twinshard's optimized path does so on gloo:
-    [Note: all-gather on gloo]). Such an all-to-all is recognised by its tensors alone: one
-    output and one input that share their memory and together cover it exactly. Any other
-    all-to-all stays one."""
-    if len(outputs) != 1 or len(inputs) != 1:
-        return None
-    out, inp = outputs[0], inputs[0]
-    if is_traceable_wrapper_subclass(out) or is_traceable_wrapper_subclass(inp):
-        return None
-    memory = out.untyped_storage()
-    numel = out.numel() + inp.numel()
-    shared = memory.data_ptr() == inp.untyped_storage().data_ptr()
-    return numel if shared and memory.nbytes() == numel * out.element_size() else None
 
 
 class _AfterPostBackward(torch.autograd.Function):
@@ -88,16 +60,6 @@ class _AfterPostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 class _Watch(TorchDispatchMode):
     """Sees every operator: records collectives and the first read of their results."""
 
@@ -107,10 +69,10 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name, namespace = func.__name__.split(".")[0], getattr(func, "namespace", "")
-        if self.recorder.busy or namespace == "profiler":
+        name = c10d.name_of(func)
+        if self.recorder.busy or getattr(func, "namespace", "") == "profiler":
             pass  # the recorder's own arithmetic, or a profiler label: not part of the step
-        elif namespace == "c10d" and name in OPS:
+        elif name is not None:
             collective = self.recorder._issued(func, name, args, kwargs)
             out = func(*args, **kwargs)
             self.recorder.buffers.keep_work(collective, out)
@@ -177,7 +139,7 @@ class Recorder:
                     self._event(path, "pre_backward")
 
             if torch.is_grad_enabled():
-                for t in _tensors(output):
+                for t in c10d.tensors(output):
                     if t.requires_grad:
                         t.register_hook(pre_backward)
             return None
@@ -302,19 +264,14 @@ class Recorder:
         return alive(params), alive(grads)
 
     def _issued(self, func, name: str, args, kwargs) -> Collective:
-        op, out_name, in_name = OPS[name]
-        bound = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
-        bound.update(zip((a.name for a in func._schema.arguments), args))
-        bound.update(kwargs)
-        outs, ins = _tensors(bound[out_name]), _tensors(bound[in_name])
+        bound = c10d.arguments(func, args, kwargs)
+        op, (outs, ins) = c10d.OPS[name].kind, c10d.sides(name, bound)
         big = outs if sum(t.numel() for t in outs) >= sum(t.numel() for t in ins) else ins
         numel = sum(t.numel() for t in big)
-        if op == "all_to_all" and (whole := gathered_in_place(outs, ins)) is not None:
+        if op == "all_to_all" and (whole := c10d.gathered_in_place(outs, ins)) is not None:
             op, numel = "all_gather", whole  # an exchange in place between two ranks
-        try:
-            ranks = dist.ProcessGroup.unbox(bound["process_group"]).size()
-        except Exception:  # noqa: BLE001 - an unknown process-group object: size unknown
-            ranks = -1
+        group = c10d.group_of(bound.get("process_group"))
+        ranks = group.size() if group is not None else -1  # an unknown group: size unknown
         blocking = not bound.get("async_op", True)
         tick = next(self.ticks)
         c = Collective(
@@ -345,7 +302,7 @@ class Recorder:
     def _computed(self, args, kwargs) -> None:
         """Any other operator: time moves on by one; does it read a collective's result?"""
         tick = next(self.ticks)
-        for t in _tensors((args, kwargs)) if self.in_flight else ():
+        for t in c10d.tensors((args, kwargs)) if self.in_flight else ():
             s = storage_key(t)
             if s and (c := self.in_flight.pop(s[0], None)) is not None:
                 c.used_tick = tick
