@@ -41,7 +41,7 @@ rank's slot once per peer, a copy of the whole group.
 [Note: mixed dtypes in one group]
 A group may hold parameters of several dtypes (a frozen float8 weight beside float32 ones), and
 a parameter with the all-gather extension may gather tensors of several dtypes (float8 data
-and a float32 scale; ``reference/extension.py``). A flat buffer has one dtype, and float8 has
+and a float32 scale; ``reference/more/extension.py``). A flat buffer has one dtype, and float8 has
 no type promotion, so such a group is gathered as bytes: each tensor is viewed as uint8,
 gathered, and each output is viewed as uint8 for the copy-out. No value is converted, so the result is the same as gathering each dtype on
 its own. Reductions need arithmetic, so those are grouped by dtype instead (``flat_group.py``).

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from twinshard.api import profiled, without_grad
+from twinshard.reference.more.kept_shards import keep_shard_in, shard_is_kept, shard_storage_shape
+from twinshard.reference.more.replaced import on_meta
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
 from twinshard.storages import memory_key
@@ -57,7 +59,7 @@ class FlatParamGroup(ParamGroup):
         # blocks are gathered as bytes, each from its own tensor
         dtypes = [p.sharded_param.dtype for p in self.params]
         self.can_keep_shards = dtypes.count(dtypes[0]) == len(dtypes) and all(
-            p.shard_storage_shape() is not None for p in self.params
+            shard_storage_shape(p) is not None for p in self.params
         )
         # per parameter: its padded block, flat, (chunk * rest,); None until it moves in
         self.kept_blocks: list = [None] * len(self.params)
@@ -169,11 +171,11 @@ class FlatParamGroup(ParamGroup):
         [Note: the group keeps its blocks padded]
         Each parameter's block lives padded to ``chunk`` rows in a tensor the group allocated,
         and the sharded ``DTensor``'s local tensor is a view of its first rows
-        (``ShardedParam.keep_shard_in``), so the optimizer steps that tensor. The copy-in is then
+        (``keep_shard_in``, ``reference/more/kept_shards.py``), so the optimizer steps that tensor. The copy-in is then
         one concatenation (with the cast to the compute dtype) instead of taking, padding and
         flattening each block at every unshard, which on small parameters costs more than the
         data it moves. Blocks are moved in at the first unshard, and again for a parameter the
-        user gave new memory since (``ShardedParam.shard_is_kept``). One tensor per parameter,
+        user gave new memory since (``shard_is_kept``). One tensor per parameter,
         not one buffer for the group: a view at an offset into a larger storage cannot be
         pickled once ``state_dict`` detaches it (torch.save of such a ``DTensor`` fails), while
         a view of the first rows can; DCP saves only the view."""
@@ -183,7 +185,7 @@ class FlatParamGroup(ParamGroup):
             if p.state is not SHARDED:
                 return None
         for p in params:
-            if not p.shard_is_kept():
+            if not shard_is_kept(p):
                 return self.keep_shards()
         return self.kept_blocks, self.kept_numel
 
@@ -202,16 +204,16 @@ class FlatParamGroup(ParamGroup):
         whose dtypes became mixed."""
         for p in self.params:
             p.refresh()  # adopt parameters the user replaced, before their dtype is read
-            if p.shard_storage_shape() is None:  # the all-gather extension, set on it since
+            if shard_storage_shape(p) is None:  # the all-gather extension, set on it since
                 self.can_keep_shards = False  # its shard gathers itself from now on
                 return None
         dtypes = [p.sharded_param.dtype for p in self.params]
         if dtypes.count(dtypes[0]) != len(dtypes):
             return None
         for i, p in enumerate(self.params):
-            if not p.shard_is_kept():
+            if not shard_is_kept(p):
                 storage = self.storage_for(i, p, dtypes[0])  # (chunk, *rest)
-                p.keep_shard_in(storage)
+                keep_shard_in(p, storage)
                 self.kept_blocks[i] = storage.view(-1)  # (chunk * rest,)
                 self.moved_blocks = True  # on the current stream: the copy-in waits for it
         self.kept_dtypes = super().param_dtypes(self.params)  # compute dtypes, asked anew
@@ -239,7 +241,7 @@ class FlatParamGroup(ParamGroup):
         it is, with no copy: a tensor loaded with ``assign=True`` stays the parameter's, as
         under torch. Only a parameter replaced outside these moments (the module's parameter dict
         written directly) is moved at its next unshard, as before."""
-        if not self.can_keep_shards or any(p.on_meta() for p in self.params):
+        if not self.can_keep_shards or any(on_meta(p) for p in self.params):
             return
         self.wait_for_unshard()  # an all-gather in flight reads the blocks being replaced
         self.keep_shards()
@@ -250,7 +252,7 @@ class FlatParamGroup(ParamGroup):
         tensor itself when it is a whole padded block that no other parameter keeps (rows that
         divide evenly; see [Note: the kept blocks alias the sharded parameters]), else new."""
         local, old = p.sharded_param.to_local(), self.kept_blocks[i]  # a view: the same memory
-        shape = p.shard_storage_shape()  # ``refresh`` put ``local`` on the device, in ``dtype``
+        shape = shard_storage_shape(p)  # ``refresh`` put ``local`` on the device, in ``dtype``
         if not local.is_contiguous():
             return torch.empty(shape, dtype=dtype, device=self.device)
         if old is not None and starts(local, old) and old.dtype == dtype:

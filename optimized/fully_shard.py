@@ -19,9 +19,9 @@ from twinshard.api import (
     UnshardHandle,
     check_fsdp_modules,
 )
-from twinshard.reference.fsdp_module import FSDPModule as ReferenceModule
-from twinshard.reference.fsdp_module import register_fsdp_forward_method, states_below
 from twinshard.reference.fully_shard import Implementation, shard_module
+from twinshard.reference.more.fsdp_module import FSDPModule as ReferenceModule
+from twinshard.reference.more.fsdp_module import register_fsdp_forward_method, states_below
 from twinshard.reference.state import get_state
 
 from .comm import CommContext

@@ -6,15 +6,30 @@ another all-gather before and a reduce-scatter of its gradients after. Nothing o
 one stream, blocking collectives, one collective per parameter, so a debugger stepping
 through a training step sees exactly one thing happen at a time.
 
-Read in this order:
+Two readings. The core, in this folder, is FSDP for a plain parameter: read it in one sitting,
+in this order:
 
-    mesh.py           which ranks hold which piece (FSDP on 1D meshes, HSDP on 2D)
-    collectives.py    all-gather, reduce-scatter, all-reduce: padding rows to split evenly
-    sharded_param.py  one parameter: sharded, unsharded, and how memory is freed
-    param_group.py    one fully_shard call's parameters through a training step
+    mesh.py             which ranks hold which piece (FSDP on 1D meshes, HSDP on 2D)
+    collectives.py      all-gather, reduce-scatter, all-reduce: padding rows to split evenly
+    sharded_param.py    one parameter: sharded, unsharded, how memory is freed; its gradient
+    param_group.py      one fully_shard call's parameters through a training step
     mixed_precision.py  the dtype casts of MixedPrecisionPolicy
-    state.py          the hooks that find out when forward and backward reach a module
-    fully_shard.py    the entry point and the FSDPModule methods
+    state.py            the hooks that find out when forward and backward reach a module
+    fully_shard.py      the entry point
+
+The second reading, ``more/``, holds what FSDP2 does beyond that, each feature reached from the
+core through a named seam (``more/__init__.py`` lists them):
+
+    more/fsdp_module.py      the FSDPModule methods and torch's hooks into an implementation
+    more/devices.py          the device of the default mesh, from the accelerator API
+    more/replaced.py         to_empty, load_state_dict(assign=True) and meta parameters
+    more/partial_sum.py      HSDP without an all-reduce at every backward
+    more/usage.py            parameters used on some ranks only
+    more/comm_hooks.py       the user's own all-gather and reduce-scatter
+    more/offload.py          shards and gradients in host memory
+    more/tensor_parallel.py  FSDP over tensor parallelism, and dp_mesh_dims
+    more/extension.py        parameters that gather themselves (float8 weights)
+    more/kept_shards.py      a shard in storage the optimized path owns (not called here)
 """
 
 from twinshard.api import (
@@ -26,8 +41,8 @@ from twinshard.api import (
     UnshardHandle,
 )
 
-from .fsdp_module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
 from .fully_shard import fully_shard
+from .more.fsdp_module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "FSDPUsageError",
            "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard",

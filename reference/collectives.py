@@ -9,7 +9,9 @@ group size S, so that it splits into S blocks of ``chunk = ceil(rows / S)`` rows
 
 The padding rows are zero in the parameter and are never read by the model, so they add
 nothing to any sum. The functions return when the data is in place: the reference has one
-stream and no asynchronous work, which is what makes it easy to step through.
+stream and no asynchronous work, which is what makes it easy to step through. In debug mode
+(``TWINSHARD_DEBUG=1``) each first checks that every rank of the group issues the same one
+(``about``: the parameter's name, for the guard's message).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 from twinshard.api import profiled
+from twinshard.guard import check_collective
+
+from . import more
 
 # torch 2.13 renamed the single-tensor collectives; torch 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -39,11 +44,11 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def all_gather_rows(
-    out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup, comm=None
+    out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup, comm=None, about=None
 ) -> None:
-    """Fill ``out`` (S * chunk, *rest) with every rank's ``block`` (chunk, *rest), in rank order.
-
-    ``comm``: the user's all-gather (``set_custom_all_gather``), called instead of torch's."""
+    """Fill ``out`` (S * chunk, *rest) with every rank's ``block`` (chunk, *rest), in rank order
+    (with ``comm``, the user's all-gather, ``set_custom_all_gather``)."""
+    check_collective("all_gather", block, group, about)  # debug mode: do the ranks agree?
     if dist.get_world_size(group) == 1:
         out.copy_(block)  # one rank: nothing to exchange
         return
@@ -52,46 +57,32 @@ def all_gather_rows(
     with profiled("twinshard::all_gather"):
         if comm is None:
             _all_gather(out, block.contiguous(), group=group)
-        else:  # the keywords of torch's AllGather interface
-            _wait(comm(output_tensor=out, input_tensor=block.contiguous(), group=group))
+        else:  # second reading: more/comm_hooks.py
+            more.user_all_gather(comm, out, block.contiguous(), group)
 
 
-def reduce_scatter_rows(full: torch.Tensor, group: dist.ProcessGroup, comm=None) -> torch.Tensor:
-    """Sum ``full`` (S * chunk, *rest) over the group and return this rank's block (chunk, *rest).
-
-    ``comm``: the user's reduce-scatter (``set_custom_reduce_scatter``); it also allocates."""
+def reduce_scatter_rows(
+    full: torch.Tensor, group: dist.ProcessGroup, comm=None, about=None
+) -> torch.Tensor:
+    """Sum ``full`` (S * chunk, *rest) over the group and return this rank's block (chunk, *rest)
+    (with ``comm``, the user's reduce-scatter, ``set_custom_reduce_scatter``)."""
+    check_collective("reduce_scatter", full, group, about)  # debug mode
     size = dist.get_world_size(group)
     if size == 1:
         return full  # one rank: the sum is the gradient itself
     shape = (full.shape[0] // size, *full.shape[1:])  # (chunk, *rest)
-    if comm is None:
-        out = full.new_empty(shape)
-    else:
-        out = comm.allocate(shape, dtype=full.dtype, device=full.device)
+    if comm is not None:  # it allocates its output too (second reading: more/comm_hooks.py)
+        return more.user_reduce_scatter(comm, full, group, shape)
+    out = full.new_empty(shape)
     with profiled("twinshard::reduce_scatter"):
-        if comm is None:
-            _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
-        else:  # the keywords of torch's ReduceScatter interface
-            _wait(
-                comm(
-                    output_tensor=out,
-                    input_tensor=full.contiguous(),
-                    group=group,
-                    op=dist.ReduceOp.SUM,
-                )
-            )
+        _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
     return out
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, about=None) -> None:
     """Sum ``tensor`` in place over ``group`` (HSDP replicas)."""
+    check_collective("all_reduce", tensor, group, about)  # debug mode
     if dist.get_world_size(group) == 1:
         return
     with profiled("twinshard::all_reduce"):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-
-
-def _wait(work) -> None:
-    # A user's collective may hand back a work handle even when asked to block.
-    if work is not None:
-        work.wait()

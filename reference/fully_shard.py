@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from twinshard.api import (
     CPUOffloadPolicy,
@@ -29,8 +29,9 @@ from twinshard.api import (
     is_container_without_forward,
 )
 
-from .fsdp_module import FSDPModule, fsdp_class
-from .mesh import data_parallel_mesh, default_mesh, mesh_info, post_forward_mesh_info
+from . import more
+from .mesh import default_mesh, mesh_info, post_forward_mesh_info
+from .more.fsdp_module import FSDPModule, fsdp_class
 from .param_group import ParamGroup
 from .sharded_param import ShardedParam
 from .state import FSDPState, get_state
@@ -85,19 +86,14 @@ def shard_module(
         _check_module(m)
     mesh = mesh if mesh is not None else default_mesh()
     if dp_mesh_dims is not None:  # ``mesh`` is the whole SPMD mesh: take its data-parallel part
-        mesh = data_parallel_mesh(mesh, dp_mesh_dims)
+        mesh = more.data_parallel_mesh(mesh, dp_mesh_dims)
     info = mesh_info(mesh)
     auto = reshard_after_forward is None
     post_forward = post_forward_mesh_info(True if auto else reshard_after_forward, info)
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
     owners, managed = _collect_params(modules, set(ignored_params or ()))
-    plain = [where[0][1] for p, where in owners.items() if not isinstance(p, DTensor)]
-    if dp_mesh_dims is not None and plain:  # the first words are torch's
-        raise FSDPUsageError(
-            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
-            f"(e.g. via distribute_module). Got plain tensor for parameter '{plain[0]}'. Make "
-            "each a DTensor on that mesh, or pass the data-parallel mesh and no dp_mesh_dims"
-        )
+    if dp_mesh_dims is not None:
+        more.check_spmd_params(owners)  # each a DTensor of the whole SPMD mesh
     cpu_offload = offload if isinstance(offload, CPUOffloadPolicy) else None
     params = [
         ShardedParam(
@@ -131,6 +127,11 @@ def shard_dim(shard_placement_fn, p: nn.Parameter, where: list) -> int:
     """The dim to cut ``p`` along: what ``shard_placement_fn(p)`` says (``Shard(dim)``, or None
     for dim 0)."""
     placement = shard_placement_fn(p) if shard_placement_fn is not None else None
+    if placement is None and p.dim() == 0:
+        raise FSDPUsageError(
+            f"fully_shard cannot shard the 0-dim parameter of {type(where[0][0]).__name__}. "
+            f"Change {where[0][1]} to a 1D tensor with numel equal to 1 or ignore it"
+        )
     if placement is None:
         return 0
     if isinstance(placement, Shard) and -p.dim() <= placement.dim < p.dim():

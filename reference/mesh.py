@@ -11,9 +11,7 @@ keeping the whole parameter after forward and keeping 1/S of it: after forward e
 built here as a second mesh that views the ranks as rows of N.
 
 Without a mesh, ``fully_shard`` builds a 1D one over every rank, on the device this rank
-computes on. As in PyTorch's FSDP2, the accelerator API says which (``default_device_type``):
-the backend's name does not, since a group made with no backend, or with
-``"cpu:gloo,cuda:nccl"``, reaches the GPU as well as one made with ``"nccl"``.
+computes on, asked as PyTorch's FSDP2 asks it (second reading: ``more/devices.py``).
 """
 
 from __future__ import annotations
@@ -23,9 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from twinshard.api import FSDPUsageError
+
+from . import more
 
 
 @dataclass
@@ -39,15 +39,9 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None  # HSDP: gradients are all-reduced here
     replicate_size: int  # R: 1 for FSDP
 
-    @property
-    def placements(self) -> tuple:
-        """DTensor placements of a sharded parameter on ``mesh``."""
-        return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
-
-    @property
-    def shard_mesh(self) -> DeviceMesh:
-        """The 1D mesh of the shard group (what an all-gather extension is handed, HSDP too)."""
-        return self.mesh if self.replicate_group is None else self.mesh[self.mesh.mesh_dim_names[1]]
+    def placements(self, dim: int) -> tuple:
+        """DTensor placements on ``mesh`` of a parameter cut along ``dim``."""
+        return (Shard(dim),) if self.replicate_group is None else (Replicate(), Shard(dim))
 
     @property
     def device(self) -> torch.device:
@@ -58,42 +52,24 @@ class MeshInfo:
         return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-def backends_by_device(group=None) -> dict[str, str]:
-    """Which backend runs a collective of each device type in ``group`` (default: the default
-    group): ``{"cpu": "gloo", "cuda": "nccl"}`` for ``"cpu:gloo,cuda:nccl"``; plain ``"gloo"``
-    serves both the CPU and cuda, plain ``"nccl"`` cuda only."""
-    config = dist.get_backend_config(group)  # "cpu:gloo,cuda:nccl"
-    pairs = (item.split(":", 1) for item in config.split(",") if ":" in item)
-    return {device.strip(): name.strip() for device, name in pairs}
-
-
-def default_device_type() -> str:
-    """The device type this rank computes on, asked as PyTorch's FSDP2 asks it.
-
-    The device the default group is bound to (``init_process_group(device_id=...)``); else the
-    accelerator that ``torch.accelerator`` names, if one is available and the default group
-    has a backend for its device type; else the CPU. Never the backend's name: ``"nccl"``, no
-    backend at all and ``"cpu:gloo,cuda:nccl"`` all mean cuda on a GPU machine, and an XPU or
-    an out-of-tree device answers the same way.
-    """
-    bound = dist.group.WORLD.bound_device_id
-    if bound is not None:
-        return bound.type
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
-    if accelerator is not None and accelerator.type in backends_by_device():
-        return accelerator.type
-    return "cpu"
+def as_dtensor(block: torch.Tensor, mesh: DeviceMesh, placements, shape, stride) -> DTensor:
+    """``block``, this rank's piece, as a ``DTensor`` on ``mesh`` of global ``shape`` and
+    ``stride``. The spec comes from a meta stand-in: ``from_local`` would move a host block
+    (offload) onto the mesh's device; as torch's, a sharded parameter stays where it lies."""
+    meta = block.to("meta")
+    spec = DTensor.from_local(meta, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return DTensor.__new__(DTensor, block, spec._spec, requires_grad=False)
 
 
 def default_mesh() -> DeviceMesh:
     """A 1D mesh over every rank of the default process group (plain FSDP), on the device
-    type this rank computes on (``default_device_type``)."""
+    type this rank computes on (``more/devices.py``)."""
     if not dist.is_initialized():
         raise FSDPUsageError(
             "fully_shard needs torch.distributed: call init_process_group first "
             "(twinshard.launch does it for you) or pass mesh=..."
         )
-    return init_device_mesh(default_device_type(), (dist.get_world_size(),))
+    return init_device_mesh(more.default_device_type(), (dist.get_world_size(),))
 
 
 def mesh_info(mesh: DeviceMesh) -> MeshInfo:
@@ -143,16 +119,3 @@ def post_forward_mesh_info(reshard_after_forward, info: MeshInfo) -> MeshInfo | 
     # Rows of n consecutive ranks: rank r all-gathers with the others in its row in backward.
     small = DeviceMesh(info.mesh.device_type, info.mesh.mesh.reshape(-1, n))
     return MeshInfo(small, small.get_group(1), n, small.get_local_rank(1), None, 1)
-
-
-def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims) -> DeviceMesh:
-    """The part of a whole SPMD ``mesh`` that ``dp_mesh_dims`` names: its ``shard`` dim (FSDP),
-    with its ``replicate`` dim in front (HSDP). One name each: flattening several is not
-    supported."""
-    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
-    if len(shard) != 1 or len(replicate) > 1:
-        raise FSDPUsageError(
-            f"dp_mesh_dims={dp_mesh_dims}: twinshard takes one shard dim name and at most one "
-            "replicate dim name (several dims flattened into one are not supported)"
-        )
-    return mesh[(*replicate, *shard)]

@@ -20,8 +20,9 @@ import torch.nn as nn
 
 from twinshard.api import CommHooks, MixedPrecisionPolicy, profiled, without_grad
 
+from .collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
 from .mesh import MeshInfo
-from .sharded_param import ShardedParam
+from .sharded_param import ParamState, ShardedParam
 
 
 class TrainingState(Enum):
@@ -70,13 +71,11 @@ class ParamGroup:
         return self.param_dtypes(params)
 
     def gradient_divisors(self, dtype: torch.dtype) -> tuple[float | None, float]:
-        """What gradients reduced in ``dtype`` are divided by before the sum and after it:
-        together ``set_gradient_divide_factor``'s factor, else the number of data-parallel ranks
-        (the sum over ranks becomes their mean). fp32 and bf16 have range to spare, so the sum
-        is divided once, after. In fp16 the sum of N gradients can overflow where their mean
-        would not, so each gradient is first divided by the smallest power of two whose square
-        reaches the factor (a power of two only moves the exponent: no rounding), the sum by the
-        rest: the same split as torch's ``fully_shard``."""
+        """What gradients reduced in ``dtype`` are divided by before the sum and after it: in all
+        ``set_gradient_divide_factor``'s factor, else the number of ranks (the sum becomes a mean).
+        In fp16 a sum of N gradients can overflow where their mean would not, so each is first
+        divided by the smallest power of two whose square reaches the factor (exact), the sum by
+        the rest, as torch's ``fully_shard`` splits it; fp32 and bf16 divide the sum once."""
         factor = self.divide_factor or self.info.shard_size * self.info.replicate_size
         if dtype in (torch.float32, torch.bfloat16):
             return None, factor
@@ -91,7 +90,18 @@ class ParamGroup:
         """All-gather every parameter of the group (a no-op for those already unsharded)."""
         with profiled("twinshard::unshard"):
             for p, dtype in zip(self.params, self.param_dtypes(self.params)):
-                p.unshard(dtype, self.post_forward_info, self.comms.all_gather)
+                self.unshard_param(p, dtype)
+
+    def unshard_param(self, p: ShardedParam, dtype: torch.dtype) -> None:
+        """The contract's unshard steps for one parameter: an all-gather per input (one block
+        for a plain parameter) into the unsharded parameter, which then goes on the module."""
+        if p.state is ParamState.UNSHARDED:
+            return
+        group = p.all_gather_mesh(self.post_forward_info).shard_group
+        blocks = p.all_gather_inputs(dtype)  # [(chunk, *rest)], or an extension's inputs
+        for block, out in zip(blocks, p.all_gather_outputs(dtype)):  # out: (S * chunk, *rest)
+            all_gather_rows(out, block, group, self.comms.all_gather, p.fqn)
+        p.finish_unshard()
 
     @without_grad
     def reshard(self, after_forward: bool = False) -> None:
@@ -134,19 +144,38 @@ class ParamGroup:
                 self.reduce_grads_now()
 
     def reduce_grads_now(self) -> None:
-        """Reduce-scatter (and for HSDP all-reduce) each waiting gradient, one by one. Every
-        trainable parameter takes part, with zeros where this rank computed no gradient, so
-        that all ranks issue the same collectives (see ``usage.py``)."""
+        """Reduce each waiting gradient, one by one. Every trainable parameter takes part, with
+        zeros where this rank computed no gradient, so that all ranks issue the same
+        collectives (second reading: ``more/usage.py``)."""
         for p, dtype in zip(self.params, self.reduce_dtypes(self.params)):
-            used = p.reduce_grad(
-                dtype,
-                self.gradient_divisors(dtype),
-                self.all_reduce_grads,
-                self.comms,
-                self.reduce_unused,
-            )
+            used = self.reduce_param(p, dtype)
             if used is not None:
                 self.usage[p] = used
+
+    def reduce_param(self, p: ShardedParam, dtype: torch.dtype) -> bool | None:
+        """The contract's reduce steps for one parameter: reduce-scatter its waiting gradient
+        (for HSDP, all-reduce it across the replicas), then add this rank's block, divided into
+        the mean, to the sharded gradient. Returns whether this rank had a gradient (None for a
+        frozen parameter, which takes no part)."""
+        before, after = self.gradient_divisors(dtype)
+        used = p.has_grad_to_reduce
+        grad = p.reduce_scatter_input(dtype)  # (S * chunk, *rest), zeros if unused here
+        if grad is None:
+            return None
+        if before is not None:
+            grad.div_(before)  # fp16: a sum of N gradients must not overflow
+        group, comm = self.info.shard_group, self.comms.reduce_scatter
+        block = reduce_scatter_rows(grad, group, comm, p.fqn)  # (chunk, *rest) summed
+        if self.info.replicate_group is not None:
+            block = p.combine_partial_sum(block, self.all_reduce_grads)
+            if block is None:
+                return used  # summed over the shard group only, for now
+            all_reduce_sum(block, self.info.replicate_group, p.fqn)
+        if self.comms.all_reduce_hook is not None:
+            self.comms.all_reduce_hook(block)  # the user's hook, in place, once per parameter
+        if used or self.reduce_unused:
+            p.accumulate_grad(block / after)  # (chunk, *rest): the sum becomes the mean
+        return used
 
     def reset(self) -> None:
         """After an aborted iteration: free the unsharded parameters, drop every gradient not
@@ -167,16 +196,6 @@ class ParamGroup:
         elif self.reshard_after_backward:
             self.reshard()  # parameters that got no gradient are still freed
         self.state = TrainingState.IDLE
-
-    def grad_copies_in_flight(self) -> bool:
-        """Whether gradients were copied to pinned host memory without waiting (CPU offload)
-        since the last call; the root then waits for the device once."""
-        if not self.params or not self.params[0].pin:  # one offload policy per group
-            return False
-        found = any([p.grad_in_flight for p in self.params])
-        for p in self.params:
-            p.grad_in_flight = False
-        return found
 
     def modules_with_params(self) -> set[nn.Module]:
         """Every module that holds one of the group's parameters."""

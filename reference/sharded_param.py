@@ -1,4 +1,4 @@
-"""One parameter under FSDP: its sharded, unsharded and in-between forms.
+"""One parameter under FSDP: its sharded, unsharded and in-between forms, and its gradient.
 
 A parameter of shape (rows, *rest) lives in one of three states:
 
@@ -16,17 +16,20 @@ parameter is one tensor object for the whole training run: resharding shrinks it
 zero bytes, unsharding grows it back and all-gathers into it. What autograd saved is the same
 object, so by the time backward needs it the data is there again.
 
+Backward leaves a whole gradient, (rows, *rest), on every rank; it waits (several backwards may
+add up) until the group reduce-scatters it, and this rank's block joins the sharded gradient.
+
 The contract. A parameter group moves a parameter between its states only through the public
 methods below, in this order; the reference's ``ParamGroup`` calls them one parameter at a
-time, and ``twinshard.optimized`` calls the very same methods around its batched collectives:
+time around blocking collectives, ``twinshard.optimized`` around its batched ones:
 
     unshard   all_gather_mesh -> all_gather_inputs -> all_gather_outputs -> (all-gather
-              each input into its output) -> finish_unshard       (``unshard`` does all five)
+              each input into its output) -> finish_unshard     (``ParamGroup.unshard_param``)
     reshard   reshard
-    keep      shard_storage_shape -> keep_shard_in; shard_is_kept at each unshard
-              (an implementation's own storage for the shards; the reference does not use it)
     reduce    take_grad -> reduce_scatter_input -> (reduce-scatter) -> combine_partial_sum
-              -> (all-reduce) -> accumulate_grad                  (``reduce_grad`` does them all)
+              -> (all-reduce) -> accumulate_grad                (``ParamGroup.reduce_param``)
+Each ``more.`` below reaches the second reading (tensor parallel, the all-gather extension,
+offload, replaced parameters, HSDP partial sums).
 """
 
 from __future__ import annotations
@@ -35,16 +38,13 @@ from enum import Enum, auto
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from twinshard.api import CPUOffloadPolicy, FSDPUsageError
-from twinshard.guard import check_collective
+from twinshard.api import CPUOffloadPolicy
 
-from .collectives import all_gather_rows, pad_rows, padded_rows
-from .extension import ExtensionPath
-from .mesh import MeshInfo
-from .sharded_grad import GradientPath
-from .tensor_parallel import tp_layout
+from . import more
+from .collectives import pad_rows, padded_rows
+from .mesh import MeshInfo, as_dtensor
 
 
 class ParamState(Enum):
@@ -53,8 +53,12 @@ class ParamState(Enum):
     UNSHARDED = auto()  # module holds the whole parameter as a plain tensor
 
 
-class ShardedParam(GradientPath, ExtensionPath):
+class ShardedParam:
     """Shards one parameter at construction and moves it between its states."""
+
+    extension: more.Extension | None = None  # the all-gather extension's, once it is used
+    extended = False  # whether the unshard in progress goes through the extension
+    grad_in_flight = False  # offload: a copy to host memory not yet waited for
 
     def __init__(
         self,
@@ -66,11 +70,6 @@ class ShardedParam(GradientPath, ExtensionPath):
         dim: int = 0,
         mp=None,  # the group's MixedPrecisionPolicy, for an all-gather extension
     ):
-        if param.dim() == 0:
-            raise FSDPUsageError(
-                f"fully_shard cannot shard the 0-dim parameter of {type(owners[0][0]).__name__}. "
-                f"Change {owners[0][1]} to a 1D tensor with numel equal to 1 or ignore it"
-            )
         self.owners = owners  # every (module, attribute) that holds it: tied weights share one
         self.fqn = owners[0][1]  # replaced by the full name at the root's first forward
         self.info = info
@@ -78,8 +77,9 @@ class ShardedParam(GradientPath, ExtensionPath):
         self.shard_device = torch.device("cpu") if offload is not None else device
         # Pinned host memory lets the copy to an accelerator run without staging.
         self.pin = offload is not None and offload.pin_memory and device.type != "cpu"
-        self.tp = tp_layout(param, info, self.fqn)  # tensor parallel: shard each rank's piece
-        whole = param.to_local() if self.tp is not None else param  # what FSDP cuts and gathers
+        # tensor parallel: a DTensor's TP piece is what FSDP cuts and gathers (second reading)
+        self.tp = more.tp_layout(param, info, self.fqn) if isinstance(param, DTensor) else None
+        whole = param.to_local() if self.tp is not None else param
         self.mp = mp
         self.shape = param.shape  # the global shape
         self.stride = torch.empty(param.shape, device="meta").stride()  # of the whole tensor
@@ -95,16 +95,14 @@ class ShardedParam(GradientPath, ExtensionPath):
         self.post_forward_block: torch.Tensor | None = None  # SHARDED_POST_FORWARD piece
         self.grad_to_reduce: torch.Tensor | None = None  # (rows, *rest) unreduced gradient sum
         self.partial_sum: torch.Tensor | None = None  # HSDP: reduce-scattered, not all-reduced
-        self.kept_local: torch.Tensor | None = None  # keep_shard_in: the view it made the local
         self.sharded_param = nn.Parameter(self._shard(whole), requires_grad=param.requires_grad)
         self.state = ParamState.SHARDED
         self._register(self.sharded_param)
 
     # --- construction and the module attribute ----------------------------------------------
     def rows_first(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` viewed with the sharded dim first: (rows, *rest). Every block, all-gather and
-        reduce-scatter works on this view; for ``Shard(0)`` it is ``t`` itself. (Swapping two
-        dims is its own inverse, so this also turns a rows-first tensor back.)"""
+        """``t`` viewed with the sharded dim first: (rows, *rest), as every block and collective
+        sees it; ``t`` itself for ``Shard(0)``. (Its own inverse: it also turns it back.)"""
         return t.transpose(0, self.dim) if self.dim else t
 
     def _shard(self, param: torch.Tensor) -> DTensor:
@@ -117,22 +115,10 @@ class ShardedParam(GradientPath, ExtensionPath):
         block = block.to(device).clone(memory_format=torch.contiguous_format)
         if self.pin and device.type == "cpu":
             block = block.pin_memory()
-        return self._as_dtensor(block)
-
-    def _as_dtensor(self, block: torch.Tensor) -> DTensor:
-        mesh, stride = self.info.mesh, self.stride
-        placements = tuple(
-            Shard(self.dim) if isinstance(q, Shard) else q for q in self.info.placements
-        )
-        if self.tp is not None:  # a 2-D (dp, tp) DTensor; see tensor_parallel.py
-            mesh, stride = self.tp.spmd_mesh, self.tp.stride
-            placements = self.tp.sharded_placements(self.info, self.dim)
-        # The spec comes from a meta stand-in: ``from_local`` would move a host block (offload)
-        # onto the mesh's device; as torch's, a sharded parameter stays where its block lies.
-        spec = DTensor.from_local(
-            block.to("meta"), mesh, placements, run_check=False, shape=self.shape, stride=stride
-        )._spec
-        return DTensor.__new__(DTensor, block, spec, requires_grad=False)
+        mesh, placements, stride = self.info.mesh, self.info.placements(self.dim), self.stride
+        if self.tp is not None:  # a 2-D (dp, tp) DTensor (second reading)
+            mesh, placements, stride = self.tp.sharded_spec(self.info, self.dim)
+        return as_dtensor(block, mesh, placements, self.shape, stride)
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Writing _parameters directly skips nn.Module.__setattr__'s checks on every swap.
@@ -140,53 +126,28 @@ class ShardedParam(GradientPath, ExtensionPath):
             module._parameters[name] = tensor
 
     def refresh(self) -> None:
-        """Adopt the module's sharded parameter if the user replaced it.
-
-        ``model.to_empty(...)``, ``load_state_dict(assign=True)`` and DCP may put a new
-        ``DTensor`` parameter on the module; from then on that one is the sharded parameter.
-        """
-        current = self.owners[0][0]._parameters[self.owners[0][1]]
-        if current is not self.sharded_param:
-            if not isinstance(current, DTensor) or current.shape != self.shape:
-                raise FSDPUsageError(
-                    f"parameter '{self.fqn}' was replaced by a {type(current).__name__} of shape "
-                    f"{tuple(current.shape)} outside fully_shard; load values with "
-                    "load_state_dict or copy_ into the existing DTensor instead"
-                )
-            self.sharded_param = current
-            self._register(current)
-        if self.sharded_param.is_meta:
-            raise FSDPUsageError(
-                f"parameter '{self.fqn}' is still on the meta device; materialize it first, "
-                "e.g. model.to_empty(device=...) and then initialize or load the weights"
-            )
-        local = self.sharded_param._local_tensor
-        if local.device != self.shard_device:  # offloaded, then moved with the module (to_empty)
-            local = local.to(self.shard_device)
-            self.sharded_param._local_tensor = local.pin_memory() if self.pin else local
-
-    def on_meta(self) -> bool:
-        """Whether the module's parameter (this one, or one that replaced it) is on meta."""
-        module, name = self.owners[0]
-        return module._parameters[name].is_meta
+        """Adopt the module's sharded parameter if the user replaced it (``to_empty``,
+        ``load_state_dict(assign=True)``, DCP), or refuse it (second reading)."""
+        more.adopt_replaced(self)
 
     # --- unshard and reshard ----------------------------------------------------------------
-    def unshard(self, dtype: torch.dtype, post_forward: MeshInfo | None, comm=None) -> None:
-        """All-gather the whole parameter into the unsharded tensor and put it on the module
-        (with ``comm``, the user's all-gather, if one was set)."""
-        if self.state is ParamState.UNSHARDED:
-            return
-        group = self.all_gather_mesh(post_forward).shard_group
-        blocks = self.all_gather_inputs(dtype)  # [(chunk, *rest)], or an extension's inputs
-        for block, out in zip(blocks, self.all_gather_outputs(dtype)):  # out: (S * chunk, *rest)
-            check_collective("all_gather", block, group, self.fqn)  # debug mode: ranks agree?
-            all_gather_rows(out, block, group, comm)
-        self.finish_unshard()
-
     def all_gather_mesh(self, post_forward: MeshInfo | None) -> MeshInfo:
         """Whose blocks make up the whole parameter: the N ranks of the post-forward mesh
         when only a 1/N piece was kept after forward, else the shard group."""
         return post_forward if self.state is ParamState.SHARDED_POST_FORWARD else self.info
+
+    def all_gather_inputs(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """What this rank contributes to the all-gather, on the compute device: the one block
+        of ``all_gather_input`` (chunk, *rest), or the inputs of a shard that gathers itself
+        (``fsdp_pre_all_gather``). A post-forward piece is always a plain block."""
+        self.extended = False
+        if self.post_forward_block is None:
+            self.refresh()  # the shard the module holds now decides
+            self.extended = more.gathers_itself(self)  # the all-gather extension
+            if self.extended:
+                self.extension = self.extension or more.Extension()
+                return self.extension.inputs(self, dtype)
+        return [self.all_gather_input(dtype)]
 
     def all_gather_input(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's part of the all-gather, on the compute device, in ``dtype``: the kept
@@ -194,50 +155,17 @@ class ShardedParam(GradientPath, ExtensionPath):
         if self.state is ParamState.SHARDED_POST_FORWARD:
             return self.post_forward_block  # (S * chunk / N, *rest)
         self.refresh()
-        # The DTensor's own local tensor: ``to_local()`` would return the same data, but for a
-        # parameter it makes a new view at every call (torch 2.13), twice per step and parameter.
+        # not ``to_local()``: for a parameter it makes a new view at every call (torch 2.13)
         local = self.rows_first(self.sharded_param._local_tensor)  # (<= chunk, *rest)
         local = local.to(self.device, dtype, non_blocking=self.pin)  # pinned: the host goes on
         return pad_rows(local, self.chunk).contiguous()  # (chunk, *rest)
 
-    # --- the shard in storage the caller owns (a tensor per block, kept by the group) ----------
-    def shard_storage_shape(self) -> torch.Size | None:
-        """The (chunk, *rest) tensor ``keep_shard_in`` takes, or None where the shard cannot
-        live in a caller's storage: a tensor-parallel parameter, a ``Shard(dim)`` with dim > 0
-        (its block is not whole rows of memory), an offloaded one (its shard stays on the
-        host while the all-gather runs on the compute device) and a tensor subclass or a shard
-        with the all-gather extension (``extension.py``), asked at each call."""
-        local = self.sharded_param._local_tensor
-        if self.tp is not None or self.dim != 0 or self.shard_device != self.device:
-            return None
-        if hasattr(local, "__tensor_flatten__") or hasattr(local, "fsdp_pre_all_gather"):
-            return None
-        return self.block_shape
-
-    def keep_shard_in(self, storage: torch.Tensor) -> None:
-        """Move this rank's block into ``storage`` (chunk, *rest), a tensor the caller owns, in
-        the sharded parameter's dtype: the block fills its first ``local_rows`` rows,
-        the padding rows are zeroed, and the sharded ``DTensor`` takes that view as its local
-        tensor. The ``DTensor`` stays the same object, so an optimizer holding it steps the
-        storage from now on. The reference keeps each block on its own and does not call this;
-        ``twinshard.optimized`` keeps a group's blocks padded, ready to be concatenated."""
-        self.refresh()  # a replaced parameter is adopted first; a meta one is refused
-        kept = storage.narrow(0, 0, self.local_rows)  # (local_rows, *rest)
-        kept.copy_(self.sharded_param._local_tensor)
-        storage.narrow(0, self.local_rows, self.chunk - self.local_rows).zero_()  # the padding
-        self.sharded_param._local_tensor = kept
-        self.kept_local, self.extended = kept, False  # a kept block is a plain one
-
-    def shard_is_kept(self) -> bool:
-        """Whether the module's sharded parameter still lives where ``keep_shard_in`` put it.
-        ``load_state_dict(assign=True)``, ``to_empty`` or ``module.to`` give it new memory;
-        loading values in place (``load_state_dict``, DCP, ``copy_``) keeps it there."""
-        module, name = self.owners[0]
-        return (
-            module._parameters[name] is self.sharded_param
-            and self.sharded_param._local_tensor is self.kept_local
-            and not hasattr(self.kept_local, "fsdp_pre_all_gather")  # set on it since
-        )
+    def all_gather_outputs(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The tensors the all-gather fills, with their memory (re)allocated, one per tensor of
+        ``all_gather_inputs`` (called right before): ``all_gather_output`` for a plain block."""
+        if self.extended:
+            return self.extension.all_gather_outputs(self)
+        return [self.all_gather_output(dtype)]
 
     def all_gather_output(self, dtype: torch.dtype) -> torch.Tensor:
         """The tensor the all-gather fills, (S * chunk, *rest), with its memory (re)allocated.
@@ -266,11 +194,11 @@ class ShardedParam(GradientPath, ExtensionPath):
         return self.all_gather_buffer
 
     def finish_unshard(self) -> None:
-        """Once ``all_gather_output`` holds the gathered rows: put the unsharded parameter on
+        """Once ``all_gather_outputs`` hold the gathered rows: put the unsharded parameter on
         the module and drop the post-forward piece."""
         self.post_forward_block = None
         if self.extended:  # the extension makes the parameter from what it gathered
-            self.finish_extension()
+            self.extension.finish(self)
         if self.dim:  # filled from the gathered rows, as torch's Shard(dim) parameters are
             self.own.untyped_storage().resize_(self.own_bytes)
             self.own.copy_(self.gathered)  # (rows along dim, ...) in the parameter's layout
@@ -284,8 +212,8 @@ class ShardedParam(GradientPath, ExtensionPath):
         if self.state is not ParamState.UNSHARDED:
             return
         buffer = self.all_gather_buffer  # (S * chunk, *rest)
-        if self.extended:  # (extension.py: it refuses to keep a post-forward piece)
-            self.free_extension(post_forward is not None and post_forward is not self.info)
+        if self.extended:  # (it refuses to keep a post-forward piece)
+            self.extension.free(self, post_forward is not None and post_forward is not self.info)
         else:
             if post_forward is not None and post_forward is not self.info:
                 piece = buffer.shape[0] // post_forward.shard_size
@@ -297,3 +225,76 @@ class ShardedParam(GradientPath, ExtensionPath):
         self._register(self.sharded_param)
         keep_piece = self.post_forward_block is not None
         self.state = ParamState.SHARDED_POST_FORWARD if keep_piece else ParamState.SHARDED
+
+    # --- the gradient: take it, reduce it, add it to the sharded one ------------------------
+    @property
+    def has_new_grad(self) -> bool:
+        """Whether autograd wrote an unsharded ``.grad`` that ``take_grad`` has not taken."""
+        return self.unsharded_param is not None and self.unsharded_param.grad is not None
+
+    def take_grad(self, reduce_dtype: torch.dtype) -> None:
+        """Move autograd's unsharded ``.grad`` into the sum waiting to be reduced."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if grad is None:
+            return
+        if self.tp is not None:  # a DTensor, of which we take our piece
+            grad = grad.to_local()
+        if hasattr(grad, "__tensor_flatten__"):  # a subclass: collectives move plain tensors
+            grad = torch.empty(grad.shape, dtype=reduce_dtype, device=self.device).copy_(grad)
+        grad = grad.to(dtype=reduce_dtype)  # (rows, *rest)
+        self.unsharded_param.grad = None
+        if self.grad_to_reduce is None:
+            self.grad_to_reduce = grad
+        else:
+            self.grad_to_reduce += grad
+
+    @property
+    def has_grad_to_reduce(self) -> bool:
+        """Whether a gradient from this rank's backward waits to be reduced."""
+        return self.grad_to_reduce is not None
+
+    def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Hand over the waiting gradient, padded to (S * chunk, *rest). A trainable parameter
+        with no gradient here hands over zeros of ``dtype`` (every rank must send the same
+        amount, whichever parameters it used); a frozen one hands over None."""
+        rows = self.info.shard_size * self.chunk
+        if self.grad_to_reduce is None:
+            alone = self.info.shard_size * self.info.replicate_size == 1
+            if not self.sharded_param.requires_grad or alone:
+                return None  # frozen, or alone: nothing to keep in step with
+            return torch.zeros((rows, *self.block_shape[1:]), dtype=dtype, device=self.device)
+        grad = pad_rows(self.rows_first(self.grad_to_reduce), rows)  # (S * chunk, *rest)
+        self.grad_to_reduce = None
+        return grad.contiguous()
+
+    def combine_partial_sum(self, block: torch.Tensor, all_reduce: bool) -> torch.Tensor | None:
+        """HSDP: the reduce-scattered ``block`` (chunk, *rest) plus what earlier backwards kept
+        back, to all-reduce now; None when ``all_reduce`` is False (second reading)."""
+        return more.combine_partial_sum(self, block, all_reduce)
+
+    def accumulate_grad(self, block: torch.Tensor) -> None:
+        """Add a reduced block (chunk, *rest) to the sharded ``DTensor`` gradient, dropping the
+        padding rows and moving it to the shard's dtype and device."""
+        if self.local_rows < self.chunk:  # (slicing costs a microsecond even when it keeps all)
+            block = block[: self.local_rows]  # (local_rows, *rest)
+        block = self.rows_first(block).to(dtype=self.sharded_param.dtype)  # (rows, *rest)
+        if self.shard_device != self.device:  # offloaded (second reading)
+            block = more.grad_to_host(self, block)
+        if self.sharded_param.grad is None:
+            # Laid out like its parameter, it takes the parameter's spec as it is: ``from_local``
+            # (a new spec, checked) and the class (its ``__init__`` is compiler-guarded) cost more.
+            spec = self.sharded_param._spec  # mesh, placements, global shape, stride, dtype
+            grad = DTensor.__new__(DTensor, block.contiguous(), spec, requires_grad=False)
+            self.sharded_param.grad = grad
+        else:
+            self.sharded_param.grad.to_local().add_(block)
+        # Autograd never accumulates into the sharded parameter, so its post-accumulate-grad
+        # hooks run here, as torch's FSDP2 does (an optimizer stepped in backward needs them).
+        for hook in (self.sharded_param._post_accumulate_grad_hooks or {}).values():
+            hook(self.sharded_param)
+
+    def discard_grads(self) -> None:
+        """Drop every gradient not yet reduced (after an aborted iteration)."""
+        self.grad_to_reduce = self.partial_sum = None
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None

@@ -32,9 +32,9 @@ from torch.autograd import Variable
 from twinshard.api import FSDPUsageError, MixedPrecisionPolicy, map_tensors, profiled, tensors_in
 from twinshard.guard import check_model, forward_started
 
+from . import more
 from .mixed_precision import cast_inputs, cast_output
 from .param_group import ParamGroup, TrainingState
-from .usage import check_usage
 
 
 def get_state(module: nn.Module) -> FSDPState | None:
@@ -90,28 +90,11 @@ class FSDPState:
                 for p in state.group.params:  # full names, from the module that holds it
                     owner, attr = p.owners[0]
                     p.fqn = f"{named[id(owner)][0]}.{attr}".lstrip(".")
-        self.check_materialized()
+        more.check_materialized(self.all_states)
         if self.auto_reshard_after_forward and self.group is not None:
             # The root's parameters are the first ones backward needs: keep them.
             self.group.post_forward_info = None
         check_model(self.module, self.all_states)  # do all ranks hold the same model?
-
-    def check_materialized(self) -> None:
-        """Refuse parameters still on the meta device, naming those of the first group that
-        has any, as torch's ``fully_shard`` does (its tests match the words), and counting
-        the others."""
-        groups = [s.group.params for s in self.all_states if s.group is not None]
-        meta = [[p.fqn for p in params if p.on_meta()] for params in groups]
-        meta = [names for names in meta if names]
-        if meta:
-            more = sum(map(len, meta[1:]))
-            raise FSDPUsageError(
-                "FSDP parameters should be materialized from meta device before training, but "
-                f"the following were still on meta device: {meta[0]}"
-                + (f" (and {more} more in other groups)" if more else "")
-                + "; materialize them first, e.g. model.to_empty(device=...), then initialize "
-                "or load the weights"
-            )
 
     # --- forward: pre and post ------------------------------------------------------------------
     @torch.compiler.disable
@@ -201,10 +184,8 @@ class FSDPState:
         self.callback_queued = False
         with profiled("twinshard::final_callback"):
             groups = self.finish_groups()
-            offloaded = [g for g in groups if g.grad_copies_in_flight()]
-            if offloaded:  # one wait for every gradient copied to host memory in this backward
-                torch.get_device_module(offloaded[0].device.type).synchronize()
-            check_usage(self, groups)
+            more.wait_for_grad_copies(groups)  # offload: one wait for every copy to host memory
+            more.check_usage(self, groups)  # parameters used on some ranks only
 
     def finish_groups(self) -> list[ParamGroup]:
         """Finish every group's backward (``ParamGroup.finish_backward``); returns the groups."""

@@ -1,5 +1,5 @@
 """FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``,
-``reference/extension.py``) under torch's ``fully_shard``, the reference and the optimized path.
+``reference/more/extension.py``) under torch's ``fully_shard``, the reference and the optimized path.
 
 One launch of two gloo ranks trains the same small model under each implementation with
 extensions of three kinds, set on each weight's local shard after ``fully_shard`` (the form

@@ -12,10 +12,12 @@ The rest of the contract, the subclass surface, is checked in ``tests/test_contr
 import ast
 import inspect
 import pathlib
+import re
 
 import pytest
 import torch.nn as nn
 
+from twinshard.reference.more import kept_shards
 from twinshard.reference.sharded_param import ShardedParam
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,9 +35,11 @@ CONTRACT = (
     "refresh",
     "has_new_grad",
 )
-# Offered by the reference for an implementation that keeps the blocks in storage of its own;
-# the reference keeps each block on its own and does not call them.
+# Offered by the reference's second reading (reference/more/kept_shards.py, functions of a
+# ShardedParam) for an implementation that keeps the blocks in storage of its own; the
+# reference keeps each block on its own and does not call them.
 OFFERED = ("shard_storage_shape", "keep_shard_in", "shard_is_kept")
+REFERENCE_FILES = sorted((ROOT / "reference").rglob("*.py"))  # both readings
 BATCHED = (
     "all_gather_mesh",
     "all_gather_inputs",
@@ -50,7 +54,7 @@ BATCHED = (
 def _private_names_of_the_reference() -> set[str]:
     """Every ``_name`` the reference defines: functions, methods, module globals, attributes."""
     names = set()
-    for path in (ROOT / "reference").glob("*.py"):
+    for path in REFERENCE_FILES:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 names.add(node.name)
@@ -108,7 +112,7 @@ def test_optimized_sets_no_attribute_of_a_sharded_param(path):
 def test_the_checks_can_fail():
     """The two checks above find what they look for (on a made-up file)."""
     private = _private_names_of_the_reference()
-    assert {"_register", "_as_dtensor", "_shard"} <= private
+    assert {"_register", "_shard", "_local_tensor"} <= private
     assert "_apply" not in private  # torch's, overridden by both trees
     assert {"state", "post_forward_block", "grad_to_reduce"} <= _sharded_param_attributes()
 
@@ -118,7 +122,7 @@ def test_contract_methods_are_documented_and_used_by_the_reference(name):
     member = getattr(ShardedParam, name)
     doc = (member.fget if isinstance(member, property) else member).__doc__
     assert doc and len(doc.split()) >= 8, f"ShardedParam.{name} needs a docstring"
-    reference = "\n".join(p.read_text() for p in (ROOT / "reference").glob("*.py"))
+    reference = "\n".join(p.read_text() for p in REFERENCE_FILES)
     assert f".{name}" in reference, (
         f"the reference does not call ShardedParam.{name} through the contract"
     )
@@ -136,7 +140,8 @@ def test_optimized_collectives_call_the_contract(name):
 
 
 @pytest.mark.parametrize("name", OFFERED)
-def test_offered_methods_are_documented_and_used_by_the_optimized_path(name):
-    doc = getattr(ShardedParam, name).__doc__
-    assert doc and len(doc.split()) >= 8, f"ShardedParam.{name} needs a docstring"
-    assert f".{name}(" in (ROOT / "optimized" / "flat_group.py").read_text()
+def test_offered_functions_are_documented_and_used_by_the_optimized_path(name):
+    doc = getattr(kept_shards, name).__doc__
+    assert doc and len(doc.split()) >= 8, f"kept_shards.{name} needs a docstring"
+    assert not hasattr(ShardedParam, name), f"{name} is the second reading's, not the core's"
+    assert re.search(rf"(?<![.\w]){name}\(p\b", (ROOT / "optimized" / "flat_group.py").read_text())

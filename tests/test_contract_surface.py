@@ -55,7 +55,7 @@ def documented_surface() -> dict[tuple[str, str], str]:
     ``FSDPState`` or a module of ``twinshard.reference`` (for the names imported from it)."""
     section = DOC.read_text().split(HEADING, 1)[1]
     section = re.split(r"^#", section, flags=re.M)[0]
-    rows = re.findall(r"^ *\| `(\w+)` \| `(\w+)` \| ([^|]*) \|", section, re.M)
+    rows = re.findall(r"^ *\| `([\w.]+)` \| `(\w+)` \| ([^|]*) \|", section, re.M)
     return {(of, name): how for of, name, how in rows}
 
 
@@ -152,7 +152,7 @@ def unused(rows: dict, uses: list[tuple]) -> list[str]:
         if of in MEMBERS:
             exists = name in MEMBERS[of]
         else:
-            tree = ast.parse((ROOT / "reference" / f"{of}.py").read_text())
+            tree = ast.parse((ROOT / "reference" / f"{of.replace('.', '/')}.py").read_text())
             exists = any(getattr(n, "name", None) == name for n in tree.body)
         hows = {h for o, n, h, _ in uses if n == name and o in (of, None)}
         if not exists or not hows or any(k in how and k not in hows for k in EXACT):
@@ -183,7 +183,7 @@ def test_every_documented_name_is_in_the_reference_and_used():
 def test_overridden_methods_are_reached_through_the_reference():
     """An override takes effect only where the reference calls the method on the object (its
     hooks on ``self``, ``fully_shard`` on the group); ``__init__`` is ``shard_module``'s call."""
-    reference = "\n".join(p.read_text() for p in (ROOT / "reference").glob("*.py"))
+    reference = "\n".join(p.read_text() for p in (ROOT / "reference").rglob("*.py"))
     for (of, name), how in documented_surface().items():
         if "overrides" in how and name != "__init__":
             calls = re.findall(rf"\.{name}\b", reference)
@@ -264,11 +264,11 @@ hook = unguarded(Base.final_callback)
     rows = {**documented_surface(), ("ParamGroup", "no_such_field"): "reads"}
     stale = unused(rows, _optimized_uses() + [(None, "params", "reads", 1)])
     assert stale == ["ParamGroup.no_such_field (reads)"], stale
-    rows[("ParamGroup", "grad_copies_in_flight")] = "overrides"  # exists, unused
+    rows[("ParamGroup", "finish_backward")] = "overrides"  # exists, unused
     rows[("FSDPState", "group")] = "reads, writes"  # used, but never written
     stale = unused(rows, _optimized_uses())
     assert set(stale) == {
         "ParamGroup.no_such_field (reads)",
-        "ParamGroup.grad_copies_in_flight (overrides)",
+        "ParamGroup.finish_backward (overrides)",
         "FSDPState.group (reads, writes)",
     }, stale

@@ -78,7 +78,7 @@ def test_reference_gathers_one_parameter_at_a_time_and_holds_one_block(recorded)
     s = recorded[0]["reference"]
     assert all(c.blocking for c in s.collectives)
     assert all(c.group is not None for c in s.collectives if not c.bookkeeping)
-    # who had gradients is tallied through the store, not a collective (reference/usage.py)
+    # who had gradients is tallied through the store, not a collective (reference/more/usage.py)
     assert not [c for c in s.collectives if c.bookkeeping]
     for block in BLOCKS:
         forward = [c for c in s.calls("all_gather", block) if s.events[c.event].phase == "forward"]

@@ -81,7 +81,8 @@ def rank_device_type() -> str:
         return accelerator_type() or "cpu"
     if _group_device is not None and _group_device[0] is dist.group.WORLD:
         return _group_device[1].type
-    from twinshard.reference.mesh import default_device_type  # late: the spec imports DTensor
+    # late: the spec imports DTensor
+    from twinshard.reference.more.devices import default_device_type
 
     return default_device_type()
 
@@ -186,7 +187,7 @@ def collectives_return_when_queued() -> bool:
     kind = rank_device_type()
     if kind == "cpu":
         return False
-    from twinshard.reference.mesh import backends_by_device
+    from twinshard.reference.more.devices import backends_by_device
 
     name = backends_by_device().get(kind)
     return name is not None and name not in HOST_WAITING_BACKENDS

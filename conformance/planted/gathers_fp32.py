@@ -6,22 +6,24 @@ parameter is allocated for the moment of the cast)."""
 import torch
 
 from twinshard.reference.collectives import all_gather_rows
-from twinshard.reference.sharded_param import ParamState, ShardedParam
+from twinshard.reference.param_group import ParamGroup
+from twinshard.reference.sharded_param import ParamState
 
 from . import plant
 from ._common import *  # noqa: F401,F403
 
 
-class GathersFp32(ShardedParam):
-    def unshard(self, dtype, post_forward, comm=None):
-        full = self.sharded_param.dtype
-        if self.state is not ParamState.SHARDED or dtype == full:
-            return super().unshard(dtype, post_forward, comm)
-        out = self.all_gather_output(dtype)  # (S * chunk, *rest) in the compute dtype
+class GathersFp32(ParamGroup):
+    def unshard_param(self, p, dtype):
+        full = p.sharded_param.dtype
+        if p.state is not ParamState.SHARDED or dtype == full:
+            return super().unshard_param(p, dtype)
+        out = p.all_gather_output(dtype)  # (S * chunk, *rest) in the compute dtype
         wide = torch.empty(out.shape, dtype=full, device=out.device)  # the same, in float32
-        all_gather_rows(wide, self.all_gather_input(full), self.info.shard_group, comm)
+        block = p.all_gather_input(full)  # (chunk, *rest) in float32
+        all_gather_rows(wide, block, p.info.shard_group, self.comms.all_gather, p.fqn)
         out.copy_(wide)  # cast after gathering
-        self.finish_unshard()
+        p.finish_unshard()
 
 
-fully_shard = plant(bug_param_class=GathersFp32)
+fully_shard = plant(bug_group_class=GathersFp32)

@@ -1,4 +1,4 @@
-"""FSDP over tensor parallelism: parameters that are already ``DTensor``s.
+"""Second reading. FSDP over tensor parallelism: parameters that are already ``DTensor``s.
 
 With tensor parallelism, ``parallelize_module(model, mesh["tp"], plan)`` turns a layer's weight
 into a ``DTensor`` on the ``tp`` mesh: each rank holds a TP piece (say, every other output
@@ -20,6 +20,7 @@ on that mesh, as torch's is. With dp dims only (torchtitan's ``full_dtensor``) i
 is the whole parameter, sharded like a plain one; the sharded ``DTensor`` is on the dp mesh.
 
 ``TPLayout`` holds what a parameter needs for this; ``tp_layout`` finds it (or None: no TP).
+``data_parallel_mesh`` and ``check_spmd_params`` serve ``fully_shard(..., dp_mesh_dims=...)``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from twinshard.api import FSDPUsageError
 
-from .mesh import MeshInfo
-
 
 @dataclass
 class TPLayout:
@@ -45,13 +44,18 @@ class TPLayout:
     shape: torch.Size  # the whole (global) parameter
     stride: tuple
 
-    def sharded_placements(self, info: MeshInfo, dim: int) -> tuple:
+    def sharded_placements(self, info, dim: int) -> tuple:
         """Placements of the sharded parameter on the spmd mesh, FSDP cutting ``dim``."""
         cut_by_tp = any(isinstance(p, Shard) and p.dim == dim for p in self.tp_placements)
         tp_size = self.spmd_mesh.size() // info.mesh.size()
         fsdp = _StridedShard(dim, split_factor=tp_size) if cut_by_tp else Shard(dim)
         replicate = (Replicate(),) if info.replicate_group is not None else ()
         return (*replicate, fsdp, *self.tp_placements)
+
+    def sharded_spec(self, info, dim: int) -> tuple:
+        """Where the sharded parameter lives: the spmd mesh, its placements there (FSDP cutting
+        ``dim`` over the ranks of ``info``, a ``MeshInfo``), the whole parameter's stride."""
+        return self.spmd_mesh, self.sharded_placements(info, dim), self.stride
 
     def unsharded(self, piece: torch.Tensor) -> DTensor:
         """The gathered TP piece as the DTensor the layers expect."""
@@ -60,10 +64,9 @@ class TPLayout:
         )
 
 
-def tp_layout(param: torch.nn.Parameter, info: MeshInfo, where: str) -> TPLayout | None:
-    """The TP layout of ``param`` when tensor parallelism made it a DTensor, else None."""
-    if not isinstance(param, DTensor):
-        return None
+def tp_layout(param: DTensor, info, where: str) -> TPLayout:
+    """The TP layout of ``param``, a DTensor (tensor parallelism, or the whole SPMD mesh),
+    sharded over ``info`` (a ``MeshInfo``)."""
     own = mesh, placements = param.device_mesh, tuple(param.placements)  # own: the unsharded's
     dp_names = tuple(info.mesh.mesh_dim_names or ())
     names = tuple(mesh.mesh_dim_names or ())
@@ -96,3 +99,28 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None:
     if len(order) < len(names) or order != sorted(order) or root[tp_names] != tp_mesh:
         return None  # every dim named, in the root's order (the dp dims first)
     return root[names]
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims) -> DeviceMesh:
+    """The part of a whole SPMD ``mesh`` that ``dp_mesh_dims`` names: its ``shard`` dim (FSDP),
+    with its ``replicate`` dim in front (HSDP). One name each: flattening several is not
+    supported."""
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    if len(shard) != 1 or len(replicate) > 1:
+        raise FSDPUsageError(
+            f"dp_mesh_dims={dp_mesh_dims}: twinshard takes one shard dim name and at most one "
+            "replicate dim name (several dims flattened into one are not supported)"
+        )
+    return mesh[(*replicate, *shard)]
+
+
+def check_spmd_params(owners: dict) -> None:
+    """With ``dp_mesh_dims``, refuse a parameter that is not a ``DTensor`` (of the whole mesh);
+    ``owners`` maps each parameter to the (module, name) pairs holding it."""
+    plain = [where[0][1] for p, where in owners.items() if not isinstance(p, DTensor)]
+    if plain:  # the first words are torch's
+        raise FSDPUsageError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
+            f"(e.g. via distribute_module). Got plain tensor for parameter '{plain[0]}'. Make "
+            "each a DTensor on that mesh, or pass the data-parallel mesh and no dp_mesh_dims"
+        )

@@ -1,4 +1,4 @@
-"""Parameters used on some ranks only, and why that must not hang, crash or mix gradients.
+"""Second reading. Parameters used on some ranks only, and why that must not hang, crash or mix gradients.
 
 With routing (mixture of experts) or a branch taken on one rank and not on another, a
 parameter gets a gradient on some ranks only. If each rank reduce-scattered just the gradients
@@ -23,12 +23,11 @@ from __future__ import annotations
 from twinshard.api import FSDPUsageError
 from twinshard.guard import mesh_ranks, tally_unused
 
-from .param_group import ParamGroup
 
-
-def check_usage(root, groups: list[ParamGroup]) -> None:
-    """Post which parameters this rank used in ``root``'s backward (the root's state); raise on
-    every rank if the tally read back names one that had a gradient on some ranks but not all."""
+def check_usage(root, groups: list) -> None:
+    """Post which parameters this rank used in ``root``'s backward (the root's state; ``groups``
+    its ``ParamGroup``s); raise on every rank if the tally read back names one that had a
+    gradient on some ranks but not all."""
     by_mesh: dict[tuple, list] = {}  # groups on the same ranks share one tally
     for group in groups:
         if group.usage and not group.reduce_unused:

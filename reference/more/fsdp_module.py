@@ -1,4 +1,4 @@
-"""The methods ``fully_shard`` adds to a module (``FSDPModule``), for the reference.
+"""Second reading. The methods ``fully_shard`` adds to a module: ``FSDPModule``.
 
 Each method is documented once, on ``twinshard.api.FSDPModule``; here it only reaches the
 module's parameter group, or with ``recurse`` every group below it. The settings that exist to
@@ -20,8 +20,8 @@ import torch.nn as nn
 from twinshard.api import FSDPModule as FSDPModuleContract
 from twinshard.api import FSDPUsageError, UnshardHandle
 
-from .param_group import ParamGroup
-from .state import FSDPState, get_state
+from ..param_group import ParamGroup
+from ..state import FSDPState, get_state
 
 
 def states_below(module: nn.Module, recurse: bool) -> list[FSDPState]:

@@ -1,0 +1,143 @@
+"""Second reading. Parameters that gather themselves: FSDP2's all-gather extension.
+
+A parameter's local shard may define two methods, on its class (a tensor subclass such as a
+float8 weight, which gathers its bytes and its scale) or on the tensor object itself, and so
+decide what is all-gathered and how the unsharded parameter is made from it:
+
+    inputs, metadata = shard.fsdp_pre_all_gather(mesh)   # or (mesh, outer_size, outer_stride,
+                                                          #     module, mp_policy)
+    outputs = every input all-gathered                   # (S * rows_i, *rest_i) each
+    first unshard:  tensor, inner = shard.fsdp_post_all_gather(outputs, metadata, param_dtype)
+    later ones:     shard.fsdp_post_all_gather(outputs, metadata, param_dtype, out=unsharded)
+
+The methods are looked up at every unshard: they may be set on a shard after ``to_empty``,
+before its first unshard. ``mesh`` is the shard group's 1D mesh, for HSDP too. Every rank
+hands in inputs of the same shapes; where the rows do not divide over the ranks, each must
+have the padded block's shape (chunk, *rest), as torch asks: the extension pads. Every rank
+checks that (each knows the rows do not divide): an error everywhere, no collective that waits.
+
+As for a plain parameter (``sharded_param.py``, which calls ``gathers_itself`` at each unshard and
+the ``Extension`` below where the shard does) the unsharded parameter is one object for the
+whole run: the first call's ``tensor``, its padding rows cut off. Resharding frees the memory
+of the outputs and of ``inner`` (the plain tensors the unsharded parameter is made of); the
+next unshard allocates it again, the all-gather fills the same outputs, and the
+post-all-gather writes into the same parameter. The outputs are handed over as ``.data``
+views, so that the all-gather writing into them is no in-place change autograd would see.
+
+Collectives move plain tensors: an input that is itself a subclass is copied into a plain
+tensor first (what its ``copy_`` writes is what is sent). A subclass parameter without the
+two methods cannot be gathered as one tensor and is refused at its first unshard, by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from twinshard.api import FSDPUsageError
+
+
+def gathers_itself(p) -> bool:
+    """Whether the shard the module of ``p`` (a ``ShardedParam``) holds now defines
+    ``fsdp_pre_all_gather``; a tensor subclass that does not, and cannot be gathered as one
+    tensor, is refused by name."""
+    shard = p.sharded_param._local_tensor
+    if hasattr(shard, "fsdp_pre_all_gather"):
+        return True
+    if is_traceable_wrapper_subclass(shard):
+        raise FSDPUsageError(
+            f"parameter '{p.fqn}' of {type(p.owners[0][0]).__name__} is a "
+            f"{type(shard).__name__}, a tensor subclass without fsdp_pre_all_gather and "
+            "fsdp_post_all_gather: FSDP cannot gather it as one tensor. Define both "
+            "(FSDP2's all-gather extension) or pass it in ignored_params"
+        )
+    return False
+
+
+class Extension:
+    """What one parameter's all-gather extension keeps from one unshard to the next: the
+    tensors the all-gather fills and the memory the unsharded parameter is made of."""
+
+    def __init__(self):
+        self.outputs: list | None = None  # per input, the tensor its all-gather fills
+        self.storages: list = []  # [(storage, bytes)]: freed at reshard, allocated at unshard
+
+    def inputs(self, p, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The inputs of the shard's ``fsdp_pre_all_gather``, plain and on the compute device
+        (``ShardedParam.all_gather_inputs``)."""
+        if p.tp is not None or p.dim:
+            raise FSDPUsageError(
+                f"parameter '{p.fqn}' defines fsdp_pre_all_gather, which twinshard supports "
+                "for Shard(0) parameters without tensor parallelism; drop shard_placement_fn "
+                "for it or keep it out of the tensor-parallel plan"
+            )
+        if p.unsharded_param is not None and self.outputs is None:
+            raise FSDPUsageError(
+                f"parameter '{p.fqn}' got fsdp_pre_all_gather after its first all-gather; "
+                "set the all-gather extension before the first forward or unshard (after "
+                "to_empty and loading the weights is fine)"
+            )
+        pre = p.sharded_param._local_tensor.fsdp_pre_all_gather
+        mesh = p.info.mesh  # the shard group's 1D mesh, for HSDP too
+        mesh = mesh if p.info.replicate_group is None else mesh[mesh.mesh_dim_names[1]]
+        if len(inspect.signature(pre).parameters) == 1:  # the first form: the mesh alone
+            inputs, self.metadata = pre(mesh)
+        else:
+            inputs, self.metadata = pre(mesh, p.shape, p.stride, p.owners[0][0], p.mp)
+        self.dtype = dtype
+        uneven = p.rows % p.info.shard_size != 0
+        if uneven and any(x.shape != p.block_shape for x in inputs):
+            raise FSDPUsageError(
+                f"parameter '{p.fqn}' of shape {tuple(p.shape)} does not divide over "
+                f"{p.info.shard_size} ranks, so fsdp_pre_all_gather must return inputs "
+                f"padded to {tuple(p.block_shape)}; it returned "
+                f"{[tuple(x.shape) for x in inputs]}"
+            )
+        plain = []
+        for x in inputs:  # (rows_i, *rest_i) each, the same shapes on every rank
+            if is_traceable_wrapper_subclass(x):
+                x = torch.empty(x.shape, dtype=x.dtype, device=p.device).copy_(x)
+            plain.append(x.to(p.device).contiguous())
+        self.shapes = [(x.shape, x.dtype) for x in plain]
+        return plain
+
+    def all_gather_outputs(self, p) -> list[torch.Tensor]:
+        """The tensors the all-gather fills, (S * rows_i, *rest_i) for each input, with their
+        memory (re)allocated (``ShardedParam.all_gather_outputs``)."""
+        if self.outputs is None:
+            self.outputs = [
+                torch.empty((p.info.shard_size * shape[0], *shape[1:]), dtype=kind,
+                            device=p.device)
+                for shape, kind in self.shapes  # (S * rows_i, *rest_i) each
+            ]  # fmt: skip
+        for storage, nbytes in self.storages:
+            storage.resize_(nbytes)
+        return self.outputs
+
+    def finish(self, p) -> None:
+        """Make the unsharded parameter from the gathered outputs (``finish_unshard``)."""
+        outputs = tuple(o.data for o in self.outputs)  # see the module docstring
+        post = p.sharded_param._local_tensor.fsdp_post_all_gather
+        if p.unsharded_param is not None:
+            post(outputs, self.metadata, self.dtype, out=p.unsharded_param)
+            return
+        tensor, inner = post(outputs, self.metadata, self.dtype)
+        whole = torch.as_strided(tensor, p.shape, p.stride, 0)  # (rows, *rest): no padding
+        p.unsharded_param = nn.Parameter(whole, requires_grad=p.sharded_param.requires_grad)
+        storages = {}  # each memory once: the outputs and ``inner`` may share it
+        for t in (*self.outputs, *inner):
+            storages.setdefault(t.untyped_storage()._cdata, t.untyped_storage())
+        self.storages = [(s, s.nbytes()) for s in storages.values()]
+
+    def free(self, p, keep_piece: bool) -> None:
+        """Free what the unshard allocated (``reshard``)."""
+        if keep_piece:
+            raise FSDPUsageError(
+                f"parameter '{p.fqn}' defines fsdp_pre_all_gather, whose all-gather cannot "
+                "run over fewer ranks in backward; use reshard_after_forward=True or False"
+            )
+        for storage, _ in self.storages:
+            storage.resize_(0)
