@@ -50,18 +50,15 @@ def hooks_config(impl: str, foreach: str = "on"):
 def take_steps(impl: str, steps: int, foreach: str) -> None:
     import torch
 
-    from twinshard.bench.config import build, forward_backward
-    from twinshard.bench.runner import join_simulated_world
+    from twinshard.measure import step, world
 
     config = hooks_config(impl, foreach)
     torch.set_num_threads(1)
-    join_simulated_world(config)
-    tokens = torch.randint(0, config.llama().vocab_size, (config.per_rank, config.seq + 1))
-    model, opt = build(config, torch.device("cpu"))
+    device = world.join(config.backend, config.world)
+    tokens = step.tokens(config, config.llama().vocab_size)
+    model, opt = step.build(config, device)
     for _ in range(steps):
-        forward_backward(model, tokens)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step.train_step(model, opt, tokens)
 
 
 def count(impl: str, steps: int, foreach: str) -> int:

@@ -177,7 +177,7 @@ def test_hooks_mode_steps_the_optimizer_as_an_accelerator_does():
 
     import torch
 
-    from twinshard.bench.config import build
+    from twinshard.measure.step import build
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

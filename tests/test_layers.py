@@ -6,6 +6,11 @@ for the contract between the trees).
   both import.
 - One rule for what identifies a tensor's memory (``twinshard/storages.py``): no other function
   writes out "the address, or the storage object where there is none" again.
+- One table of c10d operators (``twinshard/c10d.py``): no other module names one, and the
+  measuring layer's observers (and the guard) import nothing from the conformance suite.
+- One step builder and driver (``twinshard/measure/step.py``) and one way to join a world
+  (``twinshard/measure/world.py``): no other module of the measuring layer shards a model, makes
+  an optimizer, or starts a process group or a backend's world.
 - One implementation resolver (``twinshard/impls.py``): every command takes a module from
   outside the project by its import path, as it takes the short names, and refuses a bad name
   naming its flag.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,15 +102,19 @@ def rule_copies(source: str) -> list[str]:
     return found
 
 
-def test_the_memory_identity_rule_is_written_once():
-    rule = ROOT / "twinshard" / "storages.py"
-    copies = [
+def copies_outside(home: Path, find) -> list[str]:
+    """What ``find(source)`` finds in every module of the package but ``home``."""
+    return [
         f"{path.relative_to(ROOT)}: {name}"
         for folder in ("twinshard", "optimized", "reference", "conformance")
         for path in sorted((ROOT / folder).rglob("*.py"))
-        if path != rule
-        for name in rule_copies(path.read_text())
+        if path != home
+        for name in find(path.read_text())
     ]
+
+
+def test_the_memory_identity_rule_is_written_once():
+    copies = copies_outside(ROOT / "twinshard" / "storages.py", rule_copies)
     assert copies == [], "use twinshard.storages.memory_key"
 
 
@@ -117,6 +127,117 @@ def address(t):
     return t.untyped_storage().data_ptr()
 """
     assert rule_copies(made_up) == ["key"]
+
+
+C10D_NAME = re.compile(r"_?(allgather|all_gather|reduce_scatter|allreduce|broadcast|alltoall)\w*_")
+
+
+def c10d_names(source: str) -> list[str]:
+    """The string constants of ``source`` that are c10d operator names (they end in an
+    underscore: ``allreduce_``, ``_reduce_scatter_base_``): a copy of ``twinshard.c10d``'s
+    table, or of a part of it."""
+    return sorted(
+        {
+            n.value
+            for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)
+            and C10D_NAME.fullmatch(n.value)
+        }
+    )
+
+
+def test_c10d_operators_are_named_in_one_table():
+    table = ROOT / "twinshard" / "c10d.py"
+    assert copies_outside(table, c10d_names) == [], "read c10d operators through twinshard.c10d"
+    assert c10d_names(table.read_text()), "the table itself must be found by the check"
+
+
+def test_the_c10d_copy_check_can_fail():
+    made_up = """
+OPS = {"_allgather_base_": "all_gather", "allreduce_coalesced_": "all_reduce"}
+WRITES = {"broadcast_": {0}}
+kind = "all_gather"  # a collective's kind is not an operator
+"""
+    assert c10d_names(made_up) == ["_allgather_base_", "allreduce_coalesced_", "broadcast_"]
+
+
+LAYER = ("bench", "plan", "schedule", "fakeaccel", "measure")  # the measuring layer
+
+
+def modules_of(*folders: str):
+    """A parametrization over the modules of ``twinshard/<folder>`` for each of ``folders``."""
+    paths = [p for folder in folders for p in sorted((ROOT / "twinshard" / folder).glob("*.py"))]
+    return pytest.mark.parametrize("path", paths, ids=lambda p: f"{p.parent.name}/{p.name}")
+
+
+@modules_of(*LAYER, "guard")
+def test_observers_and_the_guard_import_nothing_from_the_suite(path):
+    package = f"twinshard.{path.parent.name}"
+    assert suite_imports(path.read_text(), package) == [], (
+        f"{path.parent.name}/{path.name} imports the conformance suite; the c10d table is "
+        "twinshard/c10d.py"
+    )
+
+
+STEP = {"fully_shard", "optimizer"}  # what only measure/step.py does
+WORLD = {"init_process_group", "a backend's join"}  # what only measure/world.py decides
+OWN = {
+    "measure/step.py": STEP,
+    "measure/world.py": WORLD,
+    # the backends themselves, which world.py calls
+    "bench/simnet.py": {"init_process_group"},
+    "fakeaccel/device.py": {"init_process_group"},
+    # not yet on measure/step.py and measure/world.py (issue 32): the commands' own copies
+    "bench/config.py": STEP,
+    "schedule/cli.py": STEP | WORLD,
+}
+
+
+def steps_and_joins(source: str) -> set[str]:
+    """What ``source`` does of building a step or joining a world: calls ``fully_shard`` or a
+    ``torch.optim`` optimizer, calls ``init_process_group``, imports a backend's join (the
+    fake accelerator's ``join``, the simulated network's ``init``)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name.split(".")[-1] == "fully_shard":
+                found.add("fully_shard")
+            elif name.startswith(("torch.optim.", "optim.")):
+                found.add("optimizer")
+            elif name.split(".")[-1] == "init_process_group":
+                found.add("init_process_group")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = {a.name for a in node.names}
+            if (node.module.endswith("fakeaccel") or node.module.endswith("device")) and (
+                "join" in names
+            ):
+                found.add("a backend's join")
+            if node.module.endswith("simnet") and "init" in names:
+                found.add("a backend's join")
+    return found
+
+
+@modules_of(*LAYER)
+def test_one_step_builder_and_one_way_to_join_a_world(path):
+    where = f"{path.parent.name}/{path.name}"
+    extra = steps_and_joins(path.read_text()) - OWN.get(where, set())
+    assert not extra, f"{where} does {extra} itself: use twinshard.measure.step and world"
+
+
+def test_the_step_and_join_check_can_fail():
+    made_up = """
+import torch
+from twinshard.fakeaccel.device import join as join_fake
+from twinshard.bench.simnet import init, parse_link
+def build(model, impl):
+    impl.fully_shard(model)
+    torch.distributed.init_process_group("fake", rank=0, world_size=2)
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+    assert steps_and_joins(made_up) == STEP | WORLD
+    assert steps_and_joins("from twinshard.measure import step\nstep.build(job, d)\n") == set()
 
 
 def test_memory_key_names_memory_not_tensors():

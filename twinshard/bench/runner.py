@@ -1,9 +1,10 @@
 """Running the implementations: one training run in one process, and many side by side.
 
-``run_rank(config)`` is what every rank executes: build the model, warm up, time
-``config.steps`` steps (wall clock, and CPU time of the whole process), then one untimed step
-under ``probe.Probe`` for memory by category and the collectives. With a simulated world
-(``fake``, ``simnet``) it first joins that world as rank 0 of ``config.world``.
+``run_rank(config)`` is what every rank executes: join the world (``measure.world``; a
+simulated one, ``fake`` or ``simnet``, as rank 0 of ``config.world``), build the model and
+step it (``measure.step``), warm up, time ``config.steps`` steps (wall clock, and CPU time of
+the whole process), then one untimed step under ``probe.Probe`` for memory by category and the
+collectives.
 
 ``run(config)`` starts the processes: ``twinshard.launch`` for real ranks (gloo, nccl), one
 freshly spawned process for a simulated world. Every run gets processes of its own, so no
@@ -20,14 +21,14 @@ import os
 import resource
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from twinshard import fresh_process
+from twinshard.measure import step, world
 
-from .config import RunConfig, build, forward_backward
+from .config import RunConfig
 from .probe import Probe, sharded_modules
 from .progress import Progress
 
@@ -35,25 +36,6 @@ from .progress import Progress
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def join_simulated_world(config: RunConfig) -> None:
-    """Make this process rank 0 of a world of ``config.world``: PyTorch's fake process group
-    (collectives do nothing) or the simulated network (``simnet``)."""
-    if config.backend == "fake":
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
-
-        # an in-process store: one process plays every rank (the fake group needs none)
-        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=config.world)
-    else:
-        from . import simnet
-
-        simnet.init(config.world, simnet.parse_link(config.link, config.latency_us))
-
-
-def _batches(config: RunConfig, vocab: int, count: int, rank: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + rank)
-    return [torch.randint(0, vocab, (config.per_rank, config.seq + 1), generator=g)] * count
 
 
 def _comm_of_step(calls: list) -> dict:
@@ -75,23 +57,23 @@ def run_rank(config: RunConfig) -> dict:
     """One implementation on this rank: step times, memory, collectives (see the module doc)."""
     if config.simulated:
         torch.set_num_threads(int(os.environ.get("TWINSHARD_THREADS", "1") or "0") or 1)
-        join_simulated_world(config)
+    device = world.join(config.backend, config.world, config.device, config.link, config.latency_us)
     net = None
     if config.backend == "simnet":
         from . import simnet
 
         net = simnet.network()
     cuda = config.device == "cuda"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rss0 = _rss_bytes()
-    model, opt = build(config, device)
-    vocab = config.llama().vocab_size
-    batches = [b.to(device) for b in _batches(config, vocab, 1, dist.get_rank())]
+    model, opt = step.build(config, device)
+    tokens = step.tokens(config, config.llama().vocab_size, dist.get_rank(), device)
     wall, cpu, comm, phases = [], [], [], []  # phases: CPU s of forward, backward, optimizer
+    marks: list[float] = []  # CPU time when a step's forward and backward end
+    mark = lambda _: marks.append(time.process_time())  # noqa: E731
     profiler = None
-    for step in range(config.warmup + config.steps):
-        timed = step >= config.warmup
+    for k in range(config.warmup + config.steps):
+        timed = k >= config.warmup
         if timed and config.profile and profiler is None:
             import cProfile
 
@@ -99,16 +81,13 @@ def run_rank(config: RunConfig) -> dict:
             profiler.enable()
         n0 = len(net.calls) if net else 0
         sync()
+        marks.clear()
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = model(batches[0][:, :-1], batches[0][:, 1:])
-        c_fwd = time.process_time()
-        loss.backward()
-        c_bwd = time.process_time()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step.train_step(model, opt, tokens, mark)
         sync()
         t1, c1 = time.perf_counter(), time.process_time()
         if timed:
+            c_fwd, c_bwd = marks
             wall.append(t1 - t0)
             cpu.append(c1 - c0)
             phases.append((c_fwd - c0, c_bwd - c_fwd, c1 - c_bwd))
@@ -131,7 +110,7 @@ def run_rank(config: RunConfig) -> dict:
     if cuda:
         result["accelerator_peak"] = torch.cuda.max_memory_allocated()
     if config.memory:
-        result.update(_measure_memory(model, opt, batches[0], net))
+        result.update(_measure_memory(model, opt, tokens, net))
     return result
 
 
@@ -141,9 +120,7 @@ def _measure_memory(model, opt, tokens, net) -> dict:
     if net is not None:
         net.observer = probe.saw_collective
     with probe:
-        forward_backward(model, tokens)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step.train_step(model, opt, tokens)
     if net is not None:
         net.observer = None
     ops: dict[str, list[int]] = {}
@@ -190,10 +167,6 @@ def compare(configs: list[RunConfig], repeat: int, progress: bool = True) -> lis
 def label(config: RunConfig) -> str:
     extra = f" @{config.link}" if config.backend == "simnet" else ""
     return config.impl + extra
-
-
-def with_link(config: RunConfig, link: str) -> RunConfig:
-    return replace(config, link=link)
 
 
 def median(values) -> float:

@@ -15,8 +15,8 @@ One concept per file:
     device.py     the fake accelerator and its fake process group (why not ``cuda``: there)
     shim.py       its device module: streams, events, the current device, the RNG, syncs counted
     monitor.py    the dispatch mode: host syncs, host collectives, collectives, memory
-    runner.py     one configuration on the fake accelerator and on the CPU; a spawned process
-    ondevice.py   the same checks on a real accelerator (``benchmarks/gpu.sh``)
+    runner.py     one configuration on the fake accelerator and on the CPU, or on a lent GPU
+                  (``benchmarks/gpu.sh``); a spawned process
     stream_order.py  the order of waits and events, compared across stand-ins and devices
     planted.py    hazards planted into a model, so that the checks can be seen to fail
     report.py     the table and the findings
@@ -25,8 +25,17 @@ One concept per file:
 See ``docs/fake-accelerator.md``.
 """
 
-from .device import BACKEND, DEVICE_TYPE, is_registered, join, register
+from .device import BACKEND, DEVICE_TYPE, is_registered, register
 from .monitor import Monitor
 from .runner import check, run
+
+
+def join(world_size: int) -> None:
+    """Rank 0 of ``world_size`` ranks on the fake accelerator; kept for its callers, replaced
+    by ``twinshard.measure.world.join("fakeaccel", world_size)``, which also names the device."""
+    from twinshard.measure import world
+
+    world.join("fakeaccel", world_size)
+
 
 __all__ = ["BACKEND", "DEVICE_TYPE", "Monitor", "check", "is_registered", "join", "register", "run"]

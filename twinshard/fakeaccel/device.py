@@ -15,7 +15,7 @@ treat CUDA, through ``torch.get_device_module``, which answers with ``shim`` (st
 events, the current device, the RNG). The tensors on it are ``FakeTensor``s: shapes, dtypes
 and devices, no values, so ``.item()`` cannot answer and a step costs no arithmetic.
 
-The process group is PyTorch's fake one, registered for this device only (``join``): a
+The process group is PyTorch's fake one, registered for this device only (``fake_group``): a
 collective of tensors on the device returns at once; one of host tensors has no backend, as
 on NCCL (inside ``FakeTensorMode`` a fake host tensor still passes, so ``monitor`` checks
 every collective's devices itself).
@@ -29,7 +29,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-DEVICE_TYPE = "fakecuda"  # the PrivateUse1 device's name: a stand-in for cuda
+from . import shim
+from .shim import DEVICE_TYPE  # the PrivateUse1 device's name: a stand-in for cuda
+
 BACKEND = "fakeaccel"  # the process-group backend registered for it
 
 _registered = False
@@ -57,8 +59,6 @@ def register() -> torch.device:
             f"{current.type!r}; run the fake-accelerator run in a process of its own "
             "(twinshard.fakeaccel.runner.run spawns one)"
         )
-    from . import shim
-
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
     torch._register_device_module(DEVICE_TYPE, shim)
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
@@ -96,15 +96,11 @@ def _make_fake_group(common, options):
 _backends: set[str] = set()  # the device types a fake process-group backend is registered for
 
 
-def join(world_size: int, rank: int = 0, device_type: str | None = None) -> None:
-    """Make this process rank ``rank`` of ``world_size`` ranks: the fake process group, for
-    one device type only (see the module docstring). ``device_type`` None is the fake
-    accelerator (registered first); a real one (``cuda``) gives its real tensors a world
-    of ``world_size`` ranks in one process, for the checks on a lent GPU."""
-    if not 0 <= rank < world_size:
-        raise ValueError(
-            f"twinshard.fakeaccel.join: rank {rank} is outside a world of {world_size} ranks"
-        )
+def fake_group(device_type: str | None = None) -> str:
+    """The backend name of PyTorch's fake process group for ``device_type`` alone (see the
+    module docstring), registered on first use. ``device_type`` None is the fake accelerator
+    (registered first); a real one (``cuda``) gives its real tensors a world of W ranks in one
+    process, for the checks on a lent GPU. ``measure.world.join`` joins it."""
     if device_type is None:
         register()
         device_type = DEVICE_TYPE
@@ -114,10 +110,7 @@ def join(world_size: int, rank: int = 0, device_type: str | None = None) -> None
             name, _make_fake_group, extended_api=True, devices=[device_type]
         )
         _backends.add(device_type)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # an in-process store: one process plays the rank and needs no peers
-    dist.init_process_group(name, store=dist.HashStore(), rank=rank, world_size=world_size)
+    return name
 
 
 def backend_name(device_type: str) -> str:

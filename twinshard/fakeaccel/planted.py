@@ -41,8 +41,10 @@ HAZARDS = {
 }
 
 
-def plant(name: str, model: torch.nn.Module) -> None:
-    """Attach hazard ``name`` (a key of ``HAZARDS``) to ``model.blocks[0]``."""
+def plant(name: str | None, model: torch.nn.Module) -> None:
+    """Attach hazard ``name`` (a key of ``HAZARDS``; None: none) to ``model.blocks[0]``."""
+    if name is None:
+        return
     if name not in HAZARDS:
         raise ValueError(f"no planted hazard {name!r}; choose one of {', '.join(HAZARDS)}")
     model.blocks[0].register_forward_hook(HAZARDS[name])

@@ -4,9 +4,10 @@
 (``bench.config.RunConfig``: implementation, Llama-style model, world, HSDP replicas, dtype,
 offload, ``reshard_after_forward``) twice:
 
-1. on the fake accelerator (``device.join``): the model is built on ``meta``, sharded inside
-   ``FakeTensorMode`` (torch's ``fully_shard`` makes device tensors when it shards) and moved
-   with ``to_empty`` (to the host with offload, as FSDP2 asks), then trained for
+1. on the fake accelerator (``measure.world.join``): the model is built on ``meta``, sharded
+   inside ``FakeTensorMode`` (torch's ``fully_shard`` makes device tensors when it shards) and
+   moved with ``to_empty`` (to the host with offload, as FSDP2 asks; ``measure.step``), then
+   trained for
    ``steps`` steps (forward, backward, SGD with momentum and ``foreach``, which reads no
    scalar on the host) under ``monitor.Monitor``, with ``bench.probe.Probe`` sorting the
    bytes FSDP holds into the memory model's categories;
@@ -35,13 +36,15 @@ import torch.distributed as dist
 
 from twinshard import fresh_process, impls
 from twinshard.bench import memmodel
-from twinshard.bench.config import DTYPES, SHARDED, RunConfig, build, mesh_for, shard
+from twinshard.bench.config import SHARDED, RunConfig
 from twinshard.bench.probe import Probe, sharded_modules
-from twinshard.bench.runner import join_simulated_world
+from twinshard.measure import step, world
 from twinshard.models import Llama
 
-from . import device as fake_device
+from .device import backend_name
 from .monitor import Monitor, Phase
+from .planted import plant
+from .shim import DEVICE_TYPE
 
 STEPS = 2  # the first step initializes lazily; the second is the steady state
 
@@ -56,15 +59,13 @@ def check(
     """Both runs of ``config`` in this process (see the module docstring); a failure of the
     implementation is reported under "error" with its traceback, not raised. ``on``: "fake"
     (the fake accelerator) or a real device type, for the same checks on a lent GPU
-    (``ondevice.device_run``)."""
+    (``device_run``)."""
     config = replace(config, foreach=True)
     result = {"config": config.as_dict(), "planted": planted, "on": on}
     try:
         if on == "fake":
             phases = fake_accelerator_run(config, steps, planted)
         else:
-            from .ondevice import device_run
-
             phases = device_run(config, steps, on, planted)
     except Exception:  # the implementation failed on the device: that is the finding
         result["error"] = traceback.format_exc(limit=-40)
@@ -103,71 +104,79 @@ def run(configs: list, timeout: float = 900, **options) -> list[dict]:
 def fake_accelerator_run(config: RunConfig, steps: int, planted) -> list[Phase]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    fake_device.join(config.world)
-    device = fake_device.device()
-    mesh = mesh_for(config, device)  # outside the fake mode: it computes with real tensors
-    with FakeTensorMode(allow_non_fake_inputs=True), Monitor(fake_device.DEVICE_TYPE) as monitor:
+    device = world.join("fakeaccel", config.world)
+    mesh = step.mesh(config, device)  # outside the fake mode: it computes with real tensors
+    with FakeTensorMode(allow_non_fake_inputs=True), Monitor(DEVICE_TYPE) as monitor:
         if config.offload and impls.module_name(config.impl) != impls.SHORT_NAMES["torch"]:
-            # Built on the host, where a user keeps an offloaded model (as ``ondevice`` does): a
+            # Built on the host, where a user keeps an offloaded model (as device_run does): a
             # sharded parameter must stay there. Torch's own fully_shard first moves every
             # parameter to the device by ``.data`` assignment, which fake tensors refuse across
             # devices, so torch's run takes the meta path below.
             model = Llama(config.llama())
-            shard(model, config, device, mesh)
+            step.shard(model, config, device, mesh)
         else:  # built on meta and materialized after sharding (no values to initialize)
-            with torch.device("meta"):
-                model = Llama(config.llama())
-            shard(model, config, device, mesh)
-            model.to_empty(device="cpu" if config.offload else device)
-        opt = _optimizer(model)
-        plant_hazard(planted, model)
-        tokens = torch.randint(0, model.config.vocab_size, batch_shape(config), device=device)
+            model = step.build_on_meta(config, device, mesh)
+        # foreach: a few multi-tensor operations and no scalar read on the host, as on a GPU
+        opt = step.optimizer(model, foreach=True)
+        plant(planted, model)
+        tokens = step.tokens(config, model.config.vocab_size, device=device)
         monitor.probe = Probe(model, opt, sharded_modules(model))
         for k in range(steps):
             monitor.begin(f"step {k + 1}")
-            train_step(model, opt, tokens)
+            step.train_step(model, opt, tokens)
+    return monitor.finish()
+
+
+def device_run(config: RunConfig, steps: int, device_type: str, planted=None) -> list[Phase]:
+    """The same checks on a real accelerator, for the day one is lent (``benchmarks/gpu.sh``):
+    real tensors on ``device_type`` and the fake process group registered for it alone
+    (``measure.world``'s ``lent``), so that one GPU plays rank 0 of W and a host tensor in a
+    collective fails as on NCCL. The model is built from the seed on the host and moved to the
+    device before sharding, as ``twinshard bench`` does (with offload it stays on the host).
+    The steps run under the device module's sync debug mode ("error": the device's own check,
+    which raises at the first operator that waits for the device), so a sync the monitor
+    cannot see (inside a C++ kernel) still fails the run. The monitor's phases, setup first."""
+    module = torch.get_device_module(device_type)
+    if device_type == "cpu" or not module.is_available():
+        raise RuntimeError(
+            f"twinshard.fakeaccel: no {device_type!r} device here; run the checks on the fake "
+            "accelerator instead (on='fake', or --device fake)"
+        )
+    device = world.join("lent", config.world, device_type)
+    named = replace(config, backend=backend_name(device_type))
+    with Monitor(device_type) as monitor:
+        model, opt = step.build(named, device)
+        plant(planted, model)
+        tokens = step.tokens(config, model.config.vocab_size, device=device)
+        monitor.probe = Probe(model, opt, sharded_modules(model))
+        debug = getattr(module, "set_sync_debug_mode", None)
+        for k in range(steps):
+            monitor.begin(f"step {k + 1}")
+            if debug is not None:
+                debug("error")
+            try:
+                step.train_step(model, opt, tokens)
+            finally:
+                if debug is not None:
+                    debug(0)
+            module.synchronize()
     return monitor.finish()
 
 
 def cpu_run(config: RunConfig, steps: int, planted) -> list[list[tuple]]:
     """The collectives of each step of the same configuration on the CPU (real tensors, the
     fake process group), as ``Collective.key()`` tuples."""
-    dist.destroy_process_group()
     cpu = replace(config, backend="fake")
-    join_simulated_world(cpu)
-    model, opt = build(cpu, torch.device("cpu"))  # SGD with momentum, foreach: as _optimizer
-    plant_hazard(planted, model)
-    tokens = torch.randint(0, model.config.vocab_size, batch_shape(config))
+    device = world.join("fake", config.world)  # leaves the fake accelerator's group
+    model, opt = step.build(cpu, device)  # SGD with momentum, foreach (``check`` sets it)
+    plant(planted, model)
+    tokens = step.tokens(config, model.config.vocab_size)
     with Monitor("cpu") as monitor:
         for k in range(steps):
             monitor.begin(f"step {k + 1}")
-            train_step(model, opt, tokens)
+            step.train_step(model, opt, tokens)
     dist.destroy_process_group()
     return [[c.key() for c in p.collectives] for p in monitor.finish()[1:]]
-
-
-def _optimizer(model) -> torch.optim.Optimizer:
-    # foreach: a few multi-tensor operations and no scalar read on the host, as on a GPU
-    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
-
-
-def batch_shape(config: RunConfig) -> tuple[int, int]:
-    return (config.per_rank, config.seq + 1)  # (B, T + 1) tokens: inputs and shifted targets
-
-
-def train_step(model, opt, tokens: torch.Tensor) -> None:
-    loss = model(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def plant_hazard(name: str | None, model) -> None:
-    """Plant hazard ``name`` of ``planted.py`` into ``model`` (None: none)."""
-    if name is not None:
-        from .planted import plant
-
-        plant(name, model)
 
 
 # --- summaries -----------------------------------------------------------------------------------
@@ -213,7 +222,7 @@ def _memory_model(config: RunConfig, phase: Phase) -> dict:
         return {"covered": False, "why": "the model reshards after forward"}
     with torch.device("meta"):
         groups = memmodel.groups_of(Llama(config.llama()))
-    pb = 2 if DTYPES[config.dtype] is not None else 4
+    pb = 2 if step.LOW[config.dtype] is not None else 4
     predicted = memmodel.predict(groups, config.impl, config.world // config.replicas, pb, 4)
     total = sum(predicted.values())
     return {
@@ -228,14 +237,14 @@ def _memory_model(config: RunConfig, phase: Phase) -> dict:
 def first_difference(mine: list[list], theirs: list[list]) -> str | None:
     """None if every step issued the same collectives in both runs, else the first that
     differs, named as (op, dtype, elements, group size, ranks)."""
-    for step, (a, b) in enumerate(zip(mine, theirs), 1):
+    for number, (a, b) in enumerate(zip(mine, theirs), 1):
         if a == b:
             continue
         i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         first = a[i][:4] if i < len(a) else "nothing"
         other = b[i][:4] if i < len(b) else "nothing"
         return (
-            f"step {step}, collective #{i}: {first} on the fake accelerator, {other} on the "
+            f"step {number}, collective #{i}: {first} on the fake accelerator, {other} on the "
             f"CPU ({len(a)} against {len(b)} collectives)"
         )
     if len(mine) != len(theirs):

@@ -30,8 +30,7 @@ import torch
 
 from twinshard.standin import StandInStream
 
-from .device import DEVICE_TYPE
-
+DEVICE_TYPE = "fakecuda"  # the device this module answers for: a stand-in for cuda
 DEVICES_PER_HOST = 8  # what device_count() answers: one host of eight, as a GPU node has
 
 LOG: list[tuple] = []  # ("wait_stream" | "record_event" | "wait_event", stream, other)

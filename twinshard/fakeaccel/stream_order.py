@@ -119,10 +119,8 @@ def orders(config: RunConfig, steps: int = 2, on: str = "fake") -> tuple[list, l
         runner.fake_accelerator_run(config, steps, None)
         device_log = shim.LOG[start:]
     else:
-        from .ondevice import device_run
-
         with CudaRecorder() as recorder:
-            device_run(config, steps, on)
+            runner.device_run(config, steps, on)
         device_log = recorder.log
     return canonical(device_log), canonical(standin_log(config, steps))
 

@@ -14,10 +14,11 @@ lazily and creates the optimizer's state):
   implementation does so on a CPU, waited for by ``Work.wait()``); with ``config.real``, the
   same with real tensors (uninitialized values), to check the fake tensors' memory against.
 
-The model is built on ``meta`` (``twinshard.models.Llama``), wrapped for activation
-checkpointing (``checkpointing.py``), sharded by the implementation with the plan's policies
-(``bench.config.shard``) inside the fake mode, moved with ``to_empty`` (to the host with
-offload) and trained with AdamW (fused, as torchtitan) or SGD with momentum (foreach).
+The world is joined and the step built and driven by ``twinshard.measure``: the model is built
+on ``meta`` (``twinshard.models.Llama``), wrapped for activation checkpointing
+(``checkpointing.py``), sharded by the implementation with the plan's policies inside the fake
+mode, moved with ``to_empty`` (to the host with offload) and trained with AdamW (fused, as
+torchtitan) or SGD with momentum (foreach).
 
 ``record_many(configs)`` runs several in one spawned process (the fake accelerator's
 registration is process-wide and for good); ``progress`` receives a line per stage.
@@ -32,9 +33,8 @@ import torch
 import torch.distributed as dist
 
 from twinshard import fresh_process
-from twinshard.bench.config import mesh_for, shard
 from twinshard.bench.probe import Probe, sharded_modules
-from twinshard.bench.runner import join_simulated_world
+from twinshard.measure import step, world
 from twinshard.models import Llama
 
 from . import checkpointing
@@ -42,6 +42,7 @@ from .labels import Labels
 from .trace import StepTrace
 
 aten = torch.ops.aten
+MARKS = {"backward": ("backward", "root"), "optimizer": ("optimizer", "step")}  # phase labels
 STEPS = 2  # the first initializes lazily and makes the optimizer's state; the second is timed
 # and a third repeats it, for the parts of its peak (``trace.StepTrace.arm``)
 
@@ -51,9 +52,9 @@ def record(config, progress=print) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     started = time.perf_counter()
-    device = _join(config)
     run = config.run_config()
-    mesh = mesh_for(run, device)  # outside the fake mode: DeviceMesh computes on the host
+    device = world.join("fake" if config.cpu else "fakeaccel", config.world)
+    mesh = step.mesh(run, device)  # outside the fake mode: DeviceMesh computes on the host
     cfg = config.llama()
     with torch.device("meta"):
         model = Llama(cfg)
@@ -64,10 +65,10 @@ def record(config, progress=print) -> dict:
     fake = contextlib.nullcontext() if config.real else FakeTensorMode(allow_non_fake_inputs=True)
     with fake, trace, _watch_waits(trace):
         progress(f"{config.impl}: sharding {params / 1e9:.2f}B parameters over {config.world}")
-        shard(model, run, device, mesh)
-        model.to_empty(device="cpu" if config.offload else device)
-        opt = _optimizer(config, model)
-        tokens = torch.randint(0, cfg.vocab_size, (config.batch, config.seq + 1), device=device)
+        step.build_on_meta(run, device, mesh, model)
+        # foreach as twinshard bench leaves it: torch's choice (a loop over parameters on the CPU)
+        opt = step.optimizer(model, config.optimizer, None if config.cpu else True)
+        tokens = step.tokens(run, cfg.vocab_size, device=device)
         labels.attach(model)
         trace.model, trace.optimizer = model, opt
         trace.modules = sharded_modules(model)
@@ -83,12 +84,12 @@ def record(config, progress=print) -> dict:
                     trace.stop()
                     trace.arm(trace.peak_operator)
                     trace.probe = None
-                _train_step(model, opt, tokens, labels)
+                step.train_step(model, opt, tokens, lambda phase: labels.set(*MARKS[phase]))
         _release_last_graph(device)
     phases = trace.finish()
     labels.remove()
     dist.destroy_process_group()
-    step = phases[STEPS]  # the recorded one
+    recorded = phases[STEPS]
     return {
         "config": config.as_dict(),
         "model": {
@@ -101,17 +102,17 @@ def record(config, progress=print) -> dict:
         "entries": trace.entries,
         "collectives": trace.collective_info,
         "flops": dict(trace.flops),
-        "peak_bytes": step.peak_bytes,
-        "start_bytes": step.start_bytes,
-        "peak_host_bytes": step.peak_host_bytes,
+        "peak_bytes": recorded.peak_bytes,
+        "start_bytes": recorded.start_bytes,
+        "peak_host_bytes": recorded.peak_host_bytes,
         "parts": trace.parts_at_peak(),
         "peak_label": getattr(trace, "peak_label", ""),
         "parts_step_bytes": trace.snapshot_bytes,  # the next step's at the same point
-        "probe": dict(step.categories),
+        "probe": dict(recorded.categories),
         "timeline": _thin(trace.timeline),
-        "host_syncs": len(step.syncs),
-        "explicit_syncs": len(step.explicit_syncs),
-        "host_collectives": len(step.host_collectives),
+        "host_syncs": len(recorded.syncs),
+        "explicit_syncs": len(recorded.explicit_syncs),
+        "host_collectives": len(recorded.host_collectives),
         "record_s": time.perf_counter() - started,
     }
 
@@ -123,33 +124,6 @@ def _release_last_graph(device: torch.device) -> None:
     interpreter exits (which aborts the process)."""
     x = torch.ones(1, device=device, requires_grad=True)
     (x * 2).sum().backward()
-
-
-def _join(config) -> torch.device:
-    if config.cpu:
-        join_simulated_world(config.run_config())
-        return torch.device("cpu")
-    from twinshard.fakeaccel import device as fake_device
-
-    fake_device.join(config.world)
-    return fake_device.device()
-
-
-def _optimizer(config, model) -> torch.optim.Optimizer:
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    # foreach as twinshard bench leaves it: torch's choice (a loop over the parameters on the CPU)
-    foreach = None if config.cpu else True
-    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=foreach)
-
-
-def _train_step(model, opt, tokens, labels: Labels) -> None:
-    loss = model(tokens[:, :-1], tokens[:, 1:])
-    labels.set("backward", "root")
-    loss.backward()
-    labels.set("optimizer", "step")
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 @contextlib.contextmanager
