@@ -148,7 +148,7 @@ def all_gather(
     group's padded blocks, flat, kept ready (``FlatParamGroup.kept_shards``), concatenated as
     they are, and their total numel. ``after_current``: shards were written on the current
     stream since the optimizer step (``CommContext.before_all_gather``). Replaces the
-    reference's ``ShardedParam.unshard`` loop of one blocking all-gather per parameter; see
+    reference's ``ParamGroup.unshard_param`` loop, one blocking all-gather per parameter; see
     [Note: one flat buffer per group]."""
     comm.before_all_gather(after_current)
     kept = None if is_float8(dtypes[0]) else kept  # float8 blocks go as bytes
@@ -275,7 +275,7 @@ def reduce_scatter(
     """Pack the waiting gradients of ``params`` (all of reduce dtype ``dtype``; zeros for a
     trainable parameter this rank did not use) into one buffer and reduce-scatter it, with the
     user's ``custom`` reduce-scatter if one was set; for HSDP add the partial sums and
-    all-reduce across replicas. Replaces the reference's ``ShardedParam.reduce_grad`` loop of
+    all-reduce across replicas. Replaces the reference's ``ParamGroup.reduce_param`` loop of
     blocking per-parameter reductions. ``divisors``: what the gradients are divided by
     before the sum (None: nothing) and after it (``ParamGroup.gradient_divisors``; the second
     is applied by ``accumulate``). ``group``: another process group over the shard
@@ -357,7 +357,7 @@ def reduce_scatter(
 def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> None:
     """Wait for a reduction, run the user's all-reduce ``hook`` on it (once for the group's
     flat buffer), and add each parameter's block to its sharded gradient (replaces the end of
-    ``ShardedParam.reduce_grad``: one division for the whole group)."""
+    ``ParamGroup.reduce_param``: one division for the whole group)."""
     comm.wait(result.pending)
     if result.kept_partial:
         result.release(comm)
