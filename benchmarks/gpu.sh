@@ -27,8 +27,8 @@ limit=${LIMIT:-150}
 mkdir -p "$out"
 if [ "$device" = cuda ]; then
     backend=nccl
-    model=(--preset 1b --dtype bf16 --seq 2048 --per-rank 4)
-    small=(--preset small --dtype bf16 --seq 1024 --per-rank 4)
+    model=(--model 1b --dtype bf16 --seq 2048 --per-rank 4)
+    small=(--model small --dtype bf16 --seq 1024 --per-rank 4)
     # One repetition: each run of the 1B bench takes about 30 s on an H200 (most of it building
     # the model), so the whole script fits the 8 minutes of a loan (measured 2026-11-26).
     steps=(--warmup 3 --steps 10 --repeat 1)
@@ -36,8 +36,8 @@ if [ "$device" = cuda ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" || true
 else
     backend=gloo
-    model=(--preset tiny --seq 32 --per-rank 2)
-    small=(--preset tiny --seq 32 --per-rank 2)
+    model=(--model tiny --seq 32 --per-rank 2)
+    small=(--model tiny --seq 32 --per-rank 2)
     steps=(--warmup 1 --steps 2 --repeat 1)
 fi
 [ "${SMOKE:-0}" = 1 ] && steps=(--warmup 1 --steps 2 --repeat 1)

@@ -38,13 +38,13 @@ def hooks_config(impl: str, foreach: str = "on"):
     """The ``RunConfig`` that ``twinshard bench hooks --foreach FOREACH`` runs, for ``impl``."""
     from dataclasses import replace
 
-    from twinshard.bench.cli import add_arguments, config_from, resolve
+    from twinshard.bench.cli import add_arguments
+    from twinshard.bench.compare import job_of
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["hooks", "--foreach", foreach])
-    resolve(args)
-    return replace(config_from(args), impl=impl)
+    base, _ = job_of(parser.parse_args(["hooks", "--foreach", foreach]))
+    return replace(base, impl=impl)
 
 
 def take_steps(impl: str, steps: int, foreach: str) -> None:

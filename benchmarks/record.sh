@@ -16,13 +16,13 @@ mkdir -p "$out"
 bench() { name=$1; shift; $py -m twinshard.cli bench "$@" --json "$out/$day-$name.json" \
     --markdown "$out/$day-$name.md" 2>&1 | grep --line-buffered -v -i warning | tee "$out/$day-$name.log"; }
 
-bench cpu-gloo-ws2-small --world 2 --preset small --seq 128 --per-rank 4 --warmup 3 \
+bench cpu-gloo-ws2-small --world 2 --model small --seq 128 --per-rank 4 --warmup 3 \
     --steps 12 --repeat 5 --plot "$out/$day-cpu-gloo-ws2-small.png"
 bench hooks-fake-ws8-64groups hooks --repeat 5
 bench hooks-fake-ws8-64groups-cpu-loop hooks --repeat 5 --foreach auto
-bench simnet-ws8-overlap --backend simnet --world 8 --link 0.3 --preset small --vocab 1024 \
+bench simnet-ws8-overlap --backend simnet --world 8 --link 0.3 --model small --vocab 1024 \
     --seq 64 --per-rank 2 --warmup 3 --steps 12 --repeat 3 --plot "$out/$day-simnet-ws8-overlap.png"
-bench simnet-ws64-memory --backend simnet --world 64 --link ib --preset small --seq 64 \
+bench simnet-ws64-memory --backend simnet --world 64 --link ib --model small --seq 64 \
     --per-rank 2 --warmup 2 --steps 6 --repeat 2
 $py -m twinshard.cli bench sweep --repeat 2 --out "$out" 2>&1 | grep --line-buffered -v -i warning \
     | tee "$out/$day-sweep.log"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from twinshard.bench import cli, hooks, memmodel, simnet, stats
+from twinshard.bench import cli, compare, hooks, memmodel, simnet, stats
 from twinshard.bench.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,18 +183,15 @@ def test_hooks_mode_steps_the_optimizer_as_an_accelerator_does():
     cli.add_arguments(parser)
     chosen = {}
     for words in (["hooks"], ["hooks", "--foreach", "auto"], ["hooks", "--foreach", "off"], []):
-        args = parser.parse_args(words)
-        cli.resolve(args)
-        chosen[" ".join(words)] = cli.config_from(args).foreach
+        chosen[" ".join(words)] = compare.job_of(parser.parse_args(words))[0].foreach
     assert chosen == {
         "hooks": True,
         "hooks --foreach auto": None,
         "hooks --foreach off": False,
         "": None,
     }
-    args = parser.parse_args(["hooks"])
-    cli.resolve(args)
-    config = replace(cli.config_from(args), impl="plain", model={"n_layers": 1, "dim": 16})
+    config = compare.job_of(parser.parse_args(["hooks"]))[0]
+    config = replace(config, impl="plain", model={"n_layers": 1, "dim": 16})
     for foreach in (True, None):
         _, opt = build(replace(config, foreach=foreach), torch.device("cpu"))
         assert opt.defaults["foreach"] is foreach
@@ -217,7 +214,7 @@ def _bench(tmp_path, *flags) -> dict:
     return json.loads(path.read_text())
 
 
-TINY = "--preset tiny --layers 2 --dim 32 --heads 2 --vocab 64 --seq 8 --per-rank 1".split()
+TINY = "--model tiny --layers 2 --dim 32 --heads 2 --vocab 64 --seq 8 --per-rank 1".split()
 QUICK = "--warmup 1 --steps 2 --repeat 1 --no-progress".split()
 
 

@@ -249,7 +249,7 @@ def test_canonical_names_streams_by_appearance_and_events_by_recording():
 
 
 def test_the_report_flags_what_is_not_clean():
-    from twinshard.fakeaccel.cli import clean
+    from twinshard.fakeaccel.report import clean
 
     step = {
         "name": "step 1",

@@ -18,14 +18,13 @@ from dataclasses import replace
 import pytest
 
 from twinshard.cli import main
-from twinshard.plan import profiles
+from twinshard.plan import config, profiles
 from twinshard.plan.cli import plan
-from twinshard.plan.config import PlanConfig
 from twinshard.plan.replay import replay
 from twinshard.plan.summary import add_ratios
 
 BLOCKS = 2
-BASE = PlanConfig(model="small", layers=BLOCKS, world=8, batch=2, seq=64, impl="torch")
+BASE = config.job(model={"n_layers": BLOCKS}, world=8, per_rank=2, seq=64, impl="torch")
 HF = dict(
     model_type="llama",
     vocab_size=512,
@@ -42,7 +41,7 @@ CASES = {
     "torch block": replace(BASE, ac="block"),
     "torch selective": replace(BASE, ac="selective"),
     "torch fp32 sgd": replace(BASE, dtype="fp32", optimizer="sgd"),
-    "hf": replace(BASE, model="HF", layers=None),
+    "hf": replace(BASE, preset="HF", model={}),
 }
 
 
@@ -50,7 +49,7 @@ CASES = {
 def plans(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "config.json"
     path.write_text(json.dumps(HF))
-    configs = [replace(c, model=str(path)) if c.model == "HF" else c for c in CASES.values()]
+    configs = [replace(c, preset=str(path)) if c.preset == "HF" else c for c in CASES.values()]
     rows = plan(configs, progress=False)
     for name, row in zip(CASES, rows):
         assert "error" not in row, f"{name}: {row.get('error')}"
@@ -206,7 +205,7 @@ def test_published_runs_are_valid_plans_and_compared_as_ratios():
 
     plans = published.configs()
     assert len(plans) == len(published.RUNS) >= 10
-    assert all(config.check() is None for config in plans.values())
+    assert all(config.problem(job) is None for job in plans.values())
     assert set(published.FITTED) <= set(plans)
     name = "llama3.1-8b h100 8 bs2 selective-op"
     row = {

@@ -23,9 +23,9 @@ from dataclasses import replace
 
 import pytest
 
+from twinshard.plan import config
 from twinshard.plan import measured as job
 from twinshard.plan.cli import plan
-from twinshard.plan.config import PlanConfig
 
 IMPLS = job.IMPLS
 
@@ -47,10 +47,9 @@ REFERENCE_OPEN = pytest.mark.xfail(
 def test_the_reference_device_memory_is_the_same_with_real_tensors():
     """The reference's device peak and its parts, recorded with FakeTensors and with real
     tensors by the same code, to the byte."""
-    base = PlanConfig(
-        model="small",
-        layers=job.LAYERS,
-        batch=2,
+    base = config.job(
+        model={"n_layers": job.LAYERS},
+        per_rank=2,
         impl="reference",
         device="cpu",
         optimizer="sgd",

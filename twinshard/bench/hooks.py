@@ -28,7 +28,9 @@ from dataclasses import replace
 
 from twinshard.report_files import publish
 
+from .compare import side_by_side
 from .report import meta
+from .runner import run
 
 # where a function lives (a fragment of its file path) -> the category it counts in
 CATEGORIES = [
@@ -74,13 +76,9 @@ def breakdown(path: str, per: float) -> tuple[dict, list]:
     return dict(sorted(cats.items(), key=lambda kv: -kv[1])), rows[:12]
 
 
-def run_hooks(args) -> int:
-    from .cli import config_from, resolve, side_by_side
-
-    args.mode = "hooks"
-    resolve(args)
-    base = replace(config_from(args), memory=False, profile=None)
-    impls = [i for i in args.impls.split(",") if i]
+def run_hooks(args, base, impls: list[str]) -> int:
+    """``twinshard bench hooks``: ``impls`` on ``base`` (``compare.job_of``), then profiled."""
+    base = replace(base, memory=False, profile=None)
     groups = base.llama().n_layers + 1
     result = side_by_side(base, impls, args.repeat, not args.no_progress)
     summary = result["summary"]
@@ -95,8 +93,6 @@ def run_hooks(args) -> int:
     profile_dir = args.profile or tempfile.mkdtemp(prefix="twinshard-hooks-")
     profiles = {}
     for impl in impls:
-        from .runner import run
-
         run(replace(base, impl=impl, profile=profile_dir))
         cats, top = breakdown(os.path.join(profile_dir, f"{impl}.prof"), base.steps * groups)
         profiles[impl] = {"categories": cats, "top": top}

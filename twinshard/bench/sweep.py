@@ -22,10 +22,10 @@ from dataclasses import replace
 
 from twinshard.report_files import write_json
 
+from .compare import add_memory_model, side_by_side
 from .config import RunConfig
 from .report import meta
 
-IMPLS = ["plain", "reference", "optimized", "torch"]
 BASE = dict(dim=64, n_layers=4, world=8)
 POINTS = {
     "full": {"model size": [64, 128, 256], "groups": [2, 8, 32], "world size": [2, 8, 64]},
@@ -52,29 +52,22 @@ def point(base: RunConfig, axis: str, value: int) -> RunConfig:
     return replace(base, model=model, world=world)
 
 
-def run_sweep(args) -> int:
-    from .cli import add_memory_model, config_from, side_by_side
+def replot(args) -> int:
+    """``--from-json``: plot a recorded sweep again, with the memory model applied anew."""
+    with open(args.from_json) as f:
+        recorded = json.load(f)
+    base = RunConfig(**recorded["meta"]["config"])
+    for axis in FILES:
+        for row in recorded[axis]:
+            add_memory_model(row["summary"], RunConfig(**row["config"]))
+        impls = list(recorded[axis][0]["summary"])
+        plot_axis(axis, recorded[axis], impls, os.path.join(args.out, FILES[axis]), base)
+    write_json(os.path.join(args.out, "sweep.json"), recorded)
+    return 0
 
-    if args.from_json:  # plot a recorded sweep again, with the memory model applied anew
-        with open(args.from_json) as f:
-            recorded = json.load(f)
-        base = RunConfig(**recorded["meta"]["config"])
-        for axis in FILES:
-            for row in recorded[axis]:
-                add_memory_model(row["summary"], RunConfig(**row["config"]))
-            impls = list(recorded[axis][0]["summary"])
-            plot_axis(axis, recorded[axis], impls, os.path.join(args.out, FILES[axis]), base)
-        write_json(os.path.join(args.out, "sweep.json"), recorded)
-        return 0
 
-    for name, value in dict(
-        preset="tiny", seq=32, per_rank=2, steps=8, world=8, impls=",".join(IMPLS)
-    ).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    args.backend = args.backend or "simnet"
-    base = config_from(args)
-    impls = [i for i in args.impls.split(",") if i]
+def run_sweep(args, base: RunConfig, impls: list[str]) -> int:
+    """``impls`` at every point around ``base`` (``compare.job_of``: simnet, tiny, world 8)."""
     points = POINTS[args.points or "full"]
     results: dict = {}
     for axis, values in points.items():

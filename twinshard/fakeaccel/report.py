@@ -12,10 +12,15 @@ The table has a row per configuration, with the figures of its last (steady-stat
 
 Below it, for every configuration that did not come out clean: where each host sync and each
 host collective came from (a short stack, with how often per step), the first collective that
-differs from the CPU run, and a failure's traceback.
+differs from the CPU run, and a failure's traceback. ``check_and_report`` runs the checks and
+publishes this (``python -m twinshard.fakeaccel``, ``twinshard bench --backend fakeaccel``).
 """
 
 from __future__ import annotations
+
+from twinshard.report_files import publish
+
+from .runner import run as run_checks
 
 MB = 1e6
 
@@ -115,3 +120,26 @@ def render(results: list[dict], title: str) -> str:
         text += f"\n\nmodel/FSDP '-': {gaps}."
     found = details(results)
     return text + ("\n\n" + found if found else "\n\nNo host sync, host collective or difference.")
+
+
+def check_and_report(configs: list, args) -> int:
+    """Run ``configs``, print the report (and write it where asked); 1 if any is not clean."""
+    results = run_checks(configs, steps=args.steps, cpu=not args.no_cpu, on=args.device)
+    first = configs[0]
+    cfg = first.llama()
+    where = "fake accelerator" if args.device == "fake" else f"device {args.device}"
+    title = (
+        f"{where}, rank 0 of {mesh_label(first.as_dict())}; Llama {first.preset} (dim "
+        f"{cfg.dim}, {cfg.n_layers} blocks, vocab {cfg.vocab_size}), {first.per_rank} x "
+        f"{first.seq} tokens per rank; figures of step {args.steps} of {args.steps}"
+    )
+    text = render(results, title)
+    publish(text, args.markdown, args.json, {"title": title, "results": results})
+    return 0 if all(clean(r) for r in results) else 1
+
+
+def clean(result: dict) -> bool:
+    """No failure, host sync, host collective or difference from the CPU run in any step."""
+    if "error" in result or "cpu_error" in result or result.get("collective_difference"):
+        return False
+    return all(s["host_syncs"] == 0 and s["host_collectives"] == 0 for s in result["steps"])

@@ -53,13 +53,13 @@ def bench_config(steps: int = STEPS) -> RunConfig:
 
 def plan_configs(impls=IMPLS) -> list:
     """The same job as ``twinshard plan --device cpu --network simnet:ib --probe`` plans it."""
-    from .config import PlanConfig
+    from . import config
 
     return [
-        PlanConfig(
-            model="small",
-            layers=LAYERS,
-            batch=2,
+        config.job(
+            preset="small",
+            model={"n_layers": LAYERS},
+            per_rank=2,
             impl=impl,
             device="cpu",
             network="simnet:ib",
@@ -74,7 +74,7 @@ def plan_configs(impls=IMPLS) -> list:
 def measure_and_plan(impls=IMPLS, steps: int = STEPS) -> tuple[dict, dict]:
     """Bench then plan every implementation: (bench's summary by impl, the plan's row by
     impl). A plan that failed raises, naming the implementation."""
-    from twinshard.bench.cli import side_by_side
+    from twinshard.bench.compare import side_by_side
 
     from .cli import plan
 

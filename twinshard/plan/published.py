@@ -30,9 +30,10 @@ import os
 import pickle
 from dataclasses import replace
 
+from twinshard.measure.job import Job
 from twinshard.report_files import publish
 
-from .config import PlanConfig
+from . import config
 from .profiles import BF16, FP32
 
 TITAN_A100 = "torchtitan docs/performance.md @04133643, 64 A100 80GB"
@@ -59,8 +60,8 @@ TABLE = [
 RUNS = {
     name: (
         dict(
-            model=model,
-            batch=batch,
+            preset=model,
+            per_rank=batch,
             ac=ac,
             world=world,
             seq=SEQ[model.split("-")[0]],
@@ -75,12 +76,12 @@ RUNS = {
 FITTED = ("llama3-8b a100 bs1 selective-op", "llama3.1-8b h100 8 bs2 selective-op")
 
 
-def configs(only: str | None = None) -> dict[str, PlanConfig]:
+def configs(only: str | None = None) -> dict[str, Job]:
     """The runs (those whose name contains one of ``only``'s comma-separated words) as plans
     with torch's ``fully_shard``."""
     words = only.split(",") if only else [""]
     return {
-        name: PlanConfig(impl="torch", **run[0])
+        name: config.job(impl="torch", **run[0])
         for name, run in RUNS.items()
         if any(word in name for word in words)
     }

@@ -30,7 +30,7 @@ def summarize(recorded: dict, device, network) -> dict:
     config = recorded["config"]
     cpu = config["device"] == "cpu"
     timed = replay(recorded, device, network, cpu)
-    tokens = config["batch"] * config["seq"]
+    tokens = config["per_rank"] * config["seq"]
     flops = recorded["flops"]
     useful = flops.get("forward", 0) + flops.get("backward", 0)
     dtype = BF16 if config["dtype"] == "bf16" else FP32

@@ -28,10 +28,11 @@ PART_NAMES = {
 
 def describe(row: dict) -> str:
     c, m = row["config"], row["model"]
-    mesh = f"{c['hsdp']} x {c['world'] // c['hsdp']} (HSDP)" if c["hsdp"] > 1 else "FSDP"
+    replicas = c["replicas"]
+    mesh = f"{replicas} x {c['world'] // replicas} (HSDP)" if replicas > 1 else "FSDP"
     return (
-        f"{c['model']}: {m['params'] / 1e9:.2f}B parameters, {m['layers']} blocks; "
-        f"{c['world']} ranks, {mesh}; {c['batch']} x {c['seq']} tokens per rank; {c['dtype']}; "
+        f"{c['preset']}: {m['params'] / 1e9:.2f}B parameters, {m['layers']} blocks; "
+        f"{c['world']} ranks, {mesh}; {c['per_rank']} x {c['seq']} tokens per rank; {c['dtype']}; "
         f"ac {c['ac']}; reshard_after_forward {c['reshard_after_forward']}; "
         f"offload {c['offload']}; {c['optimizer']}; {row['device']}; {row['network']}"
     )

@@ -8,7 +8,7 @@
     plot_timeline([recorder.schedule], "step.png")
 
 Or, for the example model on N local ranks, ``record_step("optimized", world_size=2)`` and
-the command ``twinshard schedule --impl optimized --out step.png --text step.txt``.
+the command ``twinshard schedule --impls optimized --out step.png --text step.txt``.
 
 ``steps.py`` holds what a recorded step is made of (plain data), ``record.py`` watches
 (hooks, autograd markers, a dispatch mode for collectives), ``attribute.py`` works out which

@@ -1,16 +1,17 @@
 """Draw one training step of an FSDP implementation, hook by hook and collective by collective.
 
-    twinshard schedule --impl reference --world-size 2 --out step.png --text step.txt
-    twinshard schedule --impl reference,optimized --out both.png       # one picture, stacked
-    twinshard schedule --impl torch --model mlp --layers 4 --compact
-    twinshard schedule --impl optimized --world-size 64 --fake-accelerator   # no 64 ranks needed
+    twinshard schedule --impls reference --world 2 --out step.png --text step.txt
+    twinshard schedule --impls reference,optimized --out both.png       # one picture, stacked
+    twinshard schedule --impls torch --model mlp --layers 4 --compact
+    twinshard schedule --impls optimized --world 64 --fake-accelerator   # no 64 ranks needed
 
 The example model (a tiny Llama from ``twinshard.models``, or ``--model mlp`` for the
 MLPStack) is sharded block by block and then at the root, trained for one step so that an
 implementation that learns the order of its groups (the optimized path's prefetch) knows it,
 and the second step is recorded on every rank; rank 0's record is printed and drawn.
-``--impl`` takes reference, optimized, torch, or any importable module with the
-``fully_shard`` interface. ``--fake-accelerator`` records rank 0 of ``--world-size`` ranks in
+``--impls`` takes reference, optimized, torch, or any importable module with the
+``fully_shard`` interface; the flags are those of every measuring command
+(``twinshard.measure.flags``). ``--fake-accelerator`` records rank 0 of ``--world`` ranks in
 one spawned process on the fake accelerator (``twinshard.fakeaccel``): the accelerator's
 schedule at any world size, with the sizes and memory of that world and no values.
 """
@@ -23,12 +24,14 @@ import sys
 import torch
 
 from twinshard import impls
+from twinshard.measure import flags, step, world
+from twinshard.measure.job import DTYPES
 
 from .record import Recorder
 from .steps import Schedule
 from .text import format_table
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODELS = ("tiny", "mlp")  # the tiny Llama (also "llama", its old name) and the MLPStack
 
 
 def build_model(model: str, layers: int) -> tuple[torch.nn.Module, tuple]:
@@ -36,19 +39,14 @@ def build_model(model: str, layers: int) -> tuple[torch.nn.Module, tuple]:
     from twinshard.models import Llama, LlamaConfig, MLPStack
 
     torch.manual_seed(0)
-    if model == "llama":
+    if model in ("tiny", "llama"):
         net = Llama(LlamaConfig.preset("tiny", n_layers=layers))
         tokens = torch.randint(0, net.config.vocab_size, (2, 16))  # (B, T)
         return net, (tokens, tokens.roll(-1, dims=1))
     if model == "mlp":
         net = MLPStack(dim=15, hidden=37, n_blocks=layers, in_dim=8, out_dim=4)
         return net, (torch.randn(4, 8),)  # (B, in_dim): proj_in makes the blocks' inputs need grad
-    raise ValueError(f"unknown model {model!r}; use 'llama' or 'mlp'")
-
-
-def _loss(net, batch) -> torch.Tensor:
-    out = net(*batch)
-    return out if out.dim() == 0 else out.square().mean()
+    raise ValueError(f"unknown model {model!r}; use tiny or mlp")
 
 
 def record_on_rank(
@@ -66,7 +64,7 @@ def record_on_rank(
 
 
 def _shard(impl: str, net, reshard_after_forward, param_dtype, reduce_dtype, mesh=None) -> None:
-    module = impls.load(impl, "--impl", impls.MEASURED)
+    module = impls.load(impl, "--impls", impls.MEASURED)
     mp = module.MixedPrecisionPolicy(
         param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype)
     )
@@ -80,12 +78,12 @@ def _shard(impl: str, net, reshard_after_forward, param_dtype, reduce_dtype, mes
 
 def _record(impl: str, net, batch) -> Schedule:
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    _loss(net, batch).backward()  # the first step: lazy init, and the order of the groups
+    step.loss(net, batch).backward()  # the first step: lazy init, and the order of the groups
     opt.step()
     opt.zero_grad()
     recorder = Recorder(net, impl)
     with recorder:
-        _loss(net, batch).backward()
+        step.loss(net, batch).backward()
     recorder.remove()
     return recorder.schedule
 
@@ -98,9 +96,9 @@ def record_on_fake_accelerator(impls: list[str], world_size: int, **options) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
-    from twinshard.fakeaccel import DEVICE_TYPE, Monitor, join
+    from twinshard.fakeaccel import DEVICE_TYPE, Monitor
 
-    join(world_size)
+    world.join("fakeaccel", world_size)
     mesh = init_device_mesh(DEVICE_TYPE, (world_size,))
     schedules = []
     for impl in impls:
@@ -136,25 +134,8 @@ def record_step(impl: str = "reference", world_size: int = 2, rank: int = 0, **o
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--impl",
-        default="reference",
-        help="reference, optimized, torch or a module path; several, "
-        "comma-separated, are drawn one above the other (default reference)",
-    )
-    parser.add_argument("--world-size", type=int, default=2, help="local ranks (default 2)")
-    parser.add_argument(
-        "--model",
-        choices=("llama", "mlp"),
-        default="llama",
-        help="the tiny Llama or the MLPStack of twinshard.models (default llama)",
-    )
-    parser.add_argument("--layers", type=int, default=3, help="blocks in the model (default 3)")
-    parser.add_argument(
-        "--reshard-after-forward",
-        default="true",
-        help="for the blocks: true, false, or an int N (default true)",
-    )
+    defaults = dict(impls="reference", model="tiny", world=2, layers=3, reshard="true")
+    flags.add(parser, "impls", "model", "layers", "world", "reshard", **defaults)
     parser.add_argument("--param-dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--reduce-dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--out", default=None, help="write the timeline picture here (.png, .svg)")
@@ -168,36 +149,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fake-accelerator",
         action="store_true",
-        help="record rank 0 of --world-size ranks on the fake accelerator, in one process",
+        help="record rank 0 of --world ranks on the fake accelerator, in one process",
     )
-
-
-def reshard_value(value: str) -> bool | int:
-    """``--reshard-after-forward`` (here, in ``twinshard bench`` and in the fake-accelerator
-    run): true, false or a group size (``bench.checks.parse_reshard``)."""
-    from twinshard.bench.checks import parse_reshard
-
-    try:
-        return parse_reshard(value)
-    except ValueError as error:
-        raise SystemExit(str(error)) from None
 
 
 def problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the command line, in one line naming the flag, or None: said before
     any rank starts (as ``twinshard train`` does), not as a traceback from one of them."""
-    from twinshard.bench.checks import reshard_problem
-
-    if args.world_size < 1:
-        return f"--world-size must be a positive integer, got {args.world_size}"
-    if args.world_size > 64 and not args.fake_accelerator:
-        return f"--world-size {args.world_size}: too many processes here; add --fake-accelerator"
-    if args.layers < 1:
-        return f"--layers must be a positive integer, got {args.layers}"
-    wrong = reshard_problem(args.reshard_after_forward, args.world_size)
-    if wrong:
-        return wrong
-    return impls.problem(args.impl, "--impl")
+    model = "tiny" if args.model == "llama" else args.model
+    if model not in MODELS:
+        return f"--model {args.model!r}: twinshard schedule draws {' or '.join(MODELS)}"
+    if args.world > 64 and not args.fake_accelerator:
+        return f"--world {args.world}: too many processes here; add --fake-accelerator"
+    backend = "fakeaccel" if args.fake_accelerator else "gloo"
+    llama = argparse.Namespace(**{**vars(args), "model": "tiny"})  # the model is checked above
+    return flags.problem(flags.jobs(llama, backend=backend))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,18 +171,19 @@ def run(args: argparse.Namespace) -> int:
     if wrong:
         print(f"twinshard schedule: error: {wrong}", file=sys.stderr)
         return 2
+    job = flags.job(args)
     options = dict(
         model=args.model,
         layers=args.layers,
-        reshard_after_forward=reshard_value(args.reshard_after_forward),
+        reshard_after_forward=job.reshard_after_forward,
         param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype,
     )
-    chosen = impls.names(args.impl)
+    chosen = impls.names(args.impls)
     if args.fake_accelerator:
-        schedules = record_fake_steps(chosen, args.world_size, **options)
+        schedules = record_fake_steps(chosen, job.world, **options)
     else:
-        schedules = [record_step(impl, args.world_size, **options) for impl in chosen]
+        schedules = [record_step(impl, job.world, **options) for impl in chosen]
     text = "\n\n".join(format_table(s, compact=args.compact) for s in schedules)
     if not args.quiet:
         print(text)

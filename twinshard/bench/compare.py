@@ -1,0 +1,109 @@
+"""The job a ``twinshard bench`` command line describes, and the side-by-side run of it.
+
+``job_of(args)`` fills what the flags left open with the defaults of the mode (compare,
+hooks, sweep) and returns the base job and the implementations; ``problem`` says what is
+wrong with them in one line (``Job.problem``, then what only the bench checks);
+``side_by_side`` runs the implementations and summarizes them, with the memory model beside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from twinshard import impls as implementations
+from twinshard.measure import flags
+from twinshard.measure.job import Job, positive
+
+from . import memmodel
+from .config import BASELINES, FAKEACCEL_RUNS, IMPLS, SHARDED
+from .runner import compare
+from .stats import add_overlap, add_ratios, summarize
+
+# What each mode runs unless told otherwise (the Job's defaults besides).
+DEFAULTS = {
+    "compare": dict(impls=",".join(IMPLS)),
+    # tiny blocks, so that compute is negligible and the hooks' own CPU time shows; the
+    # optimizer as on an accelerator, the setting this mode stands for: multi-tensor
+    # operations, not the CPU's loop of DTensor dispatches per parameter
+    "hooks": dict(
+        preset="tiny", backend="fake", world=8, seq=8, per_rank=1, steps=40, foreach=True
+    ),
+    "sweep": dict(preset="tiny", backend="simnet", world=8, seq=32, per_rank=2, steps=8),
+}
+DEFAULTS["hooks"]["model"] = dict(n_layers=64, dim=32, n_heads=2, n_kv_heads=2, vocab_size=128)
+for mode in ("hooks", "sweep"):
+    DEFAULTS[mode]["impls"] = "plain,reference,optimized,torch"
+
+
+def job_of(args) -> tuple[Job, list[str]]:
+    """The base job of ``args`` (its mode's defaults where a flag is absent) and the
+    implementations to run it with."""
+    fixed = dict(DEFAULTS[args.mode])
+    names = implementations.names(args.impls or fixed.pop("impls"))
+    fixed.pop("impls", None)
+    if args.backend or (args.device == "cuda" and "backend" not in fixed):
+        fixed["backend"] = args.backend or "nccl"
+    if args.foreach:
+        fixed["foreach"] = {"auto": None, "on": True, "off": False}[args.foreach]
+    own = dict(
+        device=args.device,
+        warmup=args.warmup,
+        link=args.link,
+        latency_us=args.latency_us,
+        memory=not args.no_memory,
+        profile=args.profile,
+    )
+    if args.steps is not None:
+        own["steps"] = args.steps
+    return flags.job(args, **{**fixed, **own}), names
+
+
+def problem(args, base: Job, names: list[str]) -> str | None:
+    """The first thing wrong with the bench's jobs or its own flags, or None."""
+    wrong = positive("--repeat", args.repeat)
+    if wrong or not names:
+        return wrong or implementations.problem("", "--impls")
+    if base.backend == "fakeaccel" and not set(names) - set(BASELINES):
+        return FAKEACCEL_RUNS
+    return flags.problem([replace(base, impl=name) for name in names], baselines=True)
+
+
+def side_by_side(
+    base: Job, impls: list[str], repeat: int, progress: bool = True, overlap: bool = True
+) -> dict:
+    """Run ``impls`` on ``base`` and summarize: figures, ratios, overlap (``simnet``: the same
+    runs on an instant network too), memory model."""
+    configs = [replace(base, impl=i) for i in impls]
+    instant = []
+    if overlap and base.backend == "simnet" and base.link != "inf":
+        instant = [replace(c, link="inf", memory=False) for c in configs]
+    runs = compare(configs + instant, repeat, progress)
+    tokens = base.per_rank * base.seq * base.world
+    summary = {c.impl: summarize(r, tokens) for c, r in zip(configs, runs)}
+    add_ratios(summary)
+    if instant:
+        fast = {c.impl: summarize(r, tokens) for c, r in zip(instant, runs[len(configs) :])}
+        add_overlap(summary, fast)
+    if base.memory:
+        add_memory_model(summary, base)
+    return {"summary": summary, "runs": {c.impl: r for c, r in zip(configs, runs)}}
+
+
+def add_memory_model(summary: dict, base: Job) -> None:
+    with torch.device("meta"):
+        from twinshard.models import Llama
+
+        groups = memmodel.groups_of(Llama(base.llama()))
+    pb, rb = (2, 4) if base.low_precision is not None else (4, 4)
+    for name, row in summary.items():
+        if name in SHARDED:
+            gloo = base.backend == "gloo" and base.replicas == 1
+            pred = memmodel.predict(groups, name, base.world // base.replicas, pb, rb, gloo)
+        elif name in BASELINES:
+            pred = memmodel.predict_replicated(groups, name, pb)
+        else:
+            continue  # a module from outside: the memory model knows twinshard's and torch's
+        row["model"] = pred
+        row["model_total"] = sum(pred.values())

@@ -1,0 +1,118 @@
+"""The flags every measuring command spells alike, and the job they describe.
+
+``twinshard bench``, ``twinshard schedule``, ``twinshard plan`` and ``python -m
+twinshard.fakeaccel`` add the flags of a job with ``add(parser, concept, ...)``: one spelling
+and one help text per concept (``VOCABULARY``), each command with its own defaults, which
+``--help`` shows. An old spelling still works and says on stderr, in one line, what replaces
+it: ``--impl`` (now ``--impls``), ``--preset`` (``--model``), ``--world-size`` and ``--nproc``
+(``--world``), ``--batch`` (``--per-rank``). ``job(args)`` is the ``Job`` the flags describe.
+
+``--impls`` takes a comma-separated list in every command: bench compares them, plan prices
+each, schedule draws them one above the other, the fake accelerator checks each. ``--device``
+is not shared: it says where bench (cpu, cuda) and the fake-accelerator run (fake, cuda) run,
+and which device's constants a plan uses (h100, ..., cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+from twinshard import impls
+
+from .job import Job, parse_reshard
+
+# concept -> (spelling, old spellings, type (None: a switch), help)
+VOCABULARY = {
+    "impls": (
+        "--impls",
+        ("--impl",),
+        str,
+        "comma-separated: reference, optimized, torch or an importable module "
+        "(my_pkg.my_fsdp); twinshard bench also takes plain and ddp",
+    ),
+    "model": (
+        "--model",
+        ("--preset",),
+        str,
+        "a preset (tiny, small, medium, 1b), a published model (llama3-8b, llama3-70b, "
+        "llama3-405b, llama2-7b, llama2-13b, llama2-70b) or a Hugging Face config.json; "
+        "twinshard schedule also takes mlp",
+    ),
+    "layers": ("--layers", (), int, "blocks (parameter groups), overriding the model's"),
+    "dim": ("--dim", (), int, "model width, overriding the model's"),
+    "heads": ("--heads", (), int, "attention heads, overriding the model's"),
+    "vocab": ("--vocab", (), int, "vocabulary size, overriding the model's"),
+    "world": ("--world", ("--world-size", "--nproc"), int, "ranks in the job (the world size)"),
+    "hsdp": ("--hsdp", (), int, "replicas of a 2D (HSDP) mesh; 1 is FSDP"),
+    "per_rank": ("--per-rank", ("--batch",), int, "sequences per rank per step"),
+    "seq": ("--seq", (), int, "tokens per sequence"),
+    "dtype": ("--dtype", (), str, "fp32, or bf16 compute with fp32 reduction"),
+    "reshard": ("--reshard-after-forward", (), str, "of the blocks: true, false or a group size"),
+    "offload": ("--offload", (), None, "CPUOffloadPolicy: shards and their gradients on the host"),
+    "json": ("--json", (), str, "write every number here"),
+    "markdown": ("--markdown", (), str, "write the tables here"),
+    "no_progress": ("--no-progress", (), None, "print no progress lines"),
+}
+JOB = ("impls", "model", "layers", "dim", "heads", "vocab", "world", "hsdp", "per_rank", "seq")
+JOB += ("dtype", "reshard", "offload")
+# a shared flag's dest -> the Job field it sets; the model's overrides -> LlamaConfig's names
+FIELDS = {"model": "preset", "world": "world", "hsdp": "replicas", "per_rank": "per_rank"}
+FIELDS |= {"seq": "seq", "dtype": "dtype", "offload": "offload"}
+FIELDS |= {"reshard_after_forward": "reshard_after_forward"}
+MODEL = {"layers": "n_layers", "dim": "dim", "heads": "n_heads", "vocab": "vocab_size"}
+
+
+class Renamed(argparse.Action):
+    """Stores the value; given under an old spelling, says on stderr what replaces it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string != self.option_strings[0]:
+            print(f"note: {option_string} is now {self.option_strings[0]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add(parser: argparse.ArgumentParser, *concepts: str, **defaults) -> None:
+    """Add the flags of ``concepts`` (``VOCABULARY``'s keys) with this command's ``defaults``
+    (by concept; a concept without one defaults to None: the command fills it in)."""
+    for name in concepts:
+        spelling, old, kind, text = VOCABULARY[name]
+        default = defaults.get(name)
+        if default is not None:
+            text += f" (default {default})"
+        if kind is None:
+            parser.add_argument(spelling, action="store_true", help=text)
+        else:
+            parser.add_argument(
+                spelling, *old, type=kind, default=default, action=Renamed, help=text
+            )
+
+
+def job(args: argparse.Namespace, **fields) -> Job:
+    """The job ``args`` describes: its shared flags, then ``fields`` for what a flag left
+    None or a command does not have, then ``Job``'s defaults. The implementation is the first
+    of ``--impls`` (``jobs`` gives one per name); a ``--reshard-after-forward`` it cannot
+    read stays as given, for ``Job.problem`` to name."""
+    given = {field: getattr(args, dest, None) for dest, field in FIELDS.items()}
+    given["impl"] = next(iter(impls.names(getattr(args, "impls", None) or "")), None)
+    given["offload"] = given["offload"] or None  # a switch left off leaves the field's value
+    with contextlib.suppress(ValueError):  # None (no such flag) or a value problem() names
+        given["reshard_after_forward"] = parse_reshard(str(given["reshard_after_forward"]))
+    model = dict(fields.pop("model", {}))
+    model |= {k: getattr(args, d) for d, k in MODEL.items() if getattr(args, d, None) is not None}
+    if getattr(args, "heads", None) is not None:
+        model["n_kv_heads"] = args.heads  # the example models' attention: one key per head
+    return Job(model=model, **{**fields, **{k: v for k, v in given.items() if v is not None}})
+
+
+def jobs(args: argparse.Namespace, **fields) -> list[Job]:
+    """``job(args, **fields)`` once per name of ``--impls``."""
+    base = job(args, **fields)
+    names = impls.names(getattr(args, "impls", None) or "") or [base.impl]
+    return [Job(**{**base.as_dict(), "impl": name}) for name in names]
+
+
+def problem(jobs: list[Job], baselines: bool = False) -> str | None:
+    """The first of ``jobs``' problems (``Job.problem``), or None."""
+    return next(filter(None, (j.problem(baselines) for j in jobs)), None)
