@@ -92,10 +92,6 @@ class Job:
     def cpu(self) -> bool:
         return self.device == "cpu"
 
-    @property
-    def batch(self) -> int:  # plan/runner.py's name for per_rank, until it reads per_rank
-        return self.per_rank
-
     def run_config(self) -> Job:  # plan/runner.py's, until it takes the job as it is
         return self
 
