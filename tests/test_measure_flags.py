@@ -114,6 +114,16 @@ def test_the_validator_reads_the_job_not_the_command_line():
     assert wrong.startswith("--reshard-after-forward takes true, false or an int")
 
 
+def test_bench_on_the_fake_accelerator_runs_the_sharded_ones_and_skips_the_baselines():
+    def problem(impls: str):
+        args = _parser(bench).parse_args(["--backend", "fakeaccel", "--impls", impls])
+        return compare.problem(args, *compare.job_of(args))
+
+    assert problem("plain,optimized") is None
+    assert problem("plain,ddp").startswith("--backend fakeaccel runs FSDP implementations only")
+    assert problem("plain,nowhere_fsdp").startswith("--impls 'nowhere_fsdp'")
+
+
 COMMAND_MODULES = {
     "twinshard.bench.cli",
     "twinshard.schedule.cli",

@@ -65,8 +65,10 @@ def problem(args, base: Job, names: list[str]) -> str | None:
     wrong = positive("--repeat", args.repeat)
     if wrong or not names:
         return wrong or implementations.problem("", "--impls")
-    if base.backend == "fakeaccel" and not set(names) - set(BASELINES):
-        return FAKEACCEL_RUNS
+    if base.backend == "fakeaccel":  # runs the FSDP implementations among them only
+        names = [name for name in names if name not in BASELINES]
+        if not names:
+            return FAKEACCEL_RUNS
     return flags.problem([replace(base, impl=name) for name in names], baselines=True)
 
 
