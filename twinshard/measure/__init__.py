@@ -9,4 +9,6 @@ here imports a command.
     flags.py  the flag vocabulary: one spelling and one help text per concept, the old
               spellings kept as aliases that name their replacement; the job from the flags
     hf.py     a Hugging Face ``config.json`` as a ``LlamaConfig`` (a job's ``--model``)
+    step.py   one training step of a job: its model built and sharded, each step driven
+    world.py  joining a world of W ranks (launched, fake, simulated, fake accelerator, lent)
 """
