@@ -222,7 +222,7 @@ def _memory_model(config: RunConfig, phase: Phase) -> dict:
         return {"covered": False, "why": "the model reshards after forward"}
     with torch.device("meta"):
         groups = memmodel.groups_of(Llama(config.llama()))
-    pb = 2 if step.LOW[config.dtype] is not None else 4
+    pb = 2 if config.low_precision is not None else 4
     predicted = memmodel.predict(groups, config.impl, config.world // config.replicas, pb, 4)
     total = sum(predicted.values())
     return {

@@ -4,8 +4,7 @@ Every measuring run trains the same way: ``build`` (a seeded model with values, 
 job's implementation, plain or DDP, and its optimizer: ``twinshard bench``, the fake process
 group's CPU run, a lent GPU) or ``build_on_meta`` (built on ``meta``, sharded and given memory
 inside the caller's ``FakeTensorMode``: the fake accelerator, ``twinshard plan``), then
-``train_step`` on ``tokens``. ``job`` is read by its fields (``impl``, ``dtype``, ``offload``,
-``reshard_after_forward``, ``replicas``, ``foreach``, ``per_rank``, ``seq``, ``llama()``).
+``train_step`` on ``tokens``. ``job`` is the measuring job (``twinshard.measure.job.Job``).
 Nothing here records: the observers watch from outside.
 """
 
@@ -18,8 +17,6 @@ import torch.distributed as dist
 
 from twinshard import impls
 from twinshard.models import Llama
-
-LOW = {"fp32": None, "bf16": torch.bfloat16}  # a job's --dtype -> its compute dtype, if lower
 
 
 def mesh(job, device: torch.device):
@@ -39,9 +36,9 @@ def shard(model, job, device: torch.device, on=None) -> None:
     policies of ``job``, on mesh ``on`` (default: ``mesh(job, device)``)."""
     impl = impls.load(job.impl, "--impls", impls.MEASURED)
     kwargs = {"mesh": on if on is not None else mesh(job, device)}
-    if LOW[job.dtype] is not None:
+    if job.low_precision is not None:
         kwargs["mp_policy"] = impl.MixedPrecisionPolicy(
-            param_dtype=LOW[job.dtype], reduce_dtype=torch.float32
+            param_dtype=job.low_precision, reduce_dtype=torch.float32
         )
     if job.offload:  # pinned host memory where there is a device to copy to
         kwargs["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=device.type != "cpu")
@@ -57,7 +54,7 @@ def build(job, device: torch.device, on=None):
     ``twinshard bench hooks`` takes the accelerator's)."""
     torch.manual_seed(0)
     model = Llama(job.llama())
-    low = LOW[job.dtype]
+    low = job.low_precision
     if job.impl in ("plain", "ddp"):
         model = model.to(device)
         if low is not None:
