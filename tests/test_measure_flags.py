@@ -3,7 +3,7 @@
 ``twinshard bench``, ``schedule``, ``plan`` and ``python -m twinshard.fakeaccel`` spell each
 concept of a job alike, with one help text; an old spelling still works and says what replaces
 it; the same misuse gets the same one-line message from every command; the same flags make the
-same job; and no command imports another command.
+same job; no command imports another command, and the job imports no command's package.
 """
 
 from __future__ import annotations
@@ -154,6 +154,16 @@ def commands_importing_commands(sources: dict) -> dict:
         if name in COMMAND_MODULES and taken:
             out[name] = sorted(taken)
     return out
+
+
+def test_the_job_and_its_flags_import_nothing_of_the_commands_packages():
+    above = tuple(f"twinshard.{name}" for name in ("bench", "plan", "schedule", "fakeaccel"))
+    for name in ("job", "flags", "hf"):
+        source = (ROOT / "twinshard" / "measure" / f"{name}.py").read_text()
+        assert not [m for m in _imports(source, "twinshard.measure") if m.startswith(above)]
+    assert _imports("def f():\n    from twinshard.plan import checkpointing\n", "x") >= {
+        "twinshard.plan.checkpointing"
+    }
 
 
 def test_no_measuring_command_imports_another_command_and_the_check_can_fail():

@@ -16,7 +16,7 @@ from twinshard import impls as implementations
 from twinshard.measure import flags
 from twinshard.measure.job import Job, positive
 
-from . import memmodel
+from . import memmodel, simnet
 from .config import BASELINES, FAKEACCEL_RUNS, IMPLS, SHARDED
 from .runner import compare
 from .stats import add_overlap, add_ratios, summarize
@@ -69,7 +69,14 @@ def problem(args, base: Job, names: list[str]) -> str | None:
         names = [name for name in names if name not in BASELINES]
         if not names:
             return FAKEACCEL_RUNS
-    return flags.problem([replace(base, impl=name) for name in names], baselines=True)
+    wrong = flags.problem([replace(base, impl=name) for name in names], baselines=True)
+    if wrong or base.backend != "simnet":
+        return wrong
+    try:
+        simnet.parse_link(base.link, base.latency_us)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def side_by_side(

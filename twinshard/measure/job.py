@@ -136,16 +136,8 @@ class Job:
         return self._where_problem() or self._model_problem()
 
     def _where_problem(self) -> str | None:
-        """The backend, the device and the link: what the run needs of this machine."""
-        from twinshard.bench import simnet
-        from twinshard.plan import checkpointing
-
-        try:
-            checkpointing.parse(self.ac)
-            if self.backend == "simnet":
-                simnet.parse_link(self.link, self.latency_us)
-        except ValueError as error:
-            return str(error)
+        """The backend and the device: what the run needs of this machine. (What only one
+        command reads is checked beside it: ``--link`` by bench, ``--ac`` by plan.)"""
         if self.latency_us is not None and self.latency_us < 0:
             return f"--latency-us must be 0 or more, got {self.latency_us}"
         if self.device not in ("cpu", "cuda"):

@@ -3,14 +3,15 @@ defaults, and the device and network whose constants price it.
 
 ``job(**fields)`` is a plan's job: bf16, AdamW, 8 ranks of one sequence of 2,048 tokens on an
 H100, recorded on the fake accelerator (``backend`` fakeaccel) or, for ``device="cpu"``, on
-the CPU's fake process group (``fake``). ``problem(job)`` is ``Job.problem`` and then what
-only a plan has: the device's and network's names, and real tensors only on the CPU.
+the CPU's fake process group (``fake``). ``problem(job)`` checks what only a plan has (the
+device's and network's names, real tensors only on the CPU, ``--ac``), then ``Job.problem``.
 """
 
 from __future__ import annotations
 
 from twinshard.measure.job import Job
 
+from . import checkpointing
 from .profiles import DEVICES, NETWORKS
 
 DEVICE_CHOICES = (*DEVICES, "cpu")
@@ -35,4 +36,8 @@ def problem(plan: Job) -> str | None:
         return "real tensors (real=True) are for --device cpu only"
     if plan.network and not (plan.network in NETWORKS or plan.network.startswith("simnet:")):
         return f"--network {plan.network!r} unknown; use {', '.join(NETWORKS)} or simnet:<link>"
+    try:
+        checkpointing.parse(plan.ac)
+    except ValueError as error:
+        return str(error)
     return plan.problem()
