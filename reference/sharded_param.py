@@ -168,9 +168,8 @@ class ShardedParam:
         return [self.all_gather_output(dtype)]
 
     def all_gather_output(self, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor the all-gather fills, (S * chunk, *rest), with its memory (re)allocated.
-
-        Its first ``rows`` rows are the unsharded parameter; the rest are padding."""
+        """The tensor the all-gather fills, (S * chunk, *rest), with its memory (re)allocated:
+        its first ``rows`` rows are the unsharded parameter, the rest padding."""
         if self.all_gather_buffer is None:
             shape = (self.info.shard_size * self.chunk, *self.block_shape[1:])  # (S * chunk, ...)
             self.all_gather_buffer = torch.empty(shape, dtype=dtype, device=self.device)
