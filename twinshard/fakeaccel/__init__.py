@@ -29,13 +29,4 @@ from .device import BACKEND, DEVICE_TYPE, is_registered, register
 from .monitor import Monitor
 from .runner import check, run
 
-
-def join(world_size: int) -> None:
-    """Rank 0 of ``world_size`` ranks on the fake accelerator; kept for its callers, replaced
-    by ``twinshard.measure.world.join("fakeaccel", world_size)``, which also names the device."""
-    from twinshard.measure import world
-
-    world.join("fakeaccel", world_size)
-
-
-__all__ = ["BACKEND", "DEVICE_TYPE", "Monitor", "check", "is_registered", "join", "register", "run"]
+__all__ = ["BACKEND", "DEVICE_TYPE", "Monitor", "check", "is_registered", "register", "run"]
