@@ -1,7 +1,7 @@
 """Which ranks used which parameters, tallied over the job's store one backward late.
 
 After a backward that reduced gradients every rank knows, on its own, which trainable parameters
-it had no gradient for (``reference/usage.py`` says why that matters). Telling the others must
+it had no gradient for (``reference/more/usage.py`` says why that matters). Telling the others must
 cost no collective and read no device value: an all-reduce of host counts fails outright where
 the process group has no host backend (``init_process_group("nccl")``), and one of device counts
 would need a host read of the result, a synchronization in every step. So the ranks tally over

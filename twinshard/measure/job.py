@@ -92,9 +92,6 @@ class Job:
     def cpu(self) -> bool:
         return self.device == "cpu"
 
-    def run_config(self) -> Job:  # plan/runner.py's, until it takes the job as it is
-        return self
-
     @property
     def low_precision(self) -> torch.dtype | None:
         """The compute dtype of a mixed-precision job, or None for fp32 throughout."""

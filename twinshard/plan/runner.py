@@ -52,9 +52,8 @@ def record(config, progress=print) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     started = time.perf_counter()
-    run = config.run_config()
     device = world.join("fake" if config.cpu else "fakeaccel", config.world)
-    mesh = step.mesh(run, device)  # outside the fake mode: DeviceMesh computes on the host
+    mesh = step.mesh(config, device)  # outside the fake mode: DeviceMesh computes on the host
     cfg = config.llama()
     with torch.device("meta"):
         model = Llama(cfg)
@@ -65,10 +64,10 @@ def record(config, progress=print) -> dict:
     fake = contextlib.nullcontext() if config.real else FakeTensorMode(allow_non_fake_inputs=True)
     with fake, trace, _watch_waits(trace):
         progress(f"{config.impl}: sharding {params / 1e9:.2f}B parameters over {config.world}")
-        step.build_on_meta(run, device, mesh, model)
+        step.build_on_meta(config, device, mesh, model)
         # foreach as twinshard bench leaves it: torch's choice (a loop over parameters on the CPU)
         opt = step.optimizer(model, config.optimizer, None if config.cpu else True)
-        tokens = step.tokens(run, cfg.vocab_size, device=device)
+        tokens = step.tokens(config, cfg.vocab_size, device=device)
         labels.attach(model)
         trace.model, trace.optimizer = model, opt
         trace.modules = sharded_modules(model)
