@@ -210,7 +210,7 @@ class Monitor(TorchDispatchMode):
         tensors = c10d.tensors((args, kwargs))
         if not tensors:
             return
-        group = next((a for a in tree_leaves((args, kwargs)) if _is_group(a)), None)
+        group = c10d.group_in((args, kwargs))  # boxed: a type-name test never saw it
         op, numel, big = c10d.collective_size(name, tensors)
         ranks = tuple(_group_ranks(group))
         call = Collective(op, str(big.dtype).replace("torch.", ""), numel, len(ranks), ranks)
@@ -302,10 +302,6 @@ def _storage_holders(values):
             yield from _storage_holders(getattr(t, name) for name in inner)
         else:
             yield t
-
-
-def _is_group(value) -> bool:
-    return type(value).__name__ == "ProcessGroup"
 
 
 def _group_ranks(group) -> list[int]:

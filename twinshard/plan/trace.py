@@ -42,8 +42,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from twinshard import c10d
 from twinshard.fakeaccel import shim
-from twinshard.fakeaccel.monitor import Monitor, _is_group
+from twinshard.fakeaccel.monitor import Monitor
 
 aten = torch.ops.aten
 
@@ -202,7 +203,7 @@ class StepTrace(Monitor):
 
     def _record_collective(self, args, kwargs, out, stream, label) -> None:
         call = self.phase.collectives[-1]
-        group = next((a for a in tree_leaves((args, kwargs)) if _is_group(a)), None)
+        group = c10d.group_in((args, kwargs))
         index = len(self.entries)
         big = call.numel * torch.empty((), dtype=getattr(torch, call.dtype)).element_size()
         self.collective_info.append(
