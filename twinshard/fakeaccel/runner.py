@@ -4,13 +4,13 @@
 (``bench.config.RunConfig``: implementation, Llama-style model, world, HSDP replicas, dtype,
 offload, ``reshard_after_forward``) twice:
 
-1. on the fake accelerator (``measure.world.join``): the model is built on ``meta``, sharded
-   inside ``FakeTensorMode`` (torch's ``fully_shard`` makes device tensors when it shards) and
-   moved with ``to_empty`` (to the host with offload, as FSDP2 asks; ``measure.step``), then
-   trained for
-   ``steps`` steps (forward, backward, SGD with momentum and ``foreach``, which reads no
-   scalar on the host) under ``monitor.Monitor``, with ``bench.probe.Probe`` sorting the
-   bytes FSDP holds into the memory model's categories;
+1. on the fake accelerator (``measure.world.join``): inside ``FakeTensorMode`` (torch's
+   ``fully_shard`` makes device tensors when it shards), the model is built on ``meta``, sharded
+   and moved with ``to_empty`` (``measure.step``); with offload, twinshard's implementations get
+   a model built on the host, where a user keeps an offloaded one (torch's takes the meta path,
+   to the host). Then it trains for ``steps`` steps (forward, backward, SGD with momentum and
+   ``foreach``, which reads no scalar on the host) under ``monitor.Monitor``, with
+   ``bench.probe.Probe`` sorting the bytes FSDP holds into the memory model's categories;
 2. on the CPU, with real tensors and PyTorch's fake process group at the same world size (as
    ``twinshard bench --backend fake``), recording the collectives only.
 
