@@ -1,6 +1,6 @@
-"""``python benchmarks/bench.py ARGS`` is ``twinshard bench ARGS`` (see ``twinshard.bench``).
+"""``python benchmarks/bench.py ARGS`` is ``twinshard bench ARGS`` (see ``twinshard.measure.bench``).
 
-The benchmark lives in the package now (``twinshard/bench/``), so that an installed
+The benchmark lives in the package now (``twinshard/measure/bench/``), so that an installed
 twinshard has it as a command; this file stays for old commands and for a checkout that is
 not installed.
 """

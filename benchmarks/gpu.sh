@@ -45,7 +45,7 @@ fi
 $py -m twinshard.cli conform twinshard.optimized --device "$device" --world-sizes 1 \
     --report "$out/conform_optimized_$device.md" 2>&1 | tail -n 60 | tee "$out/conform.log" || true
 
-accel=fake  # step 2 on the CPU: the fake accelerator (twinshard.fakeaccel)
+accel=fake  # step 2 on the CPU: the fake accelerator (twinshard.measure.fakeaccel)
 [ "$device" = cuda ] && accel=cuda
 failed=()
 stopped=()
@@ -53,7 +53,7 @@ for mesh in "8" "64" "64 --hsdp 8 --offload --reshard-after-forward 4"; do
     name=accel-ws${mesh// /}
     name=${name//--/-}
     # shellcheck disable=SC2086  # $mesh holds several flags
-    $py -m twinshard.fakeaccel --device "$accel" --world $mesh --json "$out/$name.json" \
+    $py -m twinshard.measure.fakeaccel --device "$accel" --world $mesh --json "$out/$name.json" \
         --markdown "$out/$name.md" > "$out/$name.log" 2>&1 || failed+=("$name")
     cat "$out/$name.md" 2>/dev/null || tail -n 30 "$out/$name.log"
 done

@@ -35,11 +35,11 @@ STEPS = (2, 10)  # the two runs whose difference is counted
 
 
 def hooks_config(impl: str, foreach: str = "on"):
-    """The ``RunConfig`` that ``twinshard bench hooks --foreach FOREACH`` runs, for ``impl``."""
+    """The ``Job`` that ``twinshard bench hooks --foreach FOREACH`` runs, for ``impl``."""
     from dataclasses import replace
 
-    from twinshard.bench.cli import add_arguments
-    from twinshard.bench.compare import job_of
+    from twinshard.measure.bench.cli import add_arguments
+    from twinshard.measure.bench.compare import job_of
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -6,7 +6,7 @@
 Runs two steps of the optimized path (a tiny Llama, bf16, world size 8 played by one process
 on the fake process group) on the device with its stream calls logged, and the same steps on
 the CPU with the stand-in streams, and compares the two logs by name
-(``twinshard.fakeaccel.stream_order``). Exit status 1 if they differ: then the stream
+(``twinshard.measure.fakeaccel.stream_order``). Exit status 1 if they differ: then the stream
 sanitizer that CI runs on the stand-ins did not check the order the device gets.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from twinshard.bench.config import RunConfig
-from twinshard.fakeaccel.stream_order import first_difference, orders
+from twinshard.measure.fakeaccel.stream_order import first_difference, orders
+from twinshard.measure.job import Job
 
 
 def main() -> int:
@@ -26,7 +26,7 @@ def main() -> int:
     parser.add_argument("--hsdp", type=int, default=1, help="replicas of a 2D mesh")
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    config = RunConfig(
+    config = Job(
         impl="optimized", preset="tiny", seq=16, per_rank=2, dtype="bf16",
         world=args.world, replicas=args.hsdp,
     )  # fmt: skip

@@ -23,7 +23,7 @@ per parameter group, what must and what must not happen, from the setting alone:
 A ``Plan`` describes the setting: the groups (their parameters' shapes and
 ``reshard_after_forward``), the mesh, the dtypes, and per micro-batch what the case switched
 on or off. ``expected`` turns it into ``GroupStep`` s, one per micro-batch and group.
-``contract_check.py`` compares them with what ``twinshard.schedule.Recorder`` saw.
+``contract_check.py`` compares them with what ``twinshard.measure.schedule.Recorder`` saw.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Check recorded micro-batches against the cost contract's collectives (``contract.py``).
 
-Each micro-batch is one ``twinshard.schedule.Schedule``: the hooks the implementation ran and
+Each micro-batch is one ``twinshard.measure.schedule.Schedule``: the hooks the implementation ran and
 the collectives it issued, each attributed to the hook during which it was issued and to the
 group whose parameters or gradients it carries. Per micro-batch and pass (forward, backward)
 the contract compares

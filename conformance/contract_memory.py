@@ -1,6 +1,6 @@
 """The memory half of the cost contract: when a group may, and when it must, hold memory.
 
-After every hook of a recorded micro-batch, ``twinshard.schedule.Recorder`` notes the state of
+After every hook of a recorded micro-batch, ``twinshard.measure.schedule.Recorder`` notes the state of
 each group's parameters (U unsharded, S sharded, P a post-forward piece) and the bytes alive in
 unsharded parameters (all-gather outputs still in flight included) and in unsharded gradients
 (reduce-scatter inputs still alive included), measured on the implementation's own tensors.
@@ -28,7 +28,7 @@ group padded to the shard group (in ``param_dtype`` for parameters, in the large
 ``param_dtype`` and ``reduce_dtype`` for gradients, whose unsharded copy may be cast for the
 reduction), plus one rank's block of the reduced sums (in ``reduce_dtype``) where that may
 live, and for an HSDP group whose all-reduce waits (``set_requires_all_reduce(False)``). With the default prefetch of one
-group this is the memory model's bound (``twinshard.bench.memmodel``): the root, the group
+group this is the memory model's bound (``twinshard.measure.memmodel``): the root, the group
 computing and the one prefetched; ``reshard_after_forward=False`` keeps them all.
 """
 

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from twinshard.bench import cli, compare, hooks, memmodel, simnet, stats
-from twinshard.bench.progress import Progress
+from twinshard.measure.bench import cli, compare, hooks, memmodel, simnet, stats
+from twinshard.measure.bench.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in a fresh interpreter: it joins a simulated world of 8 as rank 0.
 SIMNET_CHECK = """
 import json, time, torch, torch.distributed as dist
-from twinshard.bench import simnet
+from twinshard.measure import simnet
 net = simnet.init(8, simnet.parse_link("1", latency_us=2000))
 x = torch.arange(4 * 2**15, dtype=torch.float32)            # 512 KiB per rank
 out = torch.empty(8 * x.numel())                             # 4 MiB gathered
@@ -269,7 +269,7 @@ def test_gpu_script_parses_and_its_commands_are_the_command_s():
 
 
 def test_sweep_writes_three_plots_and_every_number(tmp_path):
-    from twinshard.bench import sweep
+    from twinshard.measure.bench import sweep
 
     out = tmp_path / "sweep"
     command = [sys.executable, "-m", "twinshard.cli", "bench", "sweep", "--points", "quick"]

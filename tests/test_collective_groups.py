@@ -1,6 +1,6 @@
 """The observers see each collective's own process group, not the whole world.
 
-The device monitor (``fakeaccel/monitor.py``) and the plan's step trace (``plan/trace.py``)
+The device monitor (``twinshard/measure/monitor.py``) and the plan's step trace (``plan/trace.py``)
 looked for a collective's group by the type name ``ProcessGroup``. A dispatch mode gets the group
 boxed as a ``ScriptObject``, so that test never matched and every collective counted as one over
 all W ranks: the plan priced HSDP's reduce-scatters and all-reduces as rings of the whole world.
@@ -19,7 +19,7 @@ import pytest
 SCRIPT = """
 import sys, torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from twinshard.fakeaccel.monitor import Monitor
+from twinshard.measure.monitor import Monitor
 import importlib
 impl = importlib.import_module(sys.argv[1])
 dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=4)

@@ -1,4 +1,4 @@
-"""The fake-accelerator run (twinshard.fakeaccel): an accelerator job's hazards, caught on the CPU.
+"""The fake-accelerator run (twinshard.measure.fakeaccel): an accelerator job's hazards, caught on the CPU.
 
 One fresh interpreter (registering the fake accelerator is process-wide and for good, so never
 this test process) runs every configuration below once and prints the results as JSON:
@@ -8,7 +8,7 @@ this test process) runs every configuration below once and prints the results as
   reshard_after_forward True, an int (4), and False with CPU offload: zero host syncs, zero
   host tensors in collectives, the CPU run's collectives, memory reported, and the memory model
   met where it covers the setting;
-- hazards planted into a hook (``twinshard.fakeaccel.planted``): each is reported, with where
+- hazards planted into a hook (``twinshard.measure.fakeaccel.planted``): each is reported, with where
   it came from, so the checks above can fail;
 - the optimized path's stream order on the fake accelerator against the stand-in streams';
 - ``twinshard schedule --fake-accelerator``'s recording of rank 0 of 64.
@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-from twinshard.fakeaccel import report
-from twinshard.fakeaccel.stream_order import canonical, first_difference
+from twinshard.measure.fakeaccel import report
+from twinshard.measure.fakeaccel.stream_order import canonical, first_difference
 
 MESHES = [(8, 1), (64, 1), (64, 8)]  # (world, replicas): FSDP 8, FSDP 64, HSDP 8x8
 IMPLS = ("reference", "optimized", "torch")
@@ -40,10 +40,10 @@ HAZARD_CONFIG = dict(impl="optimized", world=8)
 SCRIPT = """
 import json, sys, time, traceback
 from twinshard import fresh_process
-from twinshard.bench.config import RunConfig
-from twinshard.fakeaccel.runner import check_all
-from twinshard.fakeaccel.stream_order import first_difference, orders
-from twinshard.schedule.cli import record_on_fake_accelerator
+from twinshard.measure.job import Job
+from twinshard.measure.fakeaccel.runner import check_all
+from twinshard.measure.fakeaccel.stream_order import first_difference, orders
+from twinshard.measure.schedule.cli import record_on_fake_accelerator
 
 def attempt(work):
     try:
@@ -54,7 +54,7 @@ def attempt(work):
 def stream_orders():
     found = {}
     for world, replicas in [(8, 1), (64, 8)]:
-        device, standin = orders(RunConfig(**base, world=world, replicas=replicas))
+        device, standin = orders(Job(**base, world=world, replicas=replicas))
         found[f"{world}x{replicas}"] = [len(device), first_difference(device, standin)]
     return found
 
@@ -65,8 +65,8 @@ def schedule():
 spec = json.loads(sys.argv[1])
 base = dict(preset="tiny", seq=16, per_rank=2, dtype="bf16", backend="fakeaccel")
 start = time.perf_counter()
-jobs = [RunConfig(**base, **c) for c in spec["configs"]]
-jobs += [(RunConfig(**base, **spec["hazard_config"]), {"planted": h}) for h in spec["hazards"]]
+jobs = [Job(**base, **c) for c in spec["configs"]]
+jobs += [(Job(**base, **spec["hazard_config"]), {"planted": h}) for h in spec["hazards"]]
 results = check_all(jobs)
 print(json.dumps(dict(
     results=results,
@@ -249,7 +249,7 @@ def test_canonical_names_streams_by_appearance_and_events_by_recording():
 
 
 def test_the_report_flags_what_is_not_clean():
-    from twinshard.fakeaccel.report import clean
+    from twinshard.measure.fakeaccel.report import clean
 
     step = {
         "name": "step 1",
@@ -280,20 +280,20 @@ def test_the_report_flags_what_is_not_clean():
 
 
 def test_shim_streams_log_like_the_stand_ins_and_count_syncs():
-    from twinshard.fakeaccel import shim
+    from twinshard.measure import fakecuda
 
-    start, syncs = len(shim.LOG), len(shim.SYNCS)
-    side = shim.Stream(priority=-1)
-    with shim.stream(side):
-        assert shim.current_stream() is side
+    start, syncs = len(fakecuda.LOG), len(fakecuda.SYNCS)
+    side = fakecuda.Stream(priority=-1)
+    with fakecuda.stream(side):
+        assert fakecuda.current_stream() is side
         event = side.record_event()
-    assert shim.current_stream() is shim.default_stream()
-    shim.current_stream().wait_event(event)
+    assert fakecuda.current_stream() is fakecuda.default_stream()
+    fakecuda.current_stream().wait_event(event)
     event.synchronize()
-    shim.synchronize()
-    assert [e[0] for e in shim.LOG[start:]] == ["record_event", "wait_event"]
+    fakecuda.synchronize()
+    assert [e[0] for e in fakecuda.LOG[start:]] == ["record_event", "wait_event"]
     assert side.priority == -1 and event.query() and side.query()
-    assert [what for what, _ in shim.SYNCS[syncs:]] == [
+    assert [what for what, _ in fakecuda.SYNCS[syncs:]] == [
         f"event recorded on {side.name}.synchronize()",
         "synchronize()",
     ]
@@ -305,10 +305,10 @@ def test_gpu_script_runs_the_accelerator_checks_with_flags_the_command_takes():
     import shlex
     from pathlib import Path
 
-    from twinshard.fakeaccel import cli
+    from twinshard.measure.fakeaccel import cli
 
     script = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh").read_text()
-    assert '-m twinshard.fakeaccel --device "$accel" --world $mesh' in script
+    assert '-m twinshard.measure.fakeaccel --device "$accel" --world $mesh' in script
     assert 'benchmarks/stream_order.py --device "$accel"' in script
     meshes = shlex.split(re.search(r"for mesh in ((?:\"[^\"]*\" ?)+); do", script).group(1))
     assert len(meshes) == 3

@@ -8,27 +8,21 @@ for the contract between the trees).
   writes out "the address, or the storage object where there is none" again.
 - One table of c10d operators (``twinshard/c10d.py``): no other module names one, and the
   measuring layer's observers (and the guard) import nothing from the conformance suite.
+- The measuring package (``twinshard/measure/``) imports only downward through its layers
+  (``LAYERS``): the job, the step, the worlds, the observers, then the runs and commands.
 - One step builder and driver (``twinshard/measure/step.py``) and one way to join a world
   (``twinshard/measure/world.py``): no other module of the measuring layer shards a model, makes
   an optimizer, or starts a process group or a backend's world.
-- One implementation resolver (``twinshard/impls.py``): every command takes a module from
-  outside the project by its import path, as it takes the short names, and refuses a bad name
-  naming its flag.
+- One implementation resolver for every command: ``test_outside_impl.py``.
 """
 
 from __future__ import annotations
 
 import ast
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from twinshard import impls
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIMIZED = sorted((ROOT / "optimized").glob("*.py"))
@@ -162,7 +156,8 @@ kind = "all_gather"  # a collective's kind is not an operator
     assert c10d_names(made_up) == ["_allgather_base_", "allreduce_coalesced_", "broadcast_"]
 
 
-LAYER = ("bench", "plan", "schedule", "fakeaccel", "measure")  # the measuring layer
+MEASURE = ROOT / "twinshard" / "measure"
+COMMANDS = ("fakeaccel", "schedule", "bench", "plan")  # its runs and commands, in layer order
 
 
 def modules_of(*folders: str):
@@ -171,9 +166,12 @@ def modules_of(*folders: str):
     return pytest.mark.parametrize("path", paths, ids=lambda p: f"{p.parent.name}/{p.name}")
 
 
+LAYER = ("measure", *(f"measure/{name}" for name in COMMANDS))  # the measuring package
+
+
 @modules_of(*LAYER, "guard")
 def test_observers_and_the_guard_import_nothing_from_the_suite(path):
-    package = f"twinshard.{path.parent.name}"
+    package = ".".join(path.parent.relative_to(ROOT).parts)
     assert suite_imports(path.read_text(), package) == [], (
         f"{path.parent.name}/{path.name} imports the conformance suite; the c10d table is "
         "twinshard/c10d.py"
@@ -186,8 +184,8 @@ OWN = {
     "measure/step.py": STEP,
     "measure/world.py": WORLD,
     # the backends themselves, which world.py calls
-    "bench/simnet.py": {"init_process_group"},
-    "fakeaccel/device.py": {"init_process_group"},
+    "measure/simnet.py": {"init_process_group"},
+    "measure/fakedevice.py": {"init_process_group"},
     # not yet on measure/step.py and measure/world.py (issue 32): the commands' own copies
     "schedule/cli.py": STEP,
 }
@@ -225,11 +223,70 @@ def test_one_step_builder_and_one_way_to_join_a_world(path):
     assert not extra, f"{where} does {extra} itself: use twinshard.measure.step and world"
 
 
+# The measuring package's layers, bottom first: a module imports its own layer and those below.
+LAYERS = (
+    ("__init__", "job", "flags", "hf"),  # the job and its flags
+    ("step",),  # one training step built and driven
+    ("world", "simnet", "fakedevice", "fakecuda"),  # ways to join a world, and their backends
+    ("observe", "probe", "monitor", "memmodel"),  # the observers and the memory model
+    ("fakeaccel", "schedule"),  # runs that import neither each other nor a command above
+    ("bench",),
+    ("plan",),
+)
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def upward_imports(sources: dict[str, str]) -> list[str]:
+    """``importer -> imported`` for each import, among ``sources`` (module name -> source, all
+    under ``twinshard.measure``), of a higher layer or of the other run of the same layer."""
+    found = []
+    for name, source in sources.items():
+        part = name.split(".")[2] if name.count(".") >= 2 else "__init__"
+        package = name if name.endswith("__init__") else name.rsplit(".", 1)[0]
+        package = package.removesuffix(".__init__")
+        for target in imported_modules(source, package):
+            if not target.startswith("twinshard.measure."):
+                continue
+            other = target.split(".")[2]
+            if other not in RANK or other == part:
+                continue
+            if RANK[other] > RANK[part] or (RANK[other] == RANK[part] == RANK["schedule"]):
+                found.append(f"{name} -> {target}")
+    return sorted(set(found))
+
+
+def measure_sources() -> dict[str, str]:
+    paths = sorted(MEASURE.rglob("*.py"))
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts): p.read_text() for p in paths}
+
+
+def test_the_measuring_package_imports_only_downward():
+    sources = measure_sources()
+    parts = {name.split(".")[2] for name in sources if name.count(".") >= 2}
+    assert parts <= set(RANK), f"give {sorted(parts - set(RANK))} a layer in LAYERS"
+    assert upward_imports(sources) == []
+
+
+def test_the_layer_check_can_fail():
+    sources = {
+        "twinshard.measure.world": "from twinshard.measure.bench.config import Job\n",
+        "twinshard.measure.schedule.cli": "def f():\n    from ..fakeaccel import Monitor\n",
+        "twinshard.measure.plan.cli": "from twinshard.measure import step, probe\n",
+        "twinshard.measure.job": "from . import hf\n",
+    }
+    assert upward_imports(sources) == [
+        "twinshard.measure.schedule.cli -> twinshard.measure.fakeaccel",
+        "twinshard.measure.schedule.cli -> twinshard.measure.fakeaccel.Monitor",
+        "twinshard.measure.world -> twinshard.measure.bench.config",
+        "twinshard.measure.world -> twinshard.measure.bench.config.Job",
+    ]
+
+
 def test_the_step_and_join_check_can_fail():
     made_up = """
 import torch
-from twinshard.fakeaccel.device import join as join_fake
-from twinshard.bench.simnet import init, parse_link
+from twinshard.measure.fakedevice import join as join_fake
+from twinshard.measure.simnet import init, parse_link
 def build(model, impl):
     impl.fully_shard(model)
     torch.distributed.init_process_group("fake", rank=0, world_size=2)
@@ -253,120 +310,3 @@ def test_memory_key_names_memory_not_tensors():
         fake = torch.zeros(8)
         assert memory_key(fake) != 0 and memory_key(fake[2:]) == memory_key(fake)
         assert memory_key(torch.zeros(8)) != memory_key(fake)
-
-
-# One implementation resolver (twinshard/impls.py) for every command: a module from outside the
-# project, given by its import path, runs wherever the short names do.
-
-OUTSIDE = "my_outside_fsdp"  # re-exports twinshard.reference's interface
-TINY = "--model tiny --layers 2 --dim 32 --heads 2 --vocab 64 --seq 8 --per-rank 1".split()
-QUICK = "--warmup 1 --steps 2 --repeat 1 --no-progress".split()
-
-
-@pytest.fixture
-def outside(tmp_path) -> dict:
-    """The environment of a process that can import ``OUTSIDE`` (a package in ``tmp_path``)."""
-    package = tmp_path / "site" / OUTSIDE
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(
-        "from twinshard.reference import *  # noqa: F403\n"
-        "from twinshard.reference import __all__  # noqa: F401\n"
-    )
-    path = [str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-
-
-def _twinshard(env, *args, cwd=None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "twinshard.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
-
-
-def test_bench_takes_a_module_from_outside(outside, tmp_path):
-    out = tmp_path / "bench.json"
-    flags = ["--backend", "fake", "--world", "2", "--impls", f"{OUTSIDE},reference"]
-    done = _twinshard(outside, "bench", *flags, *TINY, *QUICK, "--json", str(out), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(out.read_text())["summary"]
-    assert list(summary) == [OUTSIDE, "reference"]
-    assert summary[OUTSIDE]["collectives"] == summary["reference"]["collectives"]
-    assert "model_total" not in summary[OUTSIDE]  # the memory model knows the three only
-
-
-def test_plan_takes_a_module_from_outside(outside, tmp_path):
-    out = tmp_path / "plan.json"
-    flags = "--model tiny --world 2 --seq 16 --no-progress --impls".split()
-    done = _twinshard(outside, "plan", *flags, OUTSIDE, "--json", str(out), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["plans"]
-    assert row["config"]["impl"] == OUTSIDE and "error" not in row, row.get("error")
-    assert row["memory"]["fits"]["h100"]
-
-
-def test_schedule_takes_a_module_from_outside(outside, tmp_path):
-    text = tmp_path / "step.txt"
-    flags = "--model mlp --layers 1 --world 2 --quiet --impls".split()
-    done = _twinshard(outside, "schedule", *flags, OUTSIDE, "--text", str(text), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert text.read_text().startswith(f"{OUTSIDE}, rank 0 of 2: one training step")
-
-
-def test_the_fake_accelerator_takes_a_module_from_outside(outside, tmp_path):
-    out = tmp_path / "fake.json"
-    flags = "--world 2 --layers 1 --dim 32 --seq 8 --per-rank 1 --steps 1 --no-cpu".split()
-    command = [sys.executable, "-m", "twinshard.fakeaccel", "--impls", OUTSIDE, *flags]
-    done = subprocess.run(
-        [*command, "--json", str(out)], capture_output=True, text=True, timeout=600, env=outside
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    (result,) = json.loads(out.read_text())["results"]
-    assert result["config"]["impl"] == OUTSIDE and "error" not in result
-
-
-def test_conform_takes_a_module_from_outside_and_a_short_name(outside, tmp_path):
-    for impl in (OUTSIDE, "reference"):
-        flags = "--world-sizes 1 --cases one_group --no-oracles".split()
-        done = _twinshard(outside, "conform", impl, *flags, cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        assert "1 pass" in done.stdout
-
-
-BAD = "no_such_fsdp_pkg.fsdp"
-
-
-@pytest.mark.parametrize(
-    "args, flag",
-    [
-        (["bench", "--impls", f"reference,{BAD}", "--json", "x"], "--impls"),
-        (["plan", "--model", "tiny", "--impls", BAD, "--json", "x"], "--impls"),
-        (["schedule", "--impls", BAD, "--text", "x"], "--impls"),
-        (["train", "--impl", BAD, "--steps", "1", "--out", "x"], "--impl"),
-    ],
-    ids=lambda v: v[0] if isinstance(v, list) else v,
-)
-def test_a_bad_name_is_refused_naming_the_flag(args, flag, tmp_path):
-    done = _twinshard(None, *args, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr[-2000:]
-    said = done.stderr.strip().splitlines()[-1]
-    assert f"{flag} {BAD!r}: cannot import {BAD!r}" in said and "importable module" in said
-    assert not (tmp_path / "x").exists()
-
-
-def test_the_fake_accelerator_and_conform_refuse_a_bad_name(tmp_path):
-    command = [sys.executable, "-m", "twinshard.fakeaccel", "--impls", f"torch,{BAD}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode != 0 and f"--impls {BAD!r}: cannot import" in done.stderr
-    done = _twinshard(None, "conform", "json", cwd=tmp_path)
-    assert done.returncode == 2 and "json lacks fully_shard" in done.stderr
-
-
-def test_short_names_modules_and_module_objects_resolve_alike():
-    import torch.distributed.fsdp
-
-    import twinshard.optimized
-
-    assert impls.load("optimized") is impls.load("twinshard.optimized") is twinshard.optimized
-    assert impls.load(torch.distributed.fsdp) is impls.load("torch")
-    with pytest.raises(impls.ImplError, match=r"^--impl 'json': json lacks fully_shard"):
-        impls.load("json", "--impl")
-    assert impls.problem(" plain , optimized", "--impls", also=("plain",)) is None
-    assert impls.problem(",", "--impls").startswith("--impls ',': name reference, optimized")

@@ -1,27 +1,26 @@
 """One job vocabulary for the measuring commands (issue 32, item 1).
 
-``twinshard bench``, ``schedule``, ``plan`` and ``python -m twinshard.fakeaccel`` spell each
+``twinshard bench``, ``schedule``, ``plan`` and ``python -m twinshard.measure.fakeaccel`` spell each
 concept of a job alike, with one help text; an old spelling still works and says what replaces
 it; the same misuse gets the same one-line message from every command; the same flags make the
-same job; no command imports another command, and the job imports no command's package.
+same job. How the measuring package is layered is checked in ``test_layers.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 from pathlib import Path
 
 import pytest
 
-from twinshard.bench import cli as bench
-from twinshard.bench import compare
 from twinshard.cli import main
-from twinshard.fakeaccel import cli as fakeaccel
 from twinshard.measure import flags
+from twinshard.measure.bench import cli as bench
+from twinshard.measure.bench import compare
+from twinshard.measure.fakeaccel import cli as fakeaccel
 from twinshard.measure.job import Job
-from twinshard.plan import cli as plan
-from twinshard.schedule import cli as schedule
+from twinshard.measure.plan import cli as plan
+from twinshard.measure.schedule import cli as schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {"bench": bench, "schedule": schedule, "plan": plan, "fakeaccel": fakeaccel}
@@ -122,57 +121,3 @@ def test_bench_on_the_fake_accelerator_runs_the_sharded_ones_and_skips_the_basel
     assert problem("plain,optimized") is None
     assert problem("plain,ddp").startswith("--backend fakeaccel runs FSDP implementations only")
     assert problem("plain,nowhere_fsdp").startswith("--impls 'nowhere_fsdp'")
-
-
-COMMAND_MODULES = {
-    "twinshard.bench.cli",
-    "twinshard.schedule.cli",
-    "twinshard.plan.cli",
-    "twinshard.fakeaccel.cli",
-}
-
-
-def _imports(source: str, package: str) -> set[str]:
-    """The modules ``source`` (of ``package``) imports, at any depth, relative ones resolved."""
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
-            module = ".".join(p for p in (base, node.module or "") if p)
-            found |= {module} | {f"{module}.{a.name}" for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-    return found
-
-
-def commands_importing_commands(sources: dict) -> dict:
-    """module -> the other command modules it imports, for each command among ``sources``
-    (module name -> its source)."""
-    out = {}
-    for name, source in sources.items():
-        taken = (_imports(source, name.rsplit(".", 1)[0]) & COMMAND_MODULES) - {name}
-        if name in COMMAND_MODULES and taken:
-            out[name] = sorted(taken)
-    return out
-
-
-def test_the_job_and_its_flags_import_nothing_of_the_commands_packages():
-    above = tuple(f"twinshard.{name}" for name in ("bench", "plan", "schedule", "fakeaccel"))
-    for name in ("job", "flags", "hf"):
-        source = (ROOT / "twinshard" / "measure" / f"{name}.py").read_text()
-        assert not [m for m in _imports(source, "twinshard.measure") if m.startswith(above)]
-    assert _imports("def f():\n    from twinshard.plan import checkpointing\n", "x") >= {
-        "twinshard.plan.checkpointing"
-    }
-
-
-def test_no_measuring_command_imports_another_command_and_the_check_can_fail():
-    packages = ("bench", "schedule", "plan", "fakeaccel", "measure")
-    files = [p for name in packages for p in (ROOT / "twinshard" / name).glob("*.py")]
-    sources = {".".join(p.relative_to(ROOT).with_suffix("").parts): p.read_text() for p in files}
-    assert commands_importing_commands(sources) == {}
-    borrowing = "def borrowed():\n    from ..schedule.cli import reshard_value\n"
-    sources["twinshard.bench.cli"] += "\n\n" + borrowing
-    assert commands_importing_commands(sources) == {
-        "twinshard.bench.cli": ["twinshard.schedule.cli"]
-    }

@@ -18,10 +18,10 @@ from dataclasses import replace
 import pytest
 
 from twinshard.cli import main
-from twinshard.plan import config, profiles
-from twinshard.plan.cli import plan
-from twinshard.plan.replay import replay
-from twinshard.plan.summary import add_ratios
+from twinshard.measure.plan import config, profiles
+from twinshard.measure.plan.cli import plan
+from twinshard.measure.plan.replay import replay
+from twinshard.measure.plan.summary import add_ratios
 
 BLOCKS = 2
 BASE = config.job(model={"n_layers": BLOCKS}, world=8, per_rank=2, seq=64, impl="torch")
@@ -201,7 +201,7 @@ def test_sweep_prints_a_table_per_point_and_plots_them(tmp_path, capsys):
 
 
 def test_published_runs_are_valid_plans_and_compared_as_ratios():
-    from twinshard.plan import published
+    from twinshard.measure.plan import published
 
     plans = published.configs()
     assert len(plans) == len(published.RUNS) >= 10

@@ -1,16 +1,16 @@
 """``twinshard plan`` against ``twinshard bench`` at small scale, measured (issue 26, item 3).
 
-The job of ``twinshard.plan.measured`` (the small Llama with 4 blocks on 2 ranks over the
+The job of ``twinshard.measure.plan.measured`` (the small Llama with 4 blocks on 2 ranks over the
 simulated network, ``bench --backend simnet --world 2``, which really runs the step on this
 CPU) is planned with ``--device cpu`` and measured by ``twinshard bench``:
 
-- memory: the plan's probe (``bench.probe``'s categories at their peak, recorded under
+- memory: the plan's probe (``measure.probe``'s categories at their peak, recorded under
   ``FakeTensorMode``) equals the bench's measured one, category by category, to the byte,
   for the optimized path and torch's ``fully_shard`` (the reference's differs by one gradient
   the probe sees only under fake tensors: a strict xfail; its device memory, recorded with
   fake and with real tensors by the same code, is the same to the byte);
 - time: the predicted step against the measured one is a timing on shared cores, so its 20%
-  target is measured by the benchmark ``python -m twinshard.plan.measured`` (results in
+  target is measured by the benchmark ``python -m twinshard.measure.plan.measured`` (results in
   ``benchmarks/results/``), not asserted here; what is tested here is that benchmark's
   arithmetic and verdict, and that both sides of the ratio come from the run.
 """
@@ -23,9 +23,9 @@ from dataclasses import replace
 
 import pytest
 
-from twinshard.plan import config
-from twinshard.plan import measured as job
-from twinshard.plan.cli import plan
+from twinshard.measure.plan import config
+from twinshard.measure.plan import measured as job
+from twinshard.measure.plan.cli import plan
 
 IMPLS = job.IMPLS
 
@@ -35,7 +35,7 @@ def measured_and_planned():
     return job.measure_and_plan(IMPLS, steps=4)
 
 
-# The reference's probe view differs under FakeTensorMode: bench.probe counts a gradient only
+# The reference's probe view differs under FakeTensorMode: measure.probe counts a gradient only
 # if it samples while the gradient is on its parameter, and under fake tensors it sees one of
 # the root's gradients (8 MiB) that it never sees in the real run (64.1 MB measured, 68.0
 # planned). The device's memory is the same: see the next test.

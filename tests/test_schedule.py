@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from twinshard.launch import launch
-from twinshard.schedule import Recorder, format_table
-from twinshard.schedule.cli import build_model, record_on_rank
+from twinshard.measure.schedule import Recorder, format_table
+from twinshard.measure.schedule.cli import build_model, record_on_rank
 
 BLOCK, ROOT = 53_376 * 4, 32_832 * 4  # bytes
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]

@@ -8,7 +8,7 @@ argument ``process_group``, which reaches a mode boxed as a ``ScriptObject`` (``
 
 One table for everyone who watches collectives: the conformance suite's trace
 (``conformance/trace.py``), the schedule recorder (``schedule/record.py``), the memory probe
-(``bench/probe.py``), the device monitor (``fakeaccel/monitor.py``) and, through them, the plan's
+(``twinshard/measure/probe.py``), the device monitor (``twinshard/measure/monitor.py``) and, through them, the plan's
 step trace, and the debug guard's watch (``guard/collectives.py``), which also names a Python
 function (``dist.reduce_scatter_tensor``, a custom reduce-scatter hook) by the collective it
 issues (``kind``). It imports nothing of the project, so any of them may import it.

@@ -3,9 +3,9 @@
     twinshard train ...     train the example Llama-style model with FSDP   (twinshard.train.cli)
     twinshard export ...    write a checkpoint as one full state dict file  (twinshard.train.export)
     twinshard conform ...   check an implementation against the truth       (twinshard.conformance.cli)
-    twinshard schedule ...  draw one training step, hook by hook              (twinshard.schedule.cli)
-    twinshard bench ...     the implementations side by side                  (twinshard.bench.cli)
-    twinshard plan ...      a job's memory and speed at any scale, from a CPU (twinshard.plan.cli)
+    twinshard schedule ...  draw one training step, hook by hook              (twinshard.measure.schedule.cli)
+    twinshard bench ...     the implementations side by side                  (twinshard.measure.bench.cli)
+    twinshard plan ...      a job's memory and speed at any scale, from a CPU (twinshard.measure.plan.cli)
 
 Each subcommand lives in its own module, imported only when it runs, so ``twinshard --help``
 stays fast and one job's dependencies never load for another.
@@ -22,9 +22,15 @@ SUBCOMMANDS = {
     "train": ("twinshard.train.cli", "train the example Llama-style model with FSDP"),
     "export": ("twinshard.train.export", "write a checkpoint as a single full state dict file"),
     "conform": ("twinshard.conformance.cli", "check an FSDP implementation against the truth"),
-    "schedule": ("twinshard.schedule.cli", "draw one training step, hook by hook"),
-    "bench": ("twinshard.bench.cli", "plain, DDP, reference, optimized and torch side by side"),
-    "plan": ("twinshard.plan.cli", "memory, communication and step time of a job, from one CPU"),
+    "schedule": ("twinshard.measure.schedule.cli", "draw one training step, hook by hook"),
+    "bench": (
+        "twinshard.measure.bench.cli",
+        "plain, DDP, reference, optimized and torch side by side",
+    ),
+    "plan": (
+        "twinshard.measure.plan.cli",
+        "memory, communication and step time of a job, from one CPU",
+    ),
 }
 
 

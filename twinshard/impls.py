@@ -2,7 +2,7 @@
 
 Every command that takes an implementation resolves it here, so that a researcher's variant
 runs wherever twinshard's own do: ``twinshard bench --impls``, ``twinshard schedule --impl``,
-``twinshard plan --impls``, ``python -m twinshard.fakeaccel --impls``, ``twinshard conform
+``twinshard plan --impls``, ``python -m twinshard.measure.fakeaccel --impls``, ``twinshard conform
 MODULE``, ``twinshard train --impl`` and the switch (``twinshard.switch.use``,
 ``python -m twinshard.run --impl``). The short names:
 

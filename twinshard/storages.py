@@ -1,14 +1,14 @@
 """What identifies a tensor's memory: one rule for the observers that count or follow memory.
 
 A tensor's memory is its storage's address (``data_ptr``): views share it, and a storage freed
-and allocated again is new memory. A ``FakeTensor`` (``twinshard.fakeaccel``, ``twinshard
+and allocated again is new memory. A ``FakeTensor`` (``twinshard.measure.fakeaccel``, ``twinshard
 plan``) has no address: its storage sits on ``meta`` while the tensor stands for another device,
 so its memory is named by the storage object (``_cdata``) instead. A tensor that is itself on
 ``meta``, or a storage with no memory (address 0), has none: 0.
 
-Used by the memory probe (``bench/probe.py``), the schedule recorder's buffers
+Used by the memory probe (``twinshard/measure/probe.py``), the schedule recorder's buffers
 (``schedule/buffers.py``) and the stream sanitizer (``standin.py``). The device monitor
-(``fakeaccel/monitor.py``) and the step trace (``plan/trace.py``) key something else, the storage
+(``twinshard/measure/monitor.py``) and the step trace (``plan/trace.py``) key something else, the storage
 object they hold alive (``_cdata``, on every device): a storage resized to 0 and back, as FSDP
 frees and refills its unsharded parameters, stays one entry there, where its address changes.
 """

@@ -3,7 +3,7 @@
 Each case shards the same small model (a token embedding, three MLP blocks and a root with a
 norm and a head: five groups, uneven sizes), trains one step so that an implementation that
 learns the order of its groups knows it, and records the micro-batches of the second step with
-``twinshard.schedule.Recorder``. Every micro-batch is held to the cost contract
+``twinshard.measure.schedule.Recorder``. Every micro-batch is held to the cost contract
 (``twinshard.conformance.contract``): the collectives per pass, kind and group, and the
 unsharded parameters and gradients alive after every hook. The same recording of the
 reference and of torch's ``fully_shard`` (the oracles, where the run has them) is held to the
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from twinshard.measure.schedule import Recorder
 from twinshard.models import MLPBlock
-from twinshard.schedule import Recorder
 
 from ..compare import Checker
 from ..contract import Plan, expected, group_specs

@@ -1,7 +1,11 @@
-"""``python -m twinshard.fakeaccel``: see ``twinshard.fakeaccel.cli``."""
+"""``python -m twinshard.fakeaccel``: the old spelling of ``python -m twinshard.measure.fakeaccel``."""
 
 import sys
 
-from .cli import main
+from twinshard.measure.fakeaccel.cli import main
 
+print(
+    "note: python -m twinshard.fakeaccel is now python -m twinshard.measure.fakeaccel",
+    file=sys.stderr,
+)
 sys.exit(main())

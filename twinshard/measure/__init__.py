@@ -1,14 +1,24 @@
-"""twinshard.measure: what the measuring commands share, below all of them.
+"""twinshard.measure: every measuring command and what they share, in layers.
 
 ``twinshard bench``, ``twinshard schedule``, ``twinshard plan`` and ``python -m
-twinshard.fakeaccel`` describe a training job the same way and import it from here; nothing
-here imports a command.
+twinshard.measure.fakeaccel`` describe a training job the same way, build and drive its step
+the same way and join a world the same way. A module imports its own layer and those below it,
+never one above (``tests/test_layers.py`` checks it); bottom first:
 
-    job.py    the job (implementation, model, world, batch, policies, optimizer) and its one
-              validator, ``Job.problem()``; the dtype table; the published models' shapes
-    flags.py  the flag vocabulary: one spelling and one help text per concept, the old
-              spellings kept as aliases that name their replacement; the job from the flags
-    hf.py     a Hugging Face ``config.json`` as a ``LlamaConfig`` (a job's ``--model``)
-    step.py   one training step of a job: its model built and sharded, each step driven
-    world.py  joining a world of W ranks (launched, fake, simulated, fake accelerator, lent)
+    job.py flags.py hf.py      the job and its one validator, ``Job.problem()``; the flag
+                               vocabulary (one spelling and help text per concept, old spellings
+                               kept as aliases that name their replacement); a Hugging Face
+                               ``config.json`` as a job's ``--model``
+    step.py                    one training step of a job: its model built and sharded, driven
+    world.py                   joining a world of W ranks, and its backends: ``simnet.py`` (the
+                               simulated network), ``fakedevice.py`` and ``fakecuda.py`` (the
+                               fake accelerator and its device module)
+    probe.py monitor.py        the observers of a step (memory by category; host syncs, host
+    memmodel.py                collectives and device bytes) and the memory model
+    fakeaccel/ schedule/       runs: a job on the fake accelerator (``python -m
+                               twinshard.measure.fakeaccel``); one step recorded hook by hook
+                               (``twinshard schedule``); neither imports the other
+    bench/                     the implementations timed side by side (``twinshard bench``)
+    plan/                      a job's memory and time at any scale, from a recorded step
+                               (``twinshard plan``)
 """

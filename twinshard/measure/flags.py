@@ -1,7 +1,7 @@
 """The flags every measuring command spells alike, and the job they describe.
 
 ``twinshard bench``, ``twinshard schedule``, ``twinshard plan`` and ``python -m
-twinshard.fakeaccel`` add the flags of a job with ``add(parser, concept, ...)``: one spelling
+twinshard.measure.fakeaccel`` add the flags of a job with ``add(parser, concept, ...)``: one spelling
 and one help text per concept (``VOCABULARY``), each command with its own defaults, which
 ``--help`` shows. An old spelling still works and says on stderr, in one line, what replaces
 it: ``--impl`` (now ``--impls``), ``--preset`` (``--model``), ``--world-size`` and ``--nproc``

@@ -1,7 +1,7 @@
 """One training job, as every measuring command describes it, and what is wrong with it.
 
 ``Job`` is what ``twinshard bench`` times, ``twinshard plan`` records and prices,
-``twinshard schedule`` draws and ``python -m twinshard.fakeaccel`` checks: an implementation,
+``twinshard schedule`` draws and ``python -m twinshard.measure.fakeaccel`` checks: an implementation,
 a Llama-style model, a world, the policies, the optimizer. It travels to the ranks by pickle.
 ``Job.problem()`` is the one validator: the first thing wrong, in one line naming the flag
 (``flags.py`` holds the spellings), or ``None``.
@@ -77,7 +77,7 @@ class Job:
     optimizer: str = "sgd"  # sgd (momentum) or adamw (fused)
     ac: str = "none"  # activation checkpointing (plan/checkpointing.py): none, block, ...
     network: str | None = None  # a plan: the network that prices it (None: the device's)
-    probe: bool = False  # a plan: also bench.probe's categories at its peak
+    probe: bool = False  # a plan: also measure.probe's categories at its peak
     real: bool = False  # a plan on the CPU: real tensors instead of FakeTensors (a check)
 
     @property

@@ -8,9 +8,9 @@
                 process per rank (``devices.join_group``); nothing to join here
     fake        one process as rank 0 of ``world``: PyTorch's fake process group (collectives
                 return at once and move nothing)
-    simnet      one process as rank 0 on the simulated network (``bench/simnet.py``):
+    simnet      one process as rank 0 on the simulated network (``twinshard/measure/simnet.py``):
                 collectives take the time of ``link``
-    fakeaccel   one process as rank 0 on the fake accelerator (``fakeaccel/device.py``):
+    fakeaccel   one process as rank 0 on the fake accelerator (``twinshard/measure/fakedevice.py``):
                 ``fakecuda``, with the fake process group registered for it alone
     lent        one process as rank 0 on a real accelerator (``device``, such as ``cuda``),
                 with the fake process group registered for that device alone, as for the
@@ -18,7 +18,7 @@
 
 A one-process world leaves any group this process had before (the fake-accelerator run
 joins twice: on its device, then on the CPU). The backends stay registered where they are
-written (``simnet``, ``fakeaccel.device``); only this module chooses between them.
+written (``simnet``, ``measure.fakedevice``); only this module chooses between them.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def join(
     if dist.is_initialized():
         dist.destroy_process_group()
     if kind == "simnet":
-        from twinshard.bench.simnet import init, parse_link
+        from twinshard.measure.simnet import init, parse_link
 
         init(world, parse_link(link, latency_us))
         return _on(device)
@@ -58,8 +58,8 @@ def join(
 
         backend, on = "fake", _on(device)
     else:  # the fake group for this device type alone, registered by the fake accelerator
-        from twinshard.fakeaccel.device import device as fake_device
-        from twinshard.fakeaccel.device import fake_group
+        from twinshard.measure.fakedevice import device as fake_device
+        from twinshard.measure.fakedevice import fake_group
 
         backend = fake_group(None if kind == "fakeaccel" else device)
         on = fake_device() if kind == "fakeaccel" else _on(device)

@@ -6,7 +6,7 @@ really runs rank 0's step on this CPU while the network is simulated). ``twinsha
 --device cpu`` predicts it with constants it measures on this machine as it starts
 (``profiles.measure_cpu``); ``twinshard bench`` measures it.
 
-- **memory** is deterministic: the plan's probe (``bench.probe``'s categories at their peak,
+- **memory** is deterministic: the plan's probe (``measure.probe``'s categories at their peak,
   recorded under ``FakeTensorMode``) and the bench's measured one are compared to the byte by
   ``tests/test_plan_measured.py``, in CI;
 - **time** is a measurement on a shared machine, so it is a benchmark, not a test: this module
@@ -16,7 +16,7 @@ really runs rank 0's step on this CPU while the network is simulated). ``twinsha
   neighbours make it, and the plan predicts a step on a core of its own). The target is
   within 20%; the exit code is 1 when an implementation's median ratio misses it.
 
-    python -m twinshard.plan.measured --runs 5 \\
+    python -m twinshard.measure.plan.measured --runs 5 \\
         --out benchmarks/results/DATE-plan-measured.md \\
         --json benchmarks/results/DATE-plan-measured.json
 """
@@ -27,7 +27,7 @@ import argparse
 import statistics
 import sys
 
-from twinshard.bench.config import RunConfig
+from twinshard.measure.job import Job
 from twinshard.report_files import publish
 
 IMPLS = ("reference", "optimized", "torch")
@@ -37,9 +37,9 @@ STEPS = 8  # timed steps per run; their CPU times vary by about 8% from step to 
 TARGET = (0.8, 1.2)  # predicted over measured
 
 
-def bench_config(steps: int = STEPS) -> RunConfig:
+def bench_config(steps: int = STEPS) -> Job:
     """The job as ``twinshard bench`` runs it (2 warm-up steps, then ``steps`` timed)."""
-    return RunConfig(
+    return Job(
         preset="small",
         model={"n_layers": LAYERS},
         per_rank=2,
@@ -74,7 +74,7 @@ def plan_configs(impls=IMPLS) -> list:
 def measure_and_plan(impls=IMPLS, steps: int = STEPS) -> tuple[dict, dict]:
     """Bench then plan every implementation: (bench's summary by impl, the plan's row by
     impl). A plan that failed raises, naming the implementation."""
-    from twinshard.bench.compare import side_by_side
+    from twinshard.measure.bench.compare import side_by_side
 
     from .cli import plan
 

@@ -20,10 +20,10 @@ import json
 import os
 from dataclasses import replace
 
+from twinshard.measure.job import Job
 from twinshard.report_files import write_json
 
 from .compare import add_memory_model, side_by_side
-from .config import RunConfig
 from .report import meta
 
 BASE = dict(dim=64, n_layers=4, world=8)
@@ -38,7 +38,7 @@ FILES = {
 }
 
 
-def point(base: RunConfig, axis: str, value: int) -> RunConfig:
+def point(base: Job, axis: str, value: int) -> Job:
     """``base`` with ``axis`` set to ``value`` (model size is the width)."""
     dim, layers, world = BASE["dim"], BASE["n_layers"], BASE["world"]
     if axis == "model size":
@@ -56,17 +56,17 @@ def replot(args) -> int:
     """``--from-json``: plot a recorded sweep again, with the memory model applied anew."""
     with open(args.from_json) as f:
         recorded = json.load(f)
-    base = RunConfig(**recorded["meta"]["config"])
+    base = Job(**recorded["meta"]["config"])
     for axis in FILES:
         for row in recorded[axis]:
-            add_memory_model(row["summary"], RunConfig(**row["config"]))
+            add_memory_model(row["summary"], Job(**row["config"]))
         impls = list(recorded[axis][0]["summary"])
         plot_axis(axis, recorded[axis], impls, os.path.join(args.out, FILES[axis]), base)
     write_json(os.path.join(args.out, "sweep.json"), recorded)
     return 0
 
 
-def run_sweep(args, base: RunConfig, impls: list[str]) -> int:
+def run_sweep(args, base: Job, impls: list[str]) -> int:
     """``impls`` at every point around ``base`` (``compare.job_of``: simnet, tiny, world 8)."""
     points = POINTS[args.points or "full"]
     results: dict = {}
@@ -96,7 +96,7 @@ def _line(summary: dict) -> str:
     )
 
 
-def plot_axis(axis: str, rows: list, impls: list, path: str, base: RunConfig) -> None:
+def plot_axis(axis: str, rows: list, impls: list, path: str, base: Job) -> None:
     """Step time, overhead per group and peak memory against ``axis``, one line per impl."""
     import matplotlib
 

@@ -7,7 +7,7 @@ host issued them, once, keeping one clock per stream, per process group and for 
                         takes ``device.seconds``; the stream is busy until it ends
     collective          starts when its stream has reached it and its process group's wire is
                         free (one NCCL communicator runs its collectives one after another, as
-                        ``bench.simnet``'s wire does), takes ``network.seconds``
+                        ``measure.simnet``'s wire does), takes ``network.seconds``
     Work.wait()         the issuing stream (an accelerator: NCCL makes the current stream wait)
                         or the host (the CPU: gloo blocks the caller) waits for its end
     record_event        the event is the stream's clock at that point
@@ -105,7 +105,7 @@ def replay(trace: dict, device, network, cpu: bool) -> dict:
 
 def per_link(trace: dict, network) -> dict:
     """Collectives of the step by (op, link): count, bytes per rank, wire bytes, seconds."""
-    from twinshard.bench import simnet
+    from twinshard.measure import simnet
 
     out: dict = {}
     for info in trace["collectives"]:

@@ -40,8 +40,8 @@ _event_ids = itertools.count()
 
 
 _NOT_MINE = (
-    "/fakeaccel/shim.py",
-    "/fakeaccel/monitor.py",
+    "/twinshard/measure/fakecuda.py",
+    "/twinshard/measure/monitor.py",
     "/torch/_",
     "/torch/utils/_",
     "/torch/overrides.py",
@@ -187,7 +187,7 @@ def device(index):
 
 
 def get_device_name(device=None) -> str:
-    return "fake accelerator (twinshard.fakeaccel)"
+    return "fake accelerator (twinshard.measure.fakeaccel)"
 
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:

@@ -2,13 +2,13 @@
 
 The optimized path's accelerator schedule is checked on the CPU with stand-in streams
 (``twinshard/standin.py``), which log every ``wait_stream``, ``record_event`` and ``wait_event``.
-The same schedule runs on the fake accelerator through ``shim`` (the same log) and on a real
+The same schedule runs on the fake accelerator through ``fakecuda`` (the same log) and on a real
 GPU through ``torch.cuda``'s streams and events, which ``CudaRecorder`` logs the same way. If
 the three logs are one sequence, the stand-in checks (the stream sanitizer) checked the order
 the device gets.
 
 Streams and events have different names in each run (``copy_in`` on the stand-ins,
-``stream1`` on the shim, a pointer on a GPU), so ``canonical`` renames them: streams in the
+``stream1`` on the fakecuda, a pointer on a GPU), so ``canonical`` renames them: streams in the
 order they first appear, an event after the recording it refers to. ``orders(config, on)``
 records the optimized path's steps both ways in this process (``on``: "fake" or "cuda") and
 ``first_difference`` says where they part; ``benchmarks/stream_order.py`` is the command.
@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from twinshard.bench.config import RunConfig
+from twinshard.measure.job import Job
 
 KINDS = ("wait_stream", "record_event", "wait_event")
 
@@ -108,16 +108,18 @@ class CudaRecorder:
         self.saved = []
 
 
-def orders(config: RunConfig, steps: int = 2, on: str = "fake") -> tuple[list, list]:
+def orders(config: Job, steps: int = 2, on: str = "fake") -> tuple[list, list]:
     """The optimized path's canonical logs of ``steps`` steps of ``config``: on the device
     (``on``: "fake" for the fake accelerator, "cuda" for a GPU) and with the stand-ins."""
-    from . import runner, shim
+    from twinshard.measure import fakecuda
+
+    from . import runner
 
     config = replace(config, impl="optimized", foreach=True)
     if on == "fake":
-        start = len(shim.LOG)
+        start = len(fakecuda.LOG)
         runner.fake_accelerator_run(config, steps, None)
-        device_log = shim.LOG[start:]
+        device_log = fakecuda.LOG[start:]
     else:
         with CudaRecorder() as recorder:
             runner.device_run(config, steps, on)
@@ -125,7 +127,7 @@ def orders(config: RunConfig, steps: int = 2, on: str = "fake") -> tuple[list, l
     return canonical(device_log), canonical(standin_log(config, steps))
 
 
-def standin_log(config: RunConfig, steps: int) -> list[tuple]:
+def standin_log(config: Job, steps: int) -> list[tuple]:
     """The stand-in streams' log of ``steps`` steps of ``config`` on the CPU (fake process
     group, real tensors)."""
     from twinshard.optimized.streams import STANDIN_ENV

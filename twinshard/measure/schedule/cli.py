@@ -12,7 +12,7 @@ and the second step is recorded on every rank; rank 0's record is printed and dr
 ``--impls`` takes reference, optimized, torch, or any importable module with the
 ``fully_shard`` interface; the flags are those of every measuring command
 (``twinshard.measure.flags``). ``--fake-accelerator`` records rank 0 of ``--world`` ranks in
-one spawned process on the fake accelerator (``twinshard.fakeaccel``): the accelerator's
+one spawned process on the fake accelerator (``twinshard.measure.fakeaccel``): the accelerator's
 schedule at any world size, with the sizes and memory of that world and no values.
 """
 
@@ -96,7 +96,8 @@ def record_on_fake_accelerator(impls: list[str], world_size: int, **options) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
-    from twinshard.fakeaccel import DEVICE_TYPE, Monitor
+    from twinshard.measure.fakedevice import DEVICE_TYPE
+    from twinshard.measure.monitor import Monitor
 
     world.join("fakeaccel", world_size)
     mesh = init_device_mesh(DEVICE_TYPE, (world_size,))

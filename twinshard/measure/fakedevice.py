@@ -11,7 +11,7 @@ What works is a device of torch's own extension slot (``PrivateUse1``) registere
 Python: renamed ``fakecuda``, with a Python device guard and Python hooks that say it is built
 and available, it *is* then torch's accelerator (``torch.accelerator.current_accelerator()``
 names it), so autograd, ``DeviceMesh``, DTensor, the optimizers and FSDP2 treat it as they
-treat CUDA, through ``torch.get_device_module``, which answers with ``shim`` (streams and
+treat CUDA, through ``torch.get_device_module``, which answers with ``fakecuda`` (streams and
 events, the current device, the RNG). The tensors on it are ``FakeTensor``s: shapes, dtypes
 and devices, no values, so ``.item()`` cannot answer and a step costs no arithmetic.
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import shim
-from .shim import DEVICE_TYPE  # the PrivateUse1 device's name: a stand-in for cuda
+from . import fakecuda
+from .fakecuda import DEVICE_TYPE  # the PrivateUse1 device's name: a stand-in for cuda
 
 BACKEND = "fakeaccel"  # the process-group backend registered for it
 
@@ -55,12 +55,12 @@ def register() -> torch.device:
     current = torch.accelerator.current_accelerator()
     if current is not None:
         raise RuntimeError(
-            f"twinshard.fakeaccel.register: this process already has the accelerator "
+            f"twinshard.measure.fakeaccel.register: this process already has the accelerator "
             f"{current.type!r}; run the fake-accelerator run in a process of its own "
-            "(twinshard.fakeaccel.runner.run spawns one)"
+            "(twinshard.measure.fakeaccel.runner.run spawns one)"
         )
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
-    torch._register_device_module(DEVICE_TYPE, shim)
+    torch._register_device_module(DEVICE_TYPE, fakecuda)
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(_Guard())
     _registered = True

@@ -1,6 +1,6 @@
-"""twinshard.schedule: one training step of any FSDP implementation, hook by hook.
+"""twinshard.measure.schedule: one training step of any FSDP implementation, hook by hook.
 
-    from twinshard.schedule import Recorder, format_table, plot_timeline
+    from twinshard.measure.schedule import Recorder, format_table, plot_timeline
     recorder = Recorder(model, impl="reference")    # after fully_shard, before the step
     with recorder:
         model(x).sum().backward()
@@ -23,14 +23,14 @@ from .text import format_table
 
 
 def plot_timeline(*args, **kwargs):
-    """Draw schedules as a timeline; see ``twinshard.schedule.timeline.plot_timeline``."""
+    """Draw schedules as a timeline; see ``twinshard.measure.schedule.timeline.plot_timeline``."""
     from .timeline import plot_timeline as plot
 
     return plot(*args, **kwargs)
 
 
 def record_step(*args, **kwargs):
-    """Record one step of the example model; see ``twinshard.schedule.cli.record_step``."""
+    """Record one step of the example model; see ``twinshard.measure.schedule.cli.record_step``."""
     from .cli import record_step as record
 
     return record(*args, **kwargs)

@@ -1,10 +1,10 @@
 """The fake-accelerator run from the command line: a W-rank accelerator job, checked on the CPU.
 
-    python -m twinshard.fakeaccel                              # W = 8, tiny Llama, bf16, all three
-    python -m twinshard.fakeaccel --world 64 --hsdp 8 --offload --reshard-after-forward 4
-    python -m twinshard.fakeaccel --impls optimized --world 1024 --json out.json
+    python -m twinshard.measure.fakeaccel                              # W = 8, tiny Llama, bf16, all three
+    python -m twinshard.measure.fakeaccel --world 64 --hsdp 8 --offload --reshard-after-forward 4
+    python -m twinshard.measure.fakeaccel --impls optimized --world 1024 --json out.json
     twinshard bench --backend fakeaccel --world 64             # the same, from twinshard bench
-    python -m twinshard.fakeaccel --device cuda                # the same checks on a real GPU
+    python -m twinshard.measure.fakeaccel --device cuda                # the same checks on a real GPU
 
 Each implementation (``--impls``: reference, optimized, torch or a module path) trains
 ``--steps`` steps on the fake accelerator in one spawned process, which plays rank 0 of
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 
-from twinshard.bench.config import SHARDED, RunConfig
 from twinshard.measure import flags
+from twinshard.measure.job import SHARDED, Job
 
 from .report import check_and_report
 from .runner import STEPS
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def configs_from(args) -> list[RunConfig]:
+def configs_from(args) -> list[Job]:
     """One job per implementation; ``SystemExit`` with the first problem of any."""
     jobs = flags.jobs(args, backend="fakeaccel")
     wrong = flags.problem(jobs)
@@ -53,7 +53,7 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m twinshard.fakeaccel", description=__doc__.split("\n")[0]
+        prog="python -m twinshard.measure.fakeaccel", description=__doc__.split("\n")[0]
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

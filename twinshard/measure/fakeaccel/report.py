@@ -7,13 +7,13 @@ The table has a row per configuration, with the figures of its last (steady-stat
     host colls        collectives given a tensor on the host
     colls = CPU       collectives issued, and whether every step's sequence equals the CPU run's
     peak MB           the accelerator's bytes at their peak (everything: activations included)
-    FSDP MB / model   what FSDP holds at its peak (``bench.probe``), and the memory model's
+    FSDP MB / model   what FSDP holds at its peak (``measure.probe``), and the memory model's
                       prediction over it where the model covers the setting
 
 Below it, for every configuration that did not come out clean: where each host sync and each
 host collective came from (a short stack, with how often per step), the first collective that
 differs from the CPU run, and a failure's traceback. ``check_and_report`` runs the checks and
-publishes this (``python -m twinshard.fakeaccel``, ``twinshard bench --backend fakeaccel``).
+publishes this (``python -m twinshard.measure.fakeaccel``, ``twinshard bench --backend fakeaccel``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The fake-accelerator run: one process plays one rank of a W-rank accelerator job.
 
 ``check(config)`` runs, in this process, a configuration of ``twinshard bench``
-(``bench.config.RunConfig``: implementation, Llama-style model, world, HSDP replicas, dtype,
+(``measure.job.Job``: implementation, Llama-style model, world, HSDP replicas, dtype,
 offload, ``reshard_after_forward``) twice:
 
 1. on the fake accelerator (``measure.world.join``): inside ``FakeTensorMode`` (torch's
@@ -10,14 +10,14 @@ offload, ``reshard_after_forward``) twice:
    a model built on the host, where a user keeps an offloaded one (torch's takes the meta path,
    to the host). Then it trains for ``steps`` steps (forward, backward, SGD with momentum and
    ``foreach``, which reads no scalar on the host) under ``monitor.Monitor``, with
-   ``bench.probe.Probe`` sorting the bytes FSDP holds into the memory model's categories;
+   ``measure.probe.Probe`` sorting the bytes FSDP holds into the memory model's categories;
 2. on the CPU, with real tensors and PyTorch's fake process group at the same world size (as
    ``twinshard bench --backend fake``), recording the collectives only.
 
 It returns a plain dict (``report`` prints it): per step the host syncs and where they come
 from, the explicit synchronizations, the collectives with host tensors, the collectives and
 whether they equal the CPU run's, the accelerator's peak bytes and, for the last step, the
-FSDP-held bytes by category beside ``bench.memmodel.predict`` where the model covers the
+FSDP-held bytes by category beside ``measure.memmodel.predict`` where the model covers the
 setting (no offload, ``reshard_after_forward=True``).
 
 ``run(configs)`` spawns one fresh process for many configurations (the registration cannot
@@ -35,22 +35,21 @@ import torch
 import torch.distributed as dist
 
 from twinshard import fresh_process, impls
-from twinshard.bench import memmodel
-from twinshard.bench.config import SHARDED, RunConfig
-from twinshard.bench.probe import Probe, sharded_modules
-from twinshard.measure import step, world
+from twinshard.measure import memmodel, step, world
+from twinshard.measure.fakecuda import DEVICE_TYPE
+from twinshard.measure.fakedevice import backend_name
+from twinshard.measure.job import SHARDED, Job
+from twinshard.measure.monitor import Monitor, Phase
+from twinshard.measure.probe import Probe, sharded_modules
 from twinshard.models import Llama
 
-from .device import backend_name
-from .monitor import Monitor, Phase
 from .planted import plant
-from .shim import DEVICE_TYPE
 
 STEPS = 2  # the first step initializes lazily; the second is the steady state
 
 
 def check(
-    config: RunConfig,
+    config: Job,
     steps: int = STEPS,
     cpu: bool = True,
     planted: str | None = None,
@@ -101,7 +100,7 @@ def run(configs: list, timeout: float = 900, **options) -> list[dict]:
 
 
 # --- the two runs --------------------------------------------------------------------------------
-def fake_accelerator_run(config: RunConfig, steps: int, planted) -> list[Phase]:
+def fake_accelerator_run(config: Job, steps: int, planted) -> list[Phase]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = world.join("fakeaccel", config.world)
@@ -127,7 +126,7 @@ def fake_accelerator_run(config: RunConfig, steps: int, planted) -> list[Phase]:
     return monitor.finish()
 
 
-def device_run(config: RunConfig, steps: int, device_type: str, planted=None) -> list[Phase]:
+def device_run(config: Job, steps: int, device_type: str, planted=None) -> list[Phase]:
     """The same checks on a real accelerator, for the day one is lent (``benchmarks/gpu.sh``):
     real tensors on ``device_type`` and the fake process group registered for it alone
     (``measure.world``'s ``lent``), so that one GPU plays rank 0 of W and a host tensor in a
@@ -139,7 +138,7 @@ def device_run(config: RunConfig, steps: int, device_type: str, planted=None) ->
     module = torch.get_device_module(device_type)
     if device_type == "cpu" or not module.is_available():
         raise RuntimeError(
-            f"twinshard.fakeaccel: no {device_type!r} device here; run the checks on the fake "
+            f"twinshard.measure.fakeaccel: no {device_type!r} device here; run the checks on the fake "
             "accelerator instead (on='fake', or --device fake)"
         )
     device = world.join("lent", config.world, device_type)
@@ -163,7 +162,7 @@ def device_run(config: RunConfig, steps: int, device_type: str, planted=None) ->
     return monitor.finish()
 
 
-def cpu_run(config: RunConfig, steps: int, planted) -> list[list[tuple]]:
+def cpu_run(config: Job, steps: int, planted) -> list[list[tuple]]:
     """The collectives of each step of the same configuration on the CPU (real tensors, the
     fake process group), as ``Collective.key()`` tuples."""
     cpu = replace(config, backend="fake")
@@ -210,7 +209,7 @@ def _summary(phase: Phase) -> dict:
     }
 
 
-def _memory_model(config: RunConfig, phase: Phase) -> dict:
+def _memory_model(config: Job, phase: Phase) -> dict:
     """The memory model's prediction for the last step beside the probe's measurement, or why
     the model does not cover this setting."""
     measured = sum(phase.categories.values())

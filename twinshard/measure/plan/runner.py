@@ -4,7 +4,7 @@
 process and returns what ``trace.StepTrace`` saw of the second step (the first initializes
 lazily and creates the optimizer's state):
 
-- on an accelerator profile, the fake-accelerator run (``twinshard.fakeaccel``): the
+- on an accelerator profile, the fake-accelerator run (``twinshard.measure.fakeaccel``): the
   ``fakecuda`` device, PyTorch's fake process group for it, stand-in streams behind
   ``torch.cuda``'s API, ``FakeTensor``s. Attention runs PyTorch's flash-attention kernel,
   which a GPU's ``scaled_dot_product_attention`` picks for these shapes, rather than the
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from twinshard import fresh_process
-from twinshard.bench.probe import Probe, sharded_modules
 from twinshard.measure import step, world
+from twinshard.measure.probe import Probe, sharded_modules
 from twinshard.models import Llama
 
 from . import checkpointing

@@ -13,17 +13,15 @@ from dataclasses import replace
 import torch
 
 from twinshard import impls as implementations
-from twinshard.measure import flags
-from twinshard.measure.job import Job, positive
+from twinshard.measure import flags, memmodel, simnet
+from twinshard.measure.job import BASELINES, SHARDED, Job, positive
 
-from . import memmodel, simnet
-from .config import BASELINES, FAKEACCEL_RUNS, IMPLS, SHARDED
 from .runner import compare
 from .stats import add_overlap, add_ratios, summarize
 
 # What each mode runs unless told otherwise (the Job's defaults besides).
 DEFAULTS = {
-    "compare": dict(impls=",".join(IMPLS)),
+    "compare": dict(impls=",".join(BASELINES + SHARDED)),
     # tiny blocks, so that compute is negligible and the hooks' own CPU time shows; the
     # optimizer as on an accelerator, the setting this mode stands for: multi-tensor
     # operations, not the CPU's loop of DTensor dispatches per parameter
@@ -68,7 +66,7 @@ def problem(args, base: Job, names: list[str]) -> str | None:
     if base.backend == "fakeaccel":  # runs the FSDP implementations among them only
         names = [name for name in names if name not in BASELINES]
         if not names:
-            return FAKEACCEL_RUNS
+            return "--backend fakeaccel runs FSDP implementations only (not plain or ddp)"
     wrong = flags.problem([replace(base, impl=name) for name in names], baselines=True)
     if wrong or base.backend != "simnet":
         return wrong

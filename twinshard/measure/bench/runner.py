@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from twinshard import fresh_process
 from twinshard.measure import step, world
+from twinshard.measure.job import Job
+from twinshard.measure.probe import Probe, sharded_modules
 
-from .config import RunConfig
-from .probe import Probe, sharded_modules
 from .progress import Progress
 
 
@@ -53,14 +53,14 @@ def _comm_of_step(calls: list) -> dict:
     }
 
 
-def run_rank(config: RunConfig) -> dict:
+def run_rank(config: Job) -> dict:
     """One implementation on this rank: step times, memory, collectives (see the module doc)."""
     if config.simulated:
         torch.set_num_threads(int(os.environ.get("TWINSHARD_THREADS", "1") or "0") or 1)
     device = world.join(config.backend, config.world, config.device, config.link, config.latency_us)
     net = None
     if config.backend == "simnet":
-        from . import simnet
+        from twinshard.measure import simnet
 
         net = simnet.network()
     cuda = config.device == "cuda"
@@ -136,7 +136,7 @@ def _measure_memory(model, opt, tokens, net) -> dict:
     }
 
 
-def run(config: RunConfig, timeout: float = 1800) -> dict:
+def run(config: Job, timeout: float = 1800) -> dict:
     """Run ``config`` in processes of its own; the ranks' results combined (rank 0's memory,
     each step as slow as its slowest rank)."""
     if config.simulated:
@@ -150,7 +150,7 @@ def run(config: RunConfig, timeout: float = 1800) -> dict:
     return first
 
 
-def compare(configs: list[RunConfig], repeat: int, progress: bool = True) -> list[list[dict]]:
+def compare(configs: list[Job], repeat: int, progress: bool = True) -> list[list[dict]]:
     """Every configuration ``repeat`` times, interleaved; ``out[i]`` holds config i's runs."""
     out: list[list[dict]] = [[] for _ in configs]
     bar = Progress(len(configs) * repeat, "bench", enabled=progress)
@@ -164,7 +164,7 @@ def compare(configs: list[RunConfig], repeat: int, progress: bool = True) -> lis
     return out
 
 
-def label(config: RunConfig) -> str:
+def label(config: Job) -> str:
     extra = f" @{config.link}" if config.backend == "simnet" else ""
     return config.impl + extra
 

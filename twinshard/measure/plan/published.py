@@ -16,9 +16,9 @@ Llama 2. Each run is planned with torch's ``fully_shard`` and the device's and n
 constants (``profiles.py``), the same for every run; two runs are marked as the ones the
 efficiencies were fitted on (``CALIBRATED_ON``) and are not evidence.
 
-    python -m twinshard.plan.published --out benchmarks/results/2026-11-24-plan-published.md
-    python -m twinshard.plan.published --only 8b,13b     # runs whose name has one of these
-    python -m twinshard.plan.published --traces DIR --fit  # keep the recorded steps; re-time
+    python -m twinshard.measure.plan.published --out benchmarks/results/2026-11-24-plan-published.md
+    python -m twinshard.measure.plan.published --only 8b,13b     # runs whose name has one of these
+    python -m twinshard.measure.plan.published --traces DIR --fit  # keep the recorded steps; re-time
     # them with other constants without recording again; print the fitted efficiencies
 """
 

@@ -12,7 +12,7 @@ host syncs
     device-to-host copy is a sync unless it is ``non_blocking`` into pinned memory; a
     host-to-device copy is one unless it is ``non_blocking`` (CUDA's copy kernel waits for
     the stream after any blocking copy between host and device). Each comes with a short
-    stack. Explicit ``synchronize()`` calls are counted by ``shim`` and reported apart.
+    stack. Explicit ``synchronize()`` calls are counted by ``fakecuda`` and reported apart.
 host tensors in collectives
     every ``c10d`` operator's tensors must live on the accelerator: NCCL has no host backend.
     The fake process group cannot refuse a fake host tensor, so the monitor does.
@@ -24,7 +24,7 @@ memory
     its identity stays unique) and counted while something else still uses it; its bytes are
     read at each count, so a ``resize_`` (FSDP frees an all-gather output that way) counts.
     After each operator that made a new storage, the live bytes per device type are summed
-    and the peak of the accelerator's kept. ``probe``, when given (``bench.probe.Probe``),
+    and the peak of the accelerator's kept. ``probe``, when given (``measure.probe.Probe``),
     sorts the same bytes into the categories of the memory model.
 
 Pinned host memory: the fake mode cannot pin (``aten._pin_memory`` is not implemented for it),
@@ -47,8 +47,8 @@ from torch.utils._pytree import tree_leaves
 
 from twinshard import c10d
 
-from . import shim
-from .shim import short_stack
+from . import fakecuda
+from .fakecuda import short_stack
 
 aten = torch.ops.aten
 _PLACEHOLDER = {bool: False, int: 0, float: 0.0}
@@ -111,7 +111,7 @@ class Monitor(TorchDispatchMode):
         phase.peak_bytes = phase.start_bytes
         phase.peak_host_bytes = live.get("cpu", 0)
         self.phases.append(phase)
-        self._explicit_mark = len(shim.SYNCS)
+        self._explicit_mark = len(fakecuda.SYNCS)
         if self.probe is not None:
             self.probe.peak, self.probe.peak_total = {}, 0
         return phase
@@ -121,7 +121,7 @@ class Monitor(TorchDispatchMode):
         return self.phases[-1]
 
     def _close(self) -> None:
-        self.phase.explicit_syncs = list(shim.SYNCS[self._explicit_mark :])
+        self.phase.explicit_syncs = list(fakecuda.SYNCS[self._explicit_mark :])
         if self.probe is not None:
             self.phase.categories = dict(self.probe.peak)
 
@@ -156,8 +156,8 @@ class Monitor(TorchDispatchMode):
     def _count(self) -> None:
         live = self.live_bytes()
         now = live.get(self.accelerator, 0)
-        shim.MEMORY["allocated"] = now
-        shim.MEMORY["peak"] = max(shim.MEMORY["peak"], now)
+        fakecuda.MEMORY["allocated"] = now
+        fakecuda.MEMORY["peak"] = max(fakecuda.MEMORY["peak"], now)
         self.phase.peak_bytes = max(self.phase.peak_bytes, now)
         self.phase.peak_host_bytes = max(self.phase.peak_host_bytes, live.get("cpu", 0))
 

@@ -118,7 +118,7 @@ class Network:
     link: Link
     calls: list = field(default_factory=list)
     fill: bool = True  # write the values described in the module docstring
-    observer: Any = None  # called with (op, tensors) at every collective (bench.probe)
+    observer: Any = None  # called with (op, tensors) at every collective (measure.probe)
 
     def seconds(self, op: str, nbytes: int, size: int) -> float:
         return self.link.seconds(wire_bytes(op, nbytes, size)) if size > 1 else 0.0

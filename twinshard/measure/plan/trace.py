@@ -9,7 +9,7 @@ entries
     operator with its stream, its FLOPs (PyTorch's FLOP counter registry, as
     ``torch.utils.flop_counter.FlopCounterMode`` counts them) and the bytes it reads and
     writes; every collective with its stream and process group; the streams' waits and events
-    (the shim's log, or nothing on the CPU); explicit synchronizations and hidden host syncs;
+    (the fake device module's log, or nothing on the CPU); explicit synchronizations and hidden host syncs;
     and each ``Work.wait()`` (on the CPU the host waits there; on an accelerator the stream
     that issued the collective does). Operators that only make views or empty buffers cost
     nothing and are left out.
@@ -23,7 +23,7 @@ memory
     the next step, which repeats the measured one operator for operator (the steady state):
     ``arm(index)`` makes the trace stop after that operator and sort every live storage of the
     device (``parts_at_peak``) into a parameter shard, optimizer state, a sharded gradient, an
-    unsharded parameter or its gradient (``bench.probe``'s view of the model, looked at once,
+    unsharded parameter or its gradient (``measure.probe``'s view of the model, looked at once,
     there), a buffer that a collective used during that step, another buffer made by the FSDP
     implementation's own code (for example gradients cast to the reduction dtype before they
     are packed), or, for the rest, activations and temporaries of the model's arithmetic.
@@ -43,8 +43,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from twinshard import c10d
-from twinshard.fakeaccel import shim
-from twinshard.fakeaccel.monitor import Monitor
+from twinshard.measure import fakecuda
+from twinshard.measure.monitor import Monitor
 
 aten = torch.ops.aten
 
@@ -84,7 +84,7 @@ def made_by_fsdp() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if any(part in name for part in FSDP_CODE) and "/twinshard/plan/" not in name:
+        if any(part in name for part in FSDP_CODE) and "/twinshard/measure/plan/" not in name:
             return True
         frame = frame.f_back
     return False
@@ -116,8 +116,8 @@ class StepTrace(Monitor):
         self.works: dict[int, int] = {}  # id(Work) -> its collective's entry index
         self.flops = Counter()  # by label kind: forward, backward, recompute, optimizer
         self._count_serial = itertools.count()
-        self._log_mark = len(shim.LOG)
-        self._sync_mark = len(shim.SYNCS)
+        self._log_mark = len(fakecuda.LOG)
+        self._sync_mark = len(fakecuda.SYNCS)
 
     # --- recording on and off ---------------------------------------------------------------
     def begin(self, name: str):
@@ -127,7 +127,7 @@ class StepTrace(Monitor):
     def start(self) -> None:
         """Record from here (the measured step begins)."""
         self.recording = True
-        self._log_mark, self._sync_mark = len(shim.LOG), len(shim.SYNCS)
+        self._log_mark, self._sync_mark = len(fakecuda.LOG), len(fakecuda.SYNCS)
 
     def arm(self, operator: int) -> None:
         """Take the snapshot of the parts after ``operator`` of the phase that begins next.
@@ -154,12 +154,12 @@ class StepTrace(Monitor):
         between operators)."""
         if not self.recording:
             return
-        for kind, stream, other in shim.LOG[self._log_mark :]:
+        for kind, stream, other in fakecuda.LOG[self._log_mark :]:
             self.entries.append((kind, stream, other))
-        self._log_mark = len(shim.LOG)
-        for what, _ in shim.SYNCS[self._sync_mark :]:
+        self._log_mark = len(fakecuda.LOG)
+        for what, _ in fakecuda.SYNCS[self._sync_mark :]:
             self.entries.append(("sync", what, None))
-        self._sync_mark = len(shim.SYNCS)
+        self._sync_mark = len(fakecuda.SYNCS)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -172,7 +172,7 @@ class StepTrace(Monitor):
         self._flush()
         collectives, syncs = len(self.phase.collectives), len(self.phase.syncs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        stream = shim.current_stream().name if self.accelerator != "cpu" else "host"
+        stream = fakecuda.current_stream().name if self.accelerator != "cpu" else "host"
         label = self.labels.now
         if len(self.phase.collectives) > collectives:
             self._record_collective(args, kwargs, out, stream, label)
@@ -243,7 +243,7 @@ class StepTrace(Monitor):
         """``Work.wait()`` was called on ``work`` (see ``runner.watch_waits``)."""
         if self.recording and id(work) in self.works:
             self._flush()
-            stream = shim.current_stream().name if self.accelerator != "cpu" else "host"
+            stream = fakecuda.current_stream().name if self.accelerator != "cpu" else "host"
             collective = self.entries[self.works[id(work)]][2]
             self.entries.append(("wait_work", stream, collective))
 
@@ -262,7 +262,7 @@ class StepTrace(Monitor):
         super()._count()
         if not self.recording:
             return
-        now = shim.MEMORY["allocated"]  # what Monitor._count just summed for the device
+        now = fakecuda.MEMORY["allocated"]  # what Monitor._count just summed for the device
         self.timeline.append((len(self.entries), now, self.labels.now))
         if self.phase.peak_bytes > before:
             self.peak_operator, self.peak_label = self.operators, self.labels.now
@@ -280,7 +280,7 @@ class StepTrace(Monitor):
 
     def _roles(self) -> dict[int, str]:
         """storage key -> the first of the probe's categories that claims it now."""
-        from twinshard.bench.probe import Probe
+        from twinshard.measure.probe import Probe
 
         probe = Probe(self.model, self.optimizer, self.modules)
         probe._look()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from . import memmodel
+from twinshard.measure import memmodel
 
 
 def quantiles(values: list[float]) -> tuple[float, float, float]:

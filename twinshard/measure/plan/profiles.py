@@ -7,7 +7,7 @@ kernel's floor (``kernel_s``); a copy between host and device takes its bytes ov
 link. Peaks, bandwidths and capacities are the vendors' datasheet figures. The efficiency is
 the one number that is not: it is fitted once per device, on one published run named beside
 it (``CALIBRATED_ON``), and then held fixed for every other prediction; fp32 uses the bf16
-figure (no published fp32 run exists to fit it on). ``bench.memmodel``-style tuning per
+figure (no published fp32 run exists to fit it on). ``measure.memmodel``-style tuning per
 configuration is what this avoids.
 
 A **network** turns a collective into seconds (``Network.seconds``), with NCCL's own latency
@@ -17,10 +17,10 @@ model for ring algorithms (``src/graph/tuning.cc``, ring, Simple protocol: a bas
     seconds = base + steps * per_step + wire bytes / bandwidth
 
 with ``steps`` = S - 1 for an all-gather or reduce-scatter over S ranks (2 (S - 1) for an
-all-reduce) and the wire bytes of ``bench.simnet.wire_bytes``. A group whose ranks share a
+all-reduce) and the wire bytes of ``measure.simnet.wire_bytes``. A group whose ranks share a
 node (``ranks_per_node`` consecutive ranks) runs on the node's link, any other on the
 network's: a ring over several nodes is as fast as its slowest hop. The bus bandwidths are
-what NCCL reaches for large messages, the figures ``bench.simnet.LINKS`` uses (NVLink in an
+what NCCL reaches for large messages, the figures ``measure.simnet.LINKS`` uses (NVLink in an
 H100 node 350 GB/s; one 400 Gb/s NIC per GPU: 45 GB/s, 0.9 of the line rate), the same 0.9
 for a 200 Gb/s NIC, and NVIDIA's published ``nccl-tests`` bus bandwidth of an A100 node's
 NVLink (230 GB/s).
@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from twinshard.bench import simnet
+from twinshard.measure import simnet
 
 GiB = 2**30
 BF16, FP32 = "torch.bfloat16", "torch.float32"

@@ -13,7 +13,7 @@ group: collectives do nothing) and ``simnet`` (a simulated network: collectives 
 bytes / bandwidth of ``--link``) run one process as rank 0 of a world of ``--world`` ranks, with
 the shapes, memory and CPU work of that world. With ``simnet`` every implementation also runs on
 an instant network, which gives its compute time and so its overlap efficiency. ``fakeaccel``
-runs the sharded implementations on the fake accelerator instead (``twinshard.fakeaccel``): no
+runs the sharded implementations on the fake accelerator instead (``twinshard.measure.fakeaccel``): no
 timings, but the host syncs, host tensors in collectives, collectives and device memory of
 rank 0 of a ``--world``-rank accelerator job.
 """
@@ -25,12 +25,12 @@ import json
 import sys
 from dataclasses import replace
 
-from twinshard.fakeaccel.report import check_and_report
 from twinshard.measure import flags
+from twinshard.measure.fakeaccel.report import check_and_report
+from twinshard.measure.job import BACKENDS, BASELINES, Job
 from twinshard.report_files import publish, write_json
 
 from . import compare, hooks, sweep
-from .config import BACKENDS, BASELINES, RunConfig
 from .report import memory_table, meta, plot, table
 from .stats import overlap_efficiency
 
@@ -89,9 +89,9 @@ def run(args) -> int:
     return 0
 
 
-def fake_accelerator(base: RunConfig, impls: list[str], args) -> int:
+def fake_accelerator(base: Job, impls: list[str], args) -> int:
     """``--backend fakeaccel``: the sharded implementations among ``impls`` on the fake
-    accelerator (``twinshard.fakeaccel``), two steps each, and its report."""
+    accelerator (``twinshard.measure.fakeaccel``), two steps each, and its report."""
     sharded = [i for i in impls if i not in BASELINES]  # some: compare.problem says so
     configs = [replace(base, impl=i, device="cpu") for i in sharded]
     options = argparse.Namespace(
@@ -100,7 +100,7 @@ def fake_accelerator(base: RunConfig, impls: list[str], args) -> int:
     return check_and_report(configs, options)
 
 
-def show(base: RunConfig, summary: dict, args) -> None:
+def show(base: Job, summary: dict, args) -> None:
     """Print the tables; write them (``--markdown``) and the plot (``--plot``) if asked."""
     text = describe(base) + "\n\n" + table(summary)
     if base.memory:
@@ -116,7 +116,7 @@ def rerender(args) -> int:
     (the memory model and the overlap formula are applied anew)."""
     with open(args.from_json) as f:
         recorded = json.load(f)
-    base = RunConfig(**recorded["meta"]["config"])
+    base = Job(**recorded["meta"]["config"])
     if base.memory:
         compare.add_memory_model(recorded["summary"], base)
     for row in recorded["summary"].values():
@@ -129,7 +129,7 @@ def rerender(args) -> int:
     return 0
 
 
-def describe(config: RunConfig) -> str:
+def describe(config: Job) -> str:
     cfg = config.llama()
     mesh = f"{config.replicas}x{config.world // config.replicas}" if config.replicas > 1 else ""
     link = f", link {config.link}" if config.backend == "simnet" else ""
