@@ -40,11 +40,8 @@ class CollectiveTrace(TorchDispatchMode):
         self.calls: list[Call] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = c10d.name_of(func)
-        tensors = c10d.tensors(args) if name is not None else []
-        if tensors:  # an exchange in place counts as the all-gather it is
-            op, numel, big = c10d.collective_size(name, tensors)
-            self.calls.append(Call(op, big.dtype, numel))
+        if (call := c10d.call(func, args, kwargs)) is not None:  # an exchange in place
+            self.calls.append(Call(call.op, call.big.dtype, call.numel))  # is its all-gather
         return func(*args, **(kwargs or {}))
 
 

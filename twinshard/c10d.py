@@ -142,6 +142,60 @@ def collective_size(name: str, found: list[torch.Tensor]) -> tuple[str, int, tor
     return op, big.numel(), big
 
 
+class Call(NamedTuple):
+    """One collective as a dispatch mode sees it (``call``): what every observer reads."""
+
+    name: str  # the operator, a key of ``OPS``
+    op: str  # the collective it stands for (an exchange in place: the all-gather)
+    numel: int  # of its largest tensor, or the whole buffer of an exchange in place
+    big: torch.Tensor  # its largest tensor, whose dtype it runs in
+    outputs: list[torch.Tensor]
+    inputs: list[torch.Tensor]  # the outputs again for an operator in place
+    group: object  # its process group, or None where the call names none
+    blocking: bool  # the caller did not ask for a work handle
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the call, outputs first, each once."""
+        return self.outputs if self.inputs is self.outputs else self.outputs + self.inputs
+
+    @property
+    def dtype(self) -> str:
+        return str(self.big.dtype).removeprefix("torch.")
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.big.element_size()
+
+    def ranks(self) -> list[int]:
+        """The global ranks of its group (all of them for none; for a group the default
+        world does not know, as many as it has)."""
+        if self.group is None:
+            return list(range(dist.get_world_size()))
+        try:
+            return dist.get_process_group_ranks(self.group)
+        except (ValueError, RuntimeError):
+            return list(range(self.group.size()))
+
+
+def call(func, args, kwargs=None) -> Call | None:
+    """``func`` called on ``args`` and ``kwargs`` as a ``Call``, or None: not a collective of
+    ``OPS``, or one with no tensor."""
+    name = name_of(func)
+    if name is None:
+        return None
+    bound = arguments(func, args, kwargs)
+    outputs, inputs = sides(name, bound)
+    if OPS[name].outputs == OPS[name].inputs:
+        inputs = outputs
+    found = outputs if inputs is outputs else outputs + inputs
+    if not found:
+        return None
+    op, numel, big = collective_size(name, found)
+    group = group_of(bound.get("process_group"))
+    return Call(name, op, numel, big, outputs, inputs, group, not bound.get("async_op", True))
+
+
 def exchanges_values(group) -> bool:
     """Whether ``group``'s collectives carry values between processes: PyTorch's fake process
     group (one process playing one rank of many) answers every collective without any."""

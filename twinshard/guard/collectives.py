@@ -136,12 +136,9 @@ class _Watch(TorchDispatchMode):
     """Checks each ``c10d`` collective as it reaches the dispatcher."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = c10d.name_of(func)
-        if name is not None and c10d.OPS[name].kind in CHECKED:
-            tensors = c10d.tensors(args)
-            group = next((g for a in args if (g := c10d.group_of(a)) is not None), None)
-            if tensors and group is not None:
-                check_collective(name, max(tensors, key=torch.Tensor.numel), group)
+        call = c10d.call(func, args, kwargs)
+        if call is not None and c10d.OPS[call.name].kind in CHECKED and call.group is not None:
+            check_collective(call.name, call.big, call.group)
         return func(*args, **(kwargs or {}))
 
 

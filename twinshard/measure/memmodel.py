@@ -272,3 +272,21 @@ def predict_replicated(groups: list[Group], impl: str, pb: int = 4) -> dict:
     if impl == "ddp":
         out["comm"] = numel * pb
     return out
+
+
+def for_job(job) -> dict | None:
+    """The prediction for ``job`` (a ``twinshard.measure.job.Job``) on rank 0: its model's
+    groups, its implementation, shard group and dtypes; None for an implementation the model
+    does not know (a module from outside the project)."""
+    from twinshard.measure.job import BASELINES, SHARDED
+    from twinshard.models import Llama
+
+    with torch.device("meta"):
+        groups = groups_of(Llama(job.llama()))
+    pb = 2 if job.low_precision is not None else 4
+    if job.impl in BASELINES:
+        return predict_replicated(groups, job.impl, pb)
+    if job.impl not in SHARDED:
+        return None
+    gloo = job.backend == "gloo" and job.replicas == 1
+    return predict(groups, job.impl, job.world // job.replicas, pb, 4, gloo)

@@ -18,7 +18,7 @@ host tensors in collectives
     The fake process group cannot refuse a fake host tensor, so the monitor does.
 collectives
     (op, dtype, elements, group size, group ranks) in issue order, as
-    ``twinshard.c10d.collective_size`` counts them, to compare with the CPU run.
+    ``twinshard.c10d.call`` reads them, to compare with the CPU run.
 memory
     every storage an operator touches is held (a strong reference to the storage object, so
     its identity stays unique) and counted while something else still uses it; its bytes are
@@ -184,8 +184,8 @@ class Monitor(TorchDispatchMode):
             kwargs = {**kwargs, "pin_memory": False}
         else:
             pin = False
-        if (name := c10d.name_of(func)) is not None:
-            self._collective(name, args, kwargs)
+        if (call := c10d.call(func, args, kwargs)) is not None:
+            self._collective(call)
         elif self.on_host:
             pass
         elif func is aten._to_copy.default:
@@ -206,19 +206,14 @@ class Monitor(TorchDispatchMode):
             self.probe.sample()
         return out
 
-    def _collective(self, name: str, args, kwargs) -> None:
-        tensors = c10d.tensors((args, kwargs))
-        if not tensors:
-            return
-        group = c10d.group_in((args, kwargs))  # boxed: a type-name test never saw it
-        op, numel, big = c10d.collective_size(name, tensors)
-        ranks = tuple(_group_ranks(group))
-        call = Collective(op, str(big.dtype).replace("torch.", ""), numel, len(ranks), ranks)
-        self.phase.collectives.append(call)
-        if not self.on_host and any(t.device.type != self.accelerator for t in tensors):
-            self.phase.host_collectives.append((call, tuple(short_stack())))
+    def _collective(self, call: c10d.Call) -> None:
+        ranks = tuple(call.ranks())
+        entry = Collective(call.op, call.dtype, call.numel, len(ranks), ranks)
+        self.phase.collectives.append(entry)
+        if not self.on_host and any(t.device.type != self.accelerator for t in call.tensors):
+            self.phase.host_collectives.append((entry, tuple(short_stack())))
         if self.probe is not None:
-            self.probe.saw_collective(op, tensors, numel * big.element_size())
+            self.probe.saw_collective(call.op, call.tensors, call.nbytes)
 
     def _copy(self, src: torch.Tensor, to, kwargs, pin, dst=None) -> bool:
         """Note a copy of ``src`` to device ``to`` (into ``dst`` for ``copy_``) if the host
@@ -302,14 +297,3 @@ def _storage_holders(values):
             yield from _storage_holders(getattr(t, name) for name in inner)
         else:
             yield t
-
-
-def _group_ranks(group) -> list[int]:
-    import torch.distributed as dist
-
-    if group is None:
-        return list(range(dist.get_world_size()))
-    try:
-        return dist.get_process_group_ranks(group)
-    except (ValueError, RuntimeError):  # a group unknown to the default world: its size only
-        return list(range(group.size()))

@@ -149,6 +149,20 @@ class Probe(TorchDispatchMode):
         self.samples += 1
         return now
 
+    def roles(self, shards=()) -> dict[int, str]:
+        """Every storage (by its object, ``_cdata``) that a category claims now -> the first
+        category above that claims it; ``shards``: weak references to shards seen earlier."""
+        self._look()
+        for ref in shards:
+            if (t := ref()) is not None:
+                self.seen["sharded"][id(t)] = ref
+        roles: dict[int, str] = {}
+        for category in reversed(CATEGORIES):  # the first claim wins: written last
+            for t in [r() for r in self.seen[category].values()]:
+                if t is not None:
+                    roles[t.untyped_storage()._cdata] = category
+        return roles
+
     # --- collectives --------------------------------------------------------------------------
     def saw_collective(
         self, op: str, tensors: list[torch.Tensor], nbytes: int | None = None
@@ -165,11 +179,8 @@ class Probe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = c10d.name_of(func)
-        if name is not None:
-            tensors = c10d.tensors((args, kwargs))
-            op, numel, big = c10d.collective_size(name, tensors)
-            self.saw_collective(op, tensors, numel * big.element_size())
+        if (call := c10d.call(func, args, kwargs)) is not None:
+            self.saw_collective(call.op, call.tensors, call.nbytes)
         else:
             self.sample()
         return out

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from twinshard import impls as implementations
 from twinshard.measure import flags, memmodel, simnet
 from twinshard.measure.job import BASELINES, SHARDED, Job, positive
@@ -99,18 +97,8 @@ def side_by_side(
 
 
 def add_memory_model(summary: dict, base: Job) -> None:
-    with torch.device("meta"):
-        from twinshard.models import Llama
-
-        groups = memmodel.groups_of(Llama(base.llama()))
-    pb, rb = (2, 4) if base.low_precision is not None else (4, 4)
     for name, row in summary.items():
-        if name in SHARDED:
-            gloo = base.backend == "gloo" and base.replicas == 1
-            pred = memmodel.predict(groups, name, base.world // base.replicas, pb, rb, gloo)
-        elif name in BASELINES:
-            pred = memmodel.predict_replicated(groups, name, pb)
-        else:
-            continue  # a module from outside: the memory model knows twinshard's and torch's
-        row["model"] = pred
-        row["model_total"] = sum(pred.values())
+        pred = memmodel.for_job(replace(base, impl=name))
+        if pred is not None:  # a module from outside: the model knows twinshard's and torch's
+            row["model"] = pred
+            row["model_total"] = sum(pred.values())

@@ -45,6 +45,7 @@ from torch.utils.flop_counter import flop_registry
 from twinshard import c10d
 from twinshard.measure import fakecuda
 from twinshard.measure.monitor import Monitor
+from twinshard.measure.probe import CATEGORIES, Probe
 
 aten = torch.ops.aten
 
@@ -75,8 +76,7 @@ CAUSAL_ARG = {
     aten._scaled_dot_product_efficient_attention.default: 5,
     aten._scaled_dot_product_efficient_attention_backward.default: 11,
 }
-ROLE_ORDER = ("sharded", "sharded_grad", "optimizer", "params", "unsharded", "grad", "comm")
-PARTS = ROLE_ORDER + ("fsdp_buffers", "activations")
+PARTS = CATEGORIES + ("fsdp_buffers", "activations")
 
 
 def made_by_fsdp() -> bool:
@@ -175,7 +175,7 @@ class StepTrace(Monitor):
         stream = fakecuda.current_stream().name if self.accelerator != "cpu" else "host"
         label = self.labels.now
         if len(self.phase.collectives) > collectives:
-            self._record_collective(args, kwargs, out, stream, label)
+            self._record_collective(self.last_call, out, stream, label)
         elif len(self.phase.syncs) > syncs:
             self.entries.append(("host_sync", stream, label))
         self._record_operator(func, args, kwargs, out, stream, label)
@@ -201,24 +201,21 @@ class StepTrace(Monitor):
             return
         self.entries.append((copy, stream, label, flops, moved, dtype, causal))
 
-    def _record_collective(self, args, kwargs, out, stream, label) -> None:
-        call = self.phase.collectives[-1]
-        group = c10d.group_in((args, kwargs))
+    def _record_collective(self, call: c10d.Call, out, stream, label) -> None:
         index = len(self.entries)
-        big = call.numel * torch.empty((), dtype=getattr(torch, call.dtype)).element_size()
         self.collective_info.append(
             dict(
                 op=call.op,
                 dtype=call.dtype,
-                bytes=big,
-                ranks=list(call.ranks),
-                group=id(group),
+                bytes=call.nbytes,
+                ranks=call.ranks(),
+                group=id(call.group),
                 label=label,
                 stream=stream,
             )
         )
         self.entries.append(("collective", stream, len(self.collective_info) - 1))
-        self._note_collective_tensors(args, kwargs)
+        self._note_collective_tensors(call)
         work = out[-1] if isinstance(out, (tuple, list)) and out else None
         if isinstance(work, torch.ScriptObject):
             # by identity, not kept alive (a work handle can keep the collective's tensors
@@ -227,17 +224,17 @@ class StepTrace(Monitor):
             unboxed = torch._C._distributed_c10d.Work.unbox(work)
             self.works[id(unboxed)] = index
 
-    def _note_collective_tensors(self, args, kwargs) -> None:
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                serial = self.serials.get(t.untyped_storage()._cdata)
-                if serial is not None:
-                    self.collective_serials.add(serial)
+    def _note_collective_tensors(self, call: c10d.Call) -> None:
+        for t in call.tensors:
+            serial = None if t.is_meta else self.serials.get(t.untyped_storage()._cdata)
+            if serial is not None:
+                self.collective_serials.add(serial)
 
-    def _collective(self, name: str, args, kwargs) -> None:
-        super()._collective(name, args, kwargs)
+    def _collective(self, call: c10d.Call) -> None:
+        super()._collective(call)
+        self.last_call = call
         if not self.recording:  # the snapshot's step: which buffers collectives use
-            self._note_collective_tensors(args, kwargs)
+            self._note_collective_tensors(call)
 
     def waited(self, work) -> None:
         """``Work.wait()`` was called on ``work`` (see ``runner.watch_waits``)."""
@@ -269,7 +266,7 @@ class StepTrace(Monitor):
 
     def _take_snapshot(self) -> None:
         """What every live storage of the device is, now (see the module docstring)."""
-        roles = self._roles()
+        roles = Probe(self.model, self.optimizer, self.modules).roles(self.shards)
         snap = {}
         for key, (storage, kind) in self.storages.items():
             if kind != self.accelerator or torch._C._storage_Use_Count(key) <= 1:
@@ -277,24 +274,6 @@ class StepTrace(Monitor):
             snap[self.serials.get(key)] = (storage.nbytes(), roles.get(key))
         self.snapshot = snap
         self.snapshot_bytes = sum(n for n, _ in snap.values())
-
-    def _roles(self) -> dict[int, str]:
-        """storage key -> the first of the probe's categories that claims it now."""
-        from twinshard.measure.probe import Probe
-
-        probe = Probe(self.model, self.optimizer, self.modules)
-        probe._look()
-        for ref in self.shards:
-            t = ref()
-            if t is not None:
-                probe.seen["sharded"][id(t)] = ref
-        roles: dict[int, str] = {}
-        for category in reversed(ROLE_ORDER):  # the first claim wins: written last
-            for ref in probe.seen[category].values():
-                t = ref()
-                if t is not None:
-                    roles[t.untyped_storage()._cdata] = category
-        return roles
 
     def parts_at_peak(self) -> dict[str, int]:
         """The device's bytes at its peak, by part (see the module docstring)."""

@@ -69,11 +69,10 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = c10d.name_of(func)
         if self.recorder.busy or getattr(func, "namespace", "") == "profiler":
             pass  # the recorder's own arithmetic, or a profiler label: not part of the step
-        elif name is not None:
-            collective = self.recorder._issued(func, name, args, kwargs)
+        elif (call := c10d.call(func, args, kwargs)) is not None:
+            collective = self.recorder._issued(call)
             out = func(*args, **kwargs)
             self.recorder.buffers.keep_work(collective, out)
             return out
@@ -263,40 +262,37 @@ class Recorder:
         alive = lambda found: sum(n for at, n in found.items() if at not in sharded)  # noqa: E731
         return alive(params), alive(grads)
 
-    def _issued(self, func, name: str, args, kwargs) -> Collective:
-        bound = c10d.arguments(func, args, kwargs)
-        op, (outs, ins) = c10d.OPS[name].kind, c10d.sides(name, bound)
-        big = outs if sum(t.numel() for t in outs) >= sum(t.numel() for t in ins) else ins
-        numel = sum(t.numel() for t in big)
-        if op == "all_to_all" and (whole := c10d.gathered_in_place(outs, ins)) is not None:
-            op, numel = "all_gather", whole  # an exchange in place between two ranks
-        group = c10d.group_of(bound.get("process_group"))
-        ranks = group.size() if group is not None else -1  # an unknown group: size unknown
-        blocking = not bound.get("async_op", True)
+    def _issued(self, call: c10d.Call) -> Collective:
+        side = max((call.outputs, call.inputs), key=lambda ts: sum(t.numel() for t in ts))
+        exchanged = call.op != c10d.OPS[call.name].kind  # in place: the whole buffer it fills
+        numel = call.numel if exchanged else sum(t.numel() for t in side)
+        ranks = call.group.size() if call.group is not None else -1  # unknown: size unknown
         tick = next(self.ticks)
         c = Collective(
             len(self.collectives),
-            op,
-            str(big[0].dtype).removeprefix("torch."),
-            numel * big[0].element_size(),
+            call.op,
+            str(side[0].dtype).removeprefix("torch."),
+            numel * side[0].element_size(),
             ranks,
-            blocking,
+            call.blocking,
             tick,
-            tick if blocking else None,
+            tick if call.blocking else None,
         )
         self.busy = True
         try:
-            self.attributor.note_values(c, ins, numel)
+            self.attributor.note_values(c, call.inputs, numel)
         finally:
             self.busy = False
         self.collectives.append(c)
-        for t in outs:
-            if not blocking and (s := storage_key(t)):
+        for t in call.outputs:
+            if not call.blocking and (s := storage_key(t)):
                 self.in_flight[s[0]] = c
-        if op == "all_gather":
-            self.buffers.watch(c, gathered=outs)
-        elif op == "reduce_scatter" or (op == "all_reduce" and big[0].is_floating_point()):
-            self.buffers.watch(c, reduced=ins)  # gradients, being reduced
+        if call.op == "all_gather":
+            self.buffers.watch(c, gathered=call.outputs)
+        elif call.op == "reduce_scatter" or (
+            call.op == "all_reduce" and side[0].is_floating_point()
+        ):
+            self.buffers.watch(c, reduced=call.inputs)  # gradients, being reduced
         return c
 
     def _computed(self, args, kwargs) -> None:
