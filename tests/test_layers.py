@@ -186,8 +186,6 @@ OWN = {
     # the backends themselves, which world.py calls
     "measure/simnet.py": {"init_process_group"},
     "measure/fakedevice.py": {"init_process_group"},
-    # not yet on measure/step.py and measure/world.py (issue 32): the commands' own copies
-    "schedule/cli.py": STEP,
 }
 
 
@@ -225,7 +223,7 @@ def test_one_step_builder_and_one_way_to_join_a_world(path):
 
 # The measuring package's layers, bottom first: a module imports its own layer and those below.
 LAYERS = (
-    ("__init__", "job", "flags", "hf"),  # the job and its flags
+    ("__init__", "job", "flags", "hf", "units"),  # the job and its flags
     ("step",),  # one training step built and driven
     ("world", "simnet", "fakedevice", "fakecuda"),  # ways to join a world, and their backends
     ("observe", "probe", "monitor", "memmodel"),  # the observers and the memory model

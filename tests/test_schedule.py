@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from twinshard.launch import launch
+from twinshard.measure import step
 from twinshard.measure.schedule import Recorder, format_table
-from twinshard.measure.schedule.cli import build_model, record_on_rank
+from twinshard.measure.schedule.cli import example, record_on_rank
 
 BLOCK, ROOT = 53_376 * 4, 32_832 * 4  # bytes
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
@@ -37,20 +38,17 @@ def _record_all():
 
 def _recording_changes_nothing() -> bool:
     """The same step with and without a recorder gives bitwise the same gradients."""
-    from twinshard.reference import fully_shard
-
     grads = []
     for record in (False, True):
-        net, batch = build_model("llama", 2)
-        for block in net.blocks:
-            fully_shard(block)
-        fully_shard(net)
+        job = example("reference", 2, layers=2)
+        net, _ = step.build(job, torch.device("cpu"))
+        tokens = step.tokens(job, net.config.vocab_size, rank=0)
         recorder = Recorder(net)
         if record:
             with recorder:
-                net(*batch).backward()
+                step.loss(net, tokens).backward()
         else:
-            net(*batch).backward()
+            step.loss(net, tokens).backward()
         grads.append([p.grad.to_local().clone() for p in net.parameters()])
     return all(torch.equal(a, b) for a, b in zip(*grads))
 

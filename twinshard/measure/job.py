@@ -47,6 +47,7 @@ POSITIVE = {"world": "--world", "replicas": "--hsdp", "seq": "--seq", "per_rank"
 POSITIVE |= {"steps": "--steps"}
 OVERRIDES = {"n_layers": "--layers", "dim": "--dim", "n_heads": "--heads", "vocab_size": "--vocab"}
 CHOICES = {"dtype": JOB_DTYPES, "backend": BACKENDS, "optimizer": OPTIMIZERS}
+CHOICES |= dict.fromkeys(("param_dtype", "reduce_dtype"), (*DTYPES, None))  # None: dtype's
 
 
 @dataclass
@@ -55,6 +56,10 @@ class Job:
     preset: str = "small"  # the model: a preset, a published name or a config.json (--model)
     model: dict = field(default_factory=dict)  # LlamaConfig overrides (n_layers, dim, ...)
     dtype: str = "fp32"  # fp32, or bf16 compute with fp32 reduction and fp32 master weights
+    # the mixed-precision policy's dtypes (DTYPES' names, fp16 too) where they are not dtype's:
+    # twinshard schedule's --param-dtype and --reduce-dtype (see Job.mixed_precision)
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
     seq: int = 128
     per_rank: int = 4  # sequences per rank per step
     warmup: int = 2
@@ -97,6 +102,16 @@ class Job:
         """The compute dtype of a mixed-precision job, or None for fp32 throughout."""
         return None if self.dtype == "fp32" else DTYPES[self.dtype]
 
+    @property
+    def mixed_precision(self) -> tuple[torch.dtype | None, torch.dtype | None] | None:
+        """The (param_dtype, reduce_dtype) of the job's ``MixedPrecisionPolicy``, or None for
+        no policy: those of ``dtype`` (bf16 compute, fp32 reduction), each replaced by
+        ``param_dtype`` or ``reduce_dtype`` where given."""
+        low = self.low_precision
+        reduce = DTYPES.get(self.reduce_dtype, low and torch.float32)  # bf16's reduces in fp32
+        chosen = (DTYPES.get(self.param_dtype, low), reduce)
+        return None if chosen == (None, None) else chosen
+
     def llama(self) -> LlamaConfig:
         overrides = {"max_seq_len": max(self.seq, 16), **self.model}
         if hf.looks_like_file(self.preset):
@@ -129,7 +144,8 @@ class Job:
             return wrong
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
-                return f"--{name} {getattr(self, name)!r} unknown; use {', '.join(allowed)}"
+                flag, use = name.replace("_", "-"), ", ".join(filter(None, allowed))
+                return f"--{flag} {getattr(self, name)!r} unknown; use {use}"
         return self._where_problem() or self._model_problem()
 
     def _where_problem(self) -> str | None:

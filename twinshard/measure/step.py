@@ -36,10 +36,9 @@ def shard(model, job, device: torch.device, on=None) -> None:
     policies of ``job``, on mesh ``on`` (default: ``mesh(job, device)``)."""
     impl = impls.load(job.impl, "--impls", impls.MEASURED)
     kwargs = {"mesh": on if on is not None else mesh(job, device)}
-    if job.low_precision is not None:
-        kwargs["mp_policy"] = impl.MixedPrecisionPolicy(
-            param_dtype=job.low_precision, reduce_dtype=torch.float32
-        )
+    if job.mixed_precision is not None:
+        param, reduce = job.mixed_precision
+        kwargs["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     if job.offload:  # pinned host memory where there is a device to copy to
         kwargs["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=device.type != "cpu")
     for block in model.blocks:
@@ -47,13 +46,14 @@ def shard(model, job, device: torch.device, on=None) -> None:
     impl.fully_shard(model, **kwargs)
 
 
-def build(job, device: torch.device, on=None):
-    """The model of ``job`` from seed 0, wrapped by its implementation, and its optimizer
-    (``job.foreach``: torch's SGD steps ``DTensor`` parameters with a few multi-tensor
-    operations on an accelerator, in a loop through ``DTensor``'s Python dispatch on the CPU;
-    ``twinshard bench hooks`` takes the accelerator's)."""
+def build(job, device: torch.device, on=None, model=None):
+    """The model of ``job`` from seed 0 (or ``model``, built by the caller: ``twinshard
+    schedule``'s MLPStack), wrapped by its implementation, and its optimizer (``job.foreach``:
+    torch's SGD steps ``DTensor`` parameters with a few multi-tensor operations on an
+    accelerator, in a loop through ``DTensor``'s Python dispatch on the CPU; ``twinshard bench
+    hooks`` takes the accelerator's)."""
     torch.manual_seed(0)
-    model = Llama(job.llama())
+    model = Llama(job.llama()) if model is None else model
     low = job.low_precision
     if job.impl in ("plain", "ddp"):
         model = model.to(device)
@@ -72,12 +72,18 @@ def build_on_meta(job, device: torch.device, on, model=None):
     """The model of ``job`` built on ``meta`` (or ``model``, built there by the caller: the plan
     wraps it for activation checkpointing first), sharded on mesh ``on`` and given memory on
     ``device`` (the host with offload, as FSDP2 asks). Call it inside a ``FakeTensorMode``; make
-    ``on`` outside it (``DeviceMesh`` computes with real tensors)."""
+    ``on`` outside it (``DeviceMesh`` computes with real tensors). With offload, twinshard's
+    implementations get ``job``'s model built on the host instead, where a user keeps an
+    offloaded one; torch's ``fully_shard`` moves every parameter to the device by ``.data``
+    assignment first, which fake tensors refuse across devices, so its model takes meta's path."""
+    torch_own = impls.module_name(job.impl) == impls.SHORT_NAMES["torch"]
+    on_host = model is None and job.offload and not torch_own
     if model is None:
-        with torch.device("meta"):
+        with torch.device("cpu" if on_host else "meta"):
             model = Llama(job.llama())
     shard(model, job, device, on)
-    model.to_empty(device="cpu" if job.offload else device)
+    if not on_host:  # one built on the host keeps its memory there
+        model.to_empty(device="cpu" if job.offload else device)
     return model
 
 

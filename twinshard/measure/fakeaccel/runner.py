@@ -6,9 +6,8 @@ offload, ``reshard_after_forward``) twice:
 
 1. on the fake accelerator (``measure.world.join``): inside ``FakeTensorMode`` (torch's
    ``fully_shard`` makes device tensors when it shards), the model is built on ``meta``, sharded
-   and moved with ``to_empty`` (``measure.step``); with offload, twinshard's implementations get
-   a model built on the host, where a user keeps an offloaded one (torch's takes the meta path,
-   to the host). Then it trains for ``steps`` steps (forward, backward, SGD with momentum and
+   and moved with ``to_empty`` (``measure.step.build_on_meta``, which says where an offloaded
+   one is built). Then it trains for ``steps`` steps (forward, backward, SGD with momentum and
    ``foreach``, which reads no scalar on the host) under ``monitor.Monitor``, with
    ``measure.probe.Probe`` sorting the bytes FSDP holds into the memory model's categories;
 2. on the CPU, with real tensors and PyTorch's fake process group at the same world size (as
@@ -34,7 +33,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from twinshard import fresh_process, impls
+from twinshard import fresh_process
 from twinshard.measure import memmodel, step, world
 from twinshard.measure.fakecuda import DEVICE_TYPE
 from twinshard.measure.fakedevice import backend_name
@@ -106,15 +105,7 @@ def fake_accelerator_run(config: Job, steps: int, planted) -> list[Phase]:
     device = world.join("fakeaccel", config.world)
     mesh = step.mesh(config, device)  # outside the fake mode: it computes with real tensors
     with FakeTensorMode(allow_non_fake_inputs=True), Monitor(DEVICE_TYPE) as monitor:
-        if config.offload and impls.module_name(config.impl) != impls.SHORT_NAMES["torch"]:
-            # Built on the host, where a user keeps an offloaded model (as device_run does): a
-            # sharded parameter must stay there. Torch's own fully_shard first moves every
-            # parameter to the device by ``.data`` assignment, which fake tensors refuse across
-            # devices, so torch's run takes the meta path below.
-            model = Llama(config.llama())
-            step.shard(model, config, device, mesh)
-        else:  # built on meta and materialized after sharding (no values to initialize)
-            model = step.build_on_meta(config, device, mesh)
+        model = step.build_on_meta(config, device, mesh)  # on the host for some offloads
         # foreach: a few multi-tensor operations and no scalar read on the host, as on a GPU
         opt = step.optimizer(model, foreach=True)
         plant(planted, model)

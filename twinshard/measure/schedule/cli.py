@@ -6,8 +6,10 @@
     twinshard schedule --impls optimized --world 64 --fake-accelerator   # no 64 ranks needed
 
 The example model (a tiny Llama from ``twinshard.models``, or ``--model mlp`` for the
-MLPStack) is sharded block by block and then at the root, trained for one step so that an
-implementation that learns the order of its groups (the optimized path's prefetch) knows it,
+MLPStack) is built, sharded block by block and then at the root, and stepped by
+``twinshard.measure.step`` as every measuring command's is (``--param-dtype`` and
+``--reduce-dtype`` are the job's mixed-precision dtypes, fp16 too); it trains one step so that
+an implementation that learns the order of its groups (the optimized path's prefetch) knows it,
 and the second step is recorded on every rank; rank 0's record is printed and drawn.
 ``--impls`` takes reference, optimized, torch, or any importable module with the
 ``fully_shard`` interface; the flags are those of every measuring command
@@ -22,97 +24,86 @@ import argparse
 import sys
 
 import torch
+import torch.distributed as dist
 
-from twinshard import impls
+from twinshard import devices, impls
 from twinshard.measure import flags, step, world
-from twinshard.measure.job import DTYPES
+from twinshard.measure.job import DTYPES, Job
 
 from .record import Recorder
 from .steps import Schedule
 from .text import format_table
 
 MODELS = ("tiny", "mlp")  # the tiny Llama (also "llama", its old name) and the MLPStack
+EXAMPLE = dict(preset="tiny", seq=16, per_rank=2)  # the tiny Llama, 2 x 16 tokens per rank
 
 
-def build_model(model: str, layers: int) -> tuple[torch.nn.Module, tuple]:
-    """The example model and one batch for it (the same on every rank: seeded)."""
-    from twinshard.models import Llama, LlamaConfig, MLPStack
-
-    torch.manual_seed(0)
-    if model in ("tiny", "llama"):
-        net = Llama(LlamaConfig.preset("tiny", n_layers=layers))
-        tokens = torch.randint(0, net.config.vocab_size, (2, 16))  # (B, T)
-        return net, (tokens, tokens.roll(-1, dims=1))
-    if model == "mlp":
-        net = MLPStack(dim=15, hidden=37, n_blocks=layers, in_dim=8, out_dim=4)
-        return net, (torch.randn(4, 8),)  # (B, in_dim): proj_in makes the blocks' inputs need grad
-    raise ValueError(f"unknown model {model!r}; use tiny or mlp")
+def example(impl: str, world_size: int, layers: int = 3, **policies) -> Job:
+    """The job of the example step: ``impl`` on ``world_size`` ranks, the tiny Llama with
+    ``layers`` blocks (the MLPStack's count too), ``policies`` by ``Job``'s names
+    (``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``, ``backend``)."""
+    return Job(impl=impl, world=world_size, model={"n_layers": layers}, **EXAMPLE, **policies)
 
 
-def record_on_rank(
-    impl: str,
-    model: str = "llama",
-    layers: int = 3,
-    reshard_after_forward: bool | int = True,
-    param_dtype: str | None = None,
-    reduce_dtype: str | None = None,
-) -> Schedule:
-    """Shard the example model with ``impl``, run one step, record the second one."""
-    net, batch = build_model(model, layers)
-    _shard(impl, net, reshard_after_forward, param_dtype, reduce_dtype)
-    return _record(impl, net, batch)
+def mlp(model: str, layers: int) -> torch.nn.Module | None:
+    """The MLPStack for ``--model mlp`` (None for the Llama, which ``measure.step`` builds)."""
+    from twinshard.models import MLPStack
+
+    if model not in (*MODELS, "llama"):
+        raise ValueError(f"unknown model {model!r}; use tiny or mlp")
+    wanted = model == "mlp"
+    return MLPStack(dim=15, hidden=37, n_blocks=layers, in_dim=8, out_dim=4) if wanted else None
 
 
-def _shard(impl: str, net, reshard_after_forward, param_dtype, reduce_dtype, mesh=None) -> None:
-    module = impls.load(impl, "--impls", impls.MEASURED)
-    mp = module.MixedPrecisionPolicy(
-        param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype)
-    )
-    where = {} if mesh is None else {"mesh": mesh}
-    for block in net.blocks:
-        module.fully_shard(
-            block, reshard_after_forward=reshard_after_forward, mp_policy=mp, **where
-        )
-    module.fully_shard(net, mp_policy=mp, **where)
+def batch(job: Job, net, device: torch.device, rank: int | None = None):
+    """One batch for ``net``: token ids for the Llama (``step.tokens``), a (B, in_dim) input
+    for the MLPStack (``proj_in`` makes its blocks' inputs need grad)."""
+    if hasattr(net, "config"):
+        return step.tokens(job, net.config.vocab_size, rank, device)
+    return (torch.randn(4, 8, device=device),)
 
 
-def _record(impl: str, net, batch) -> Schedule:
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    step.loss(net, batch).backward()  # the first step: lazy init, and the order of the groups
-    opt.step()
-    opt.zero_grad()
-    recorder = Recorder(net, impl)
+def record_on_rank(impl: str, model: str = "tiny", layers: int = 3, **policies) -> Schedule:
+    """Shard the example model with ``impl`` (``measure.step.build``), run one step, record
+    the second one; ``policies``: ``example``'s."""
+    job = example(impl, dist.get_world_size(), layers, **policies)
+    device = devices.rank_device()
+    net, opt = step.build(job, device, model=mlp(model, layers))
+    return _record(job, net, opt, batch(job, net, device, dist.get_rank()))
+
+
+def _record(job: Job, net, opt, batch) -> Schedule:
+    step.train_step(net, opt, batch)  # the first step: lazy init, and the order of the groups
+    recorder = Recorder(net, job.impl)
     with recorder:
         step.loss(net, batch).backward()
     recorder.remove()
     return recorder.schedule
 
 
-def record_on_fake_accelerator(impls: list[str], world_size: int, **options) -> list[Schedule]:
+def record_on_fake_accelerator(
+    impls: list[str], world_size: int, model: str = "tiny", layers: int = 3, **policies
+) -> list[Schedule]:
     """``record_on_rank`` for each of ``impls`` on the fake accelerator, as rank 0 of
     ``world_size`` ranks, in this process (which it makes an accelerator process for good:
     ``record_fake_steps`` spawns one). The model is built on ``meta`` and moved with
-    ``to_empty``: no values, so the recorder attributes collectives by size and context."""
+    ``to_empty`` (``measure.step.build_on_meta``): no values, so the recorder attributes
+    collectives by size and context."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from twinshard.measure.fakedevice import DEVICE_TYPE
     from twinshard.measure.monitor import Monitor
 
-    world.join("fakeaccel", world_size)
-    mesh = init_device_mesh(DEVICE_TYPE, (world_size,))
+    device = world.join("fakeaccel", world_size)
     schedules = []
     for impl in impls:
+        job = example(impl, world_size, layers, backend="fakeaccel", **policies)
+        mesh = step.mesh(job, device)  # outside the fake mode: it computes with real tensors
         with torch.device("meta"):
-            net, batch = build_model(options.get("model", "llama"), options.get("layers", 3))
-        shard_options = {k: options.get(k) for k in ("param_dtype", "reduce_dtype")}
-        reshard = options.get("reshard_after_forward", True)
+            net = mlp(model, layers)
         # the monitor builds meshes on the host; see its [Note: meshes are built on the host]
-        with FakeTensorMode(allow_non_fake_inputs=True), Monitor(DEVICE_TYPE):
-            _shard(impl, net, reshard, mesh=mesh, **shard_options)
-            net.to_empty(device=torch.device(DEVICE_TYPE, 0))
-            batch = tuple(torch.empty_like(t, device=DEVICE_TYPE) for t in batch)
-            schedules.append(_record(impl, net, batch))
+        with FakeTensorMode(allow_non_fake_inputs=True), Monitor(device.type):
+            net = step.build_on_meta(job, device, mesh, net)
+            schedules.append(_record(job, net, step.optimizer(net), batch(job, net, device)))
     return schedules
 
 
@@ -129,29 +120,22 @@ def record_step(impl: str = "reference", world_size: int = 2, rank: int = 0, **o
 
     # Forking skips re-importing torch in every rank: a second or two each on a small machine.
     start = None if torch.cuda.is_available() else "fork"
-    return launch(record_on_rank, world_size, impl, start_method=start, timeout=120, **options)[
-        rank
-    ]
+    ranks = launch(record_on_rank, world_size, impl, start_method=start, timeout=120, **options)
+    return ranks[rank]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = dict(impls="reference", model="tiny", world=2, layers=3, reshard="true")
     flags.add(parser, "impls", "model", "layers", "world", "reshard", **defaults)
-    parser.add_argument("--param-dtype", choices=sorted(DTYPES), default=None)
-    parser.add_argument("--reduce-dtype", choices=sorted(DTYPES), default=None)
-    parser.add_argument("--out", default=None, help="write the timeline picture here (.png, .svg)")
-    parser.add_argument("--text", default=None, help="write the text table here")
-    parser.add_argument(
-        "--compact",
-        action="store_true",
-        help="write a run of per-parameter collectives as one line",
-    )
-    parser.add_argument("--quiet", action="store_true", help="do not print the table")
-    parser.add_argument(
-        "--fake-accelerator",
-        action="store_true",
-        help="record rank 0 of --world ranks on the fake accelerator, in one process",
-    )
+    add, switch = parser.add_argument, "store_true"
+    add("--param-dtype", choices=sorted(DTYPES), default=None)
+    add("--reduce-dtype", choices=sorted(DTYPES), default=None)
+    add("--out", default=None, help="write the timeline picture here (.png, .svg)")
+    add("--text", default=None, help="write the text table here")
+    add("--compact", action=switch, help="write a run of per-parameter collectives as one line")
+    add("--quiet", action=switch, help="do not print the table")
+    on_fake = "record rank 0 of --world ranks on the fake accelerator, in one process"
+    add("--fake-accelerator", action=switch, help=on_fake)
 
 
 def problem(args: argparse.Namespace) -> str | None:
@@ -172,14 +156,9 @@ def run(args: argparse.Namespace) -> int:
     if wrong:
         print(f"twinshard schedule: error: {wrong}", file=sys.stderr)
         return 2
-    job = flags.job(args)
-    options = dict(
-        model=args.model,
-        layers=args.layers,
-        reshard_after_forward=job.reshard_after_forward,
-        param_dtype=args.param_dtype,
-        reduce_dtype=args.reduce_dtype,
-    )
+    job = flags.job(args)  # the example's policies, as ``record_on_rank`` takes them
+    options = dict(model=args.model, layers=args.layers, param_dtype=args.param_dtype)
+    options |= dict(reduce_dtype=args.reduce_dtype, reshard_after_forward=job.reshard_after_forward)
     chosen = impls.names(args.impls)
     if args.fake_accelerator:
         schedules = record_fake_steps(chosen, job.world, **options)
