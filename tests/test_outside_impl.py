@@ -97,7 +97,7 @@ BAD = "no_such_fsdp_pkg.fsdp"
         (["bench", "--impls", f"reference,{BAD}", "--json", "x"], "--impls"),
         (["plan", "--model", "tiny", "--impls", BAD, "--json", "x"], "--impls"),
         (["schedule", "--impls", BAD, "--text", "x"], "--impls"),
-        (["train", "--impl", BAD, "--steps", "1", "--out", "x"], "--impl"),
+        (["train", "--impls", BAD, "--steps", "1", "--out", "x"], "--impls"),
     ],
     ids=lambda v: v[0] if isinstance(v, list) else v,
 )

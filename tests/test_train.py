@@ -118,12 +118,12 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "run"
     cases = [
         (
-            ["--batch-size", "5", "--nproc", "2"],
+            ["--batch-size", "5", "--world", "2"],
             "--batch-size 5 cannot be split evenly over 2 rank(s)",
         ),
         (["--steps", "0"], "--steps must be positive"),
         (["--lr", "0.001", "--min-lr", "0.01"], "--min-lr 0.01 is above --lr 0.001"),
-        (["--dim", "30", "--n-heads", "4"], "must be divisible by n_heads"),
+        (["--dim", "30", "--heads", "4"], "must be divisible by n_heads"),
         (["--stop-at", "9", "--steps", "5"], "--stop-at 9 must be between 1 and --steps 5"),
         (["--data", str(tmp_path / "missing.txt")], f"{tmp_path / 'missing.txt'}' does not exist"),
         (["--resume", str(tmp_path / "nowhere")], "does not exist"),
@@ -131,14 +131,14 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
     ]
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    cases.append((["--data", str(short)], "has 9 bytes, too few for --seq-len 32"))
+    cases.append((["--data", str(short)], "has 9 bytes, too few for --seq 32"))
     for argv, message in cases:
         assert run_train("--out", out, *argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err, (argv, err)
     assert not out.exists()
     with pytest.raises(SystemExit):
-        run_train("--preset", "enormous")
+        run_train("--model", "enormous")
 
 
 def test_optimized_is_the_default_and_reference_one_flag_away(tmp_path, capsys):
@@ -146,7 +146,8 @@ def test_optimized_is_the_default_and_reference_one_flag_away(tmp_path, capsys):
         cli(["train", "--help"])
     assert done.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
-    impl_help = help_text[help_text.index("--impl IMPL fully_shard") :][:300]
+    start = help_text.index("--impls IMPLS, --impl IMPLS the one fully_shard")
+    impl_help = help_text[start:][:300]
     for name in ("optimized", "reference", "torch", "an importable module"):
         assert name in impl_help, impl_help
     assert "default optimized)" in impl_help, impl_help
@@ -172,12 +173,12 @@ def test_an_existing_run_or_an_incompatible_checkpoint_is_never_overwritten(
     cases = [
         ([], "already holds a training run; continue it with --resume"),
         (
-            ["--resume", str(short_run), "--preset", "small"],
+            ["--resume", str(short_run), "--model", "small"],
             "holds another model (preset 'tiny', this run asks for 'small'",
         ),
-        (["--resume", str(short_run), "--n-layers", "3"], "n_layers 2 vs 3"),
+        (["--resume", str(short_run), "--layers", "3"], "n_layers 2 vs 3"),
         (["--resume", str(short_run), "--data", str(data)], "was trained on other data"),
-        (["--resume", str(short_run), "--seq-len", "64"], "--seq-len 64 does not match"),
+        (["--resume", str(short_run), "--seq", "64"], "--seq 64 does not match"),
         (["--resume", str(short_run)], "already at step 40 of --steps 40"),
         (
             ["--resume", str(short_run / "checkpoints" / "step_00000030"), "--steps", "50"],

@@ -1,5 +1,7 @@
 """Misuse of ``twinshard train`` and ``twinshard export``: each bad argument is refused before
-anything runs, with one line and no traceback; data without a single newline trains.
+anything runs, with one line and no traceback; data without a single newline trains. Train's
+old flag spellings still parse, with a note, and its shared flags are spelled as the measuring
+commands' vocabulary spells them.
 
 (The refusals that ``test_train.py`` already covers, batch splits, learning rates, missing data
 and checkpoints, are not repeated here.)
@@ -7,12 +9,15 @@ and checkpoints, are not repeated here.)
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 
 import pytest
 from train_support import run_train, snapshot
 
 from twinshard.cli import main as cli
+from twinshard.measure.flags import VOCABULARY
+from twinshard.train import flags
 
 
 def refused(capsys, *argv) -> str:
@@ -29,12 +34,12 @@ def refused(capsys, *argv) -> str:
     [
         (["--dim", "0"], "--dim must be positive, got 0"),
         (["--dim", "-8"], "--dim must be positive, got -8"),
-        (["--n-layers", "-1"], "--n-layers must be positive, got -1"),
-        (["--n-layers", "0"], "--n-layers must be positive, got 0"),
-        (["--n-heads", "0"], "--n-heads must be positive, got 0"),
-        (["--nproc", "0"], "--nproc must be positive, got 0"),
-        (["--nproc", "-2"], "--nproc must be positive, got -2"),
-        (["--seq-len", "-1"], "--seq-len must be positive, got -1"),
+        (["--layers", "-1"], "--layers must be positive, got -1"),
+        (["--layers", "0"], "--layers must be positive, got 0"),
+        (["--heads", "0"], "--heads must be positive, got 0"),
+        (["--world", "0"], "--world must be positive, got 0"),
+        (["--world", "-2"], "--world must be positive, got -2"),
+        (["--seq", "-1"], "--seq must be positive, got -1"),
         (["--batch-size", "0"], "--batch-size must be positive, got 0"),
         (["--grad-accum", "0"], "--grad-accum must be positive, got 0"),
         (["--keep", "0"], "--keep must be positive, got 0"),
@@ -47,7 +52,7 @@ def refused(capsys, *argv) -> str:
         (["--clip-norm", "inf"], "--clip-norm must be >= 0, got inf"),
         (["--hang-timeout", "-1"], "--hang-timeout must be >= 0, got -1.0"),
         (["--stop-at", "0"], "--stop-at 0 must be between 1 and --steps"),
-        (["--seq-len", "2000000"], "too few for windows of 2000001"),
+        (["--seq", "2000000"], "too few for windows of 2000001"),
     ],
 )
 def test_every_numeric_flag_is_checked(tmp_path, capsys, argv, message):
@@ -87,6 +92,70 @@ def test_data_without_a_newline_trains(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_train("--out", out, "--data", data, "--steps", 2) == 0
     assert "step 2/2" in (out / "train.log").read_text()
+
+
+# ------------------------------------------------------------------- the shared vocabulary
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="twinshard train")
+    flags.add_arguments(p)
+    return p
+
+
+@pytest.mark.parametrize(
+    "old, new, dest, value",
+    [
+        (["--impl", "torch"], ["--impls", "torch"], "impl", "torch"),
+        (["--nproc", "3"], ["--world", "3"], "nproc", 3),
+        (["--preset", "small"], ["--model", "small"], "preset", "small"),
+        (["--n-layers", "3"], ["--layers", "3"], "n_layers", 3),
+        (["--n-heads", "2"], ["--heads", "2"], "n_heads", 2),
+        (["--seq-len", "64"], ["--seq", "64"], "seq_len", 64),
+        (["--cpu-offload"], ["--offload"], "cpu_offload", True),
+        (["--no-cpu-offload"], ["--no-offload"], "cpu_offload", False),
+    ],
+)
+def test_an_old_spelling_parses_alike_and_names_its_replacement(capsys, old, new, dest, value):
+    """The dest is the one a checkpoint remembers, so a run started with the old spelling
+    resumes under the new one."""
+    by_old = parser().parse_args(old)
+    assert capsys.readouterr().err == f"note: {old[0]} is now {new[0]}\n"
+    by_new = parser().parse_args(new)
+    assert capsys.readouterr().err == ""
+    assert by_old == by_new and getattr(by_new, dest) == value
+
+
+def test_train_spells_each_shared_concept_as_the_measuring_commands():
+    """Each concept of ``SHARED`` under ``VOCABULARY``'s spelling, and no spelling of the
+    vocabulary (old ones included) used by train for something ``SHARED`` does not list."""
+    actions = parser()._option_string_actions
+    for concept, (dest, old) in flags.SHARED.items():
+        action = actions[VOCABULARY[concept][0]]
+        assert action.dest == dest and action.option_strings[0] == VOCABULARY[concept][0]
+        assert all(actions[spelling] is action for spelling in old), concept
+    for concept, (spelling, old, _, _) in VOCABULARY.items():
+        for used in {spelling, *old} & actions.keys():
+            assert concept in flags.SHARED, f"{used} is {concept} of the vocabulary"
+            assert actions[used].dest == flags.SHARED[concept][0], used
+    assert set(flags.DEFAULTS) <= {a.dest for a in actions.values()}  # what resume reads
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--impls", "reference,torch"], "argument --impls/--impl: train takes one"),
+        (["--impl", "optimized, torch"], "argument --impls/--impl: train takes one"),
+        (["--model", "llama3-8b"], "argument --model/--preset: train builds one of its presets"),
+        (["--model", "config.json"], "argument --model/--preset: train builds one of its"),
+    ],
+)
+def test_what_only_the_measuring_commands_take_is_refused_naming_the_flag(
+    tmp_path, capsys, argv, message
+):
+    with pytest.raises(SystemExit) as done:
+        run_train("--out", tmp_path / "run", *argv)
+    assert done.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 # -------------------------------------------------------------------------------- export

@@ -37,13 +37,13 @@ def uninterrupted(tmp_path_factory) -> Path:
         run_train(
             "--out",
             out,
-            "--nproc",
+            "--world",
             2,
             "--steps",
             RESUME_STEPS,
             "--checkpoint-every",
             0,
-            "--impl",
+            "--impls",
             "reference",
         )
         == 0
@@ -59,7 +59,7 @@ def test_resume_at_1_then_3_ranks_matches_an_uninterrupted_run(uninterrupted, tm
         run_train(
             "--out",
             out,
-            "--nproc",
+            "--world",
             2,
             "--steps",
             RESUME_STEPS,
@@ -70,26 +70,26 @@ def test_resume_at_1_then_3_ranks_matches_an_uninterrupted_run(uninterrupted, tm
         )
         == 0
     )
-    # Options left out come from the checkpoint; --impl and --grad-accum may change.
+    # Options left out come from the checkpoint; --impls and --grad-accum may change.
     assert (
         cli(
             [
                 "train",
                 "--resume",
                 str(out),
-                "--nproc",
+                "--world",
                 "1",
                 "--stop-at",
                 "4",
                 "--grad-accum",
                 "2",
-                "--impl",
+                "--impls",
                 "torch",
             ]
         )
         == 0
     )
-    assert cli(["train", "--resume", str(out), "--nproc", "3", "--impl", "reference"]) == 0
+    assert cli(["train", "--resume", str(out), "--world", "3", "--impls", "reference"]) == 0
     final = ckpt.resolve(out)
     assert final.name == f"step_{RESUME_STEPS:08d}"
     assert ckpt.validate(final)["world_size"] == 3
@@ -112,7 +112,7 @@ def test_a_save_killed_halfway_leaves_the_last_checkpoint_loadable(
     out = tmp_path / "run"
     monkeypatch.setenv(ckpt.CRASH_ENV, "4")  # rank 0 is SIGKILLed inside the save of step 4
     assert (
-        run_train("--out", out, "--nproc", 2, "--steps", RESUME_STEPS, "--checkpoint-every", 2) == 1
+        run_train("--out", out, "--world", 2, "--steps", RESUME_STEPS, "--checkpoint-every", 2) == 1
     )
     assert "killed" in capsys.readouterr().err
     monkeypatch.delenv(ckpt.CRASH_ENV)

@@ -20,9 +20,7 @@ from twinshard.train import checkpoint as ckpt
 
 # A model and batch small enough for a few seconds per run; 12 sequences split over 1, 2 or 3
 # ranks and into 2 micro-batches.
-SMALL = (
-    "--dim 32 --n-heads 2 --seq-len 32 --batch-size 12 --sample-length 0 --eval-batches 1".split()
-)
+SMALL = "--dim 32 --heads 2 --seq 32 --batch-size 12 --sample-length 0 --eval-batches 1".split()
 SMALL += ["--log-every", "1"]
 RESUME_STEPS = 6
 

@@ -2,9 +2,9 @@
 
 What a run does. Every rank builds the same model (``twinshard.models.Llama``, initialized from
 ``--seed``), shards each transformer block and then the root with the chosen ``fully_shard``
-(``--impl``: optimized by default, reference, torch or any importable module), and trains it
-with AdamW, a linear warmup and a cosine decay. The global batch of ``--batch-size`` sequences
-is split evenly: each rank reads its own contiguous part of it, in ``--grad-accum``
+(``--impls``, one name: optimized by default, reference, torch or any importable module), and
+trains it with AdamW, a linear warmup and a cosine decay. The global batch of ``--batch-size``
+sequences is split evenly: each rank reads its own contiguous part of it, in ``--grad-accum``
 micro-batches whose gradients are reduced only after the last one. Rank 0 shows a progress line
 (loss, tokens/s, memory) and writes ``train.log``, ``loss.csv`` and ``loss.png`` into the run
 directory (``--out``). Checkpoints are written every ``--checkpoint-every`` steps and at the

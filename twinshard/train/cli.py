@@ -1,19 +1,19 @@
 """Train a small Llama-style language model with FSDP, end to end, with checkpoints that survive.
 
     twinshard train                                  # ~2 min on 2 CPU ranks, built-in corpus
-    twinshard train --data book.txt --steps 2000 --preset small --nproc 4
+    twinshard train --data book.txt --steps 2000 --model small --world 4
     twinshard train --resume runs/20250101-120000     # continue the latest complete checkpoint
-    twinshard train --impl reference                 # the readable spec instead of the fast path
-    torchrun --nnodes 2 --nproc-per-node 8 -m twinshard.cli train --preset 1b ...
+    twinshard train --impls reference                # the readable spec instead of the fast path
+    torchrun --nnodes 2 --nproc-per-node 8 -m twinshard.cli train --model 1b ...
 
 This is the entry point: it resolves the command line (``config.resolve``), locks the run
 directory (``runlock.claim``), starts the ranks and turns their errors into one line. Local or
 ``torchrun``: without ``RANK``/``WORLD_SIZE`` in the environment this process starts
-``--nproc`` local ranks with ``twinshard.launch``, which kills them if this process dies,
+``--world`` local ranks with ``twinshard.launch``, which kills them if this process dies,
 passes SIGINT and SIGTERM on to them (they stop after a checkpoint of the step in progress)
 and runs the watchdog (``--hang-timeout``); under ``torchrun`` (or any launcher that sets
 them) it is one of the ranks, joins the process group itself, runs its part of the watchdog
-and ignores ``--nproc``. Every rank then runs ``loop.rank_main``.
+and ignores ``--world``. Every rank then runs ``loop.rank_main``.
 
 Exit status: 0 done, 2 refused before anything ran (bad flags, data or checkpoint, a run
 directory in use), 1 a rank failed or the run stalled, 128 + N stopped by signal N (130 for
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun():
         if args.nproc is not None and args.nproc != int(os.environ["WORLD_SIZE"]):
             print(
-                f"twinshard train: --nproc {args.nproc} ignored: torchrun started "
+                f"twinshard train: --world {args.nproc} ignored: torchrun started "
                 f"{os.environ['WORLD_SIZE']} ranks",
                 file=sys.stderr,
             )

@@ -32,7 +32,7 @@ from twinshard.watchdog import DEFAULT_HANG_TIMEOUT
 
 from . import checkpoint as ckpt
 from .data import BUILTIN, DataError, Windows, load_corpus
-from .flags import DEFAULT_LR, DEFAULTS, FIXED
+from .flags import DEFAULT_LR, DEFAULTS, FIXED, flag
 
 
 class TrainError(ValueError):
@@ -110,12 +110,12 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         for k, v in given.items():
             if k in FIXED and saved.get(k) != v:
                 raise TrainError(
-                    f"--{k.replace('_', '-')} {v} does not match the checkpoint "
+                    f"{flag(k)} {v} does not match the checkpoint "
                     f"({saved.get(k)}); a resumed run keeps it: leave it out, or "
                     "start a new run (without --resume) to change it"
                 )
             if k in saved and saved[k] != v:
-                notes.append(f"--{k.replace('_', '-')} changed on resume: {saved[k]} -> {v}")
+                notes.append(f"{flag(k)} changed on resume: {saved[k]} -> {v}")
     values = {**base, **given}
     if values["lr"] is None:
         values["lr"] = DEFAULT_LR[values["preset"]]
@@ -137,7 +137,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     cfg.model = _model_config(cfg)
     try:
         corpus = load_corpus(cfg.data, cfg.seq_len)
-        Windows(corpus.train, cfg.seq_len, cfg.seed)  # enough tokens for this --seq-len
+        Windows(corpus.train, cfg.seq_len, cfg.seed)  # enough tokens for this --seq
     except DataError as e:
         raise TrainError(str(e)) from e
     cfg.data_fingerprint = corpus.fingerprint
@@ -203,10 +203,10 @@ def _check_numbers(cfg: TrainConfig) -> None:
     }
     for name, v in positive.items():
         if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
-            raise TrainError(f"--{name.replace('_', '-')} must be positive, got {v}")
+            raise TrainError(f"{flag(name)} must be positive, got {v}")
     for name, v in nonneg.items():
         if not v >= 0 or (isinstance(v, float) and not math.isfinite(v)):
-            raise TrainError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+            raise TrainError(f"{flag(name)} must be >= 0, got {v}")
     if cfg.min_lr > cfg.lr:
         raise TrainError(
             f"--min-lr {cfg.min_lr:g} is above --lr {cfg.lr:g}; the cosine decays "
@@ -224,17 +224,17 @@ def _check_numbers(cfg: TrainConfig) -> None:
     gpus = devices.accelerator_count()
     if not under_torchrun() and gpus and cfg.nproc > gpus:
         raise TrainError(
-            f"--nproc {cfg.nproc} but only {gpus} GPU(s): NCCL needs one GPU per "
-            f"rank; use --nproc {gpus} or fewer"
+            f"--world {cfg.nproc} but only {gpus} GPU(s): NCCL needs one GPU per "
+            f"rank; use --world {gpus} or fewer"
         )
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise TrainError(f"--stop-at {cfg.stop_at} must be between 1 and --steps {cfg.steps}")
 
 
 def _model_config(cfg: TrainConfig) -> dict:
-    for flag, v in (("dim", cfg.dim), ("n-layers", cfg.n_layers), ("n-heads", cfg.n_heads)):
-        if v is not None and v < 1:
-            raise TrainError(f"--{flag} must be positive, got {v}")
+    for dest in ("dim", "n_layers", "n_heads"):
+        if getattr(cfg, dest) is not None and getattr(cfg, dest) < 1:
+            raise TrainError(f"{flag(dest)} must be positive, got {getattr(cfg, dest)}")
     preset = PRESETS[cfg.preset]
     overrides = {
         k: v
@@ -247,7 +247,7 @@ def _model_config(cfg: TrainConfig) -> dict:
     try:
         model = LlamaConfig.preset(cfg.preset, **overrides, max_seq_len=max_len)
     except ValueError as e:
-        raise TrainError(f"model: {e}; change --dim / --n-heads") from e
+        raise TrainError(f"model: {e}; change --dim / --heads") from e
     if model.vocab_size < 256:
         raise TrainError(
             f"the model's vocabulary ({model.vocab_size}) is smaller than the 256 "
@@ -267,7 +267,7 @@ def _check_fits_checkpoint(cfg: TrainConfig, manifest: dict) -> None:
         raise TrainError(
             f"{where} holds another model (preset {manifest['config'].get('preset')!r}, "
             f"this run asks for {cfg.preset!r}; checkpoint vs this run: {diff}); "
-            "leave out --preset/--dim/--n-layers/--n-heads to continue it, or "
+            "leave out --model/--dim/--layers/--heads to continue it, or "
             "start a new run without --resume"
         )
     if manifest.get("data_fingerprint") != cfg.data_fingerprint:
@@ -342,11 +342,11 @@ def fresh_run_name() -> Path:
 
 
 def load_impl(name: str):
-    """(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy) of the implementation ``--impl``."""
+    """(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy) of the implementation ``--impls``."""
     from twinshard import api, impls
 
     try:
-        module = impls.load(name, "--impl")
+        module = impls.load(name, "--impls")
     except impls.ImplError as error:
         raise TrainError(str(error)) from None
     return (

@@ -221,8 +221,8 @@ def load_corpus(data: str | None, seq_len: int) -> Corpus:
     need = 2 * (seq_len + 1)
     if size < need:
         raise DataError(
-            f"data file {data!r} has {size} bytes, too few for --seq-len {seq_len}: "
-            f"it needs at least {need}; use a longer file or a smaller --seq-len"
+            f"data file {data!r} has {size} bytes, too few for --seq {seq_len}: "
+            f"it needs at least {need}; use a longer file or a smaller --seq"
         )
     try:
         tokens = np.memmap(data, dtype=np.uint8, mode="r")  # (size,) read lazily

@@ -3,15 +3,33 @@
 A flag left out is ``None`` after parsing, never its default: ``config.resolve`` fills it in
 from ``DEFAULTS`` for a new run, or from the checkpoint on ``--resume``, so that a resumed run
 keeps the settings it was started with unless the command line changes them.
+
+[Note: train speaks the measuring commands' vocabulary]
+A concept that ``twinshard train`` shares with ``twinshard bench``, ``schedule``, ``plan`` and
+the fake accelerator is spelled as ``twinshard.measure.flags.VOCABULARY`` spells it (``SHARED``
+says which), with that help text where the meaning is the same. The argparse dest stays the one
+train always had (``impl``, ``nproc``, ``preset``, ``n_layers``, ``n_heads``, ``seq_len``,
+``cpu_offload``), so ``DEFAULTS``, ``FIXED``, the checkpoint's remembered settings and resume
+are unchanged, and a checkpoint written under the old spellings resumes. The old spellings still
+parse and print ``note: OLD is now NEW`` on stderr. Four concepts keep train's own meaning:
+``--impls`` names exactly one implementation (train trains one), ``--model`` only a preset
+(train cannot build a published model or a config.json), ``--world`` is the ranks started
+locally (torchrun's world wins under torchrun), and ``--hsdp`` is a switch (the replicas are
+the nodes; the measuring commands take their count). ``--batch-size`` is the global batch,
+not the vocabulary's ``--per-rank``, and ``--param-dtype``/``--reduce-dtype`` set what the
+vocabulary's one ``--dtype`` couples, so they stay train's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
 
+from twinshard import impls
+from twinshard.measure.flags import VOCABULARY, Renamed
 from twinshard.models import PRESETS
 from twinshard.watchdog import DEFAULT_HANG_TIMEOUT
 
@@ -48,6 +66,73 @@ DEFAULTS: dict[str, Any] = dict(
 )
 # Options that define the run: a resumed run must keep them (its checkpoint would not fit).
 FIXED = ("seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay")
+# A concept of the measuring commands' VOCABULARY -> (train's dest, train's old spellings);
+# see [Note: train speaks the measuring commands' vocabulary].
+SHARED = {
+    "impls": ("impl", ("--impl",)),
+    "world": ("nproc", ("--nproc",)),
+    "model": ("preset", ("--preset",)),
+    "dim": ("dim", ()),
+    "layers": ("n_layers", ("--n-layers",)),
+    "heads": ("n_heads", ("--n-heads",)),
+    "seq": ("seq_len", ("--seq-len",)),
+    "offload": ("cpu_offload", ("--cpu-offload",)),
+    "hsdp": ("hsdp", ()),
+}
+_SPELLING = {dest: VOCABULARY[concept][0] for concept, (dest, _) in SHARED.items()}
+
+
+def flag(dest: str) -> str:
+    """How the command line spells the option stored in ``dest`` (for messages)."""
+    return _SPELLING.get(dest, "--" + dest.replace("_", "-"))
+
+
+class RenamedSwitch(argparse.BooleanOptionalAction):
+    """A switch with its ``--no-`` form whose old spellings (``--no-`` ones too) still work and
+    say on stderr what replaces them, as ``Renamed`` does for a flag with a value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = self.option_strings[1 if option_string.startswith("--no-") else 0]
+        if option_string != new:
+            print(f"note: {option_string} is now {new}", file=sys.stderr)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _one_impl(text: str) -> str:
+    """``--impls`` of train: one name; a list is refused, naming the flag."""
+    names = impls.names(text)
+    if len(names) > 1:
+        raise argparse.ArgumentTypeError(
+            f"train takes one implementation, got {len(names)} ({text}); name one "
+            "(twinshard bench --impls compares several)"
+        )
+    return text.strip()
+
+
+def _trainable(name: str) -> str:
+    """``--model`` of train: one of its presets, the models it can build and train."""
+    if name not in PRESETS:
+        raise argparse.ArgumentTypeError(
+            f"train builds one of its presets ({', '.join(PRESETS)}), not {name!r}: a "
+            "published model or a config.json can be planned (twinshard plan --model), "
+            "not trained"
+        )
+    return name
+
+
+def _shared(group, concept: str, text: str, **kwargs) -> None:
+    """Add the flag of ``concept`` under the vocabulary's spelling, train's dest and train's old
+    spellings (which print a note), with ``text`` as its help."""
+    spelling = VOCABULARY[concept][0]
+    dest, old = SHARED[concept]
+    if kwargs.get("action") is None and "type" in kwargs:
+        kwargs |= {"action": Renamed, "metavar": spelling[2:].replace("-", "_").upper()}
+    group.add_argument(spelling, *old, dest=dest, help=text, **kwargs)
+
+
+def _same(concept: str, more: str = "") -> str:
+    """The vocabulary's help text of ``concept`` (the meaning is the same), with ``more``."""
+    return VOCABULARY[concept][3] + more
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,24 +141,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = "Options left out on --resume are taken from the checkpoint."
     g = p.add_argument_group("parallelism")
-    g.add_argument(
-        "--impl",
-        help="fully_shard implementation: optimized is the "
-        "fast path to train with, reference the readable spec, torch "
-        "torch.distributed.fsdp, or an importable module with fully_shard "
-        f"(my_pkg.my_fsdp; default {d['impl']})",
+    _shared(
+        g,
+        "impls",
+        "the one fully_shard to train with: optimized is the fast path, reference the readable "
+        "spec, torch torch.distributed.fsdp, or an importable module with fully_shard "
+        f"(my_pkg.my_fsdp); one name, not the measuring commands' list (default {d['impl']})",
+        type=_one_impl,
     )
-    g.add_argument(
-        "--nproc",
+    _shared(
+        g,
+        "world",
+        _same("world", ", started here as local processes (default: one per GPU, else 2); ")
+        + "ignored under torchrun, which sets the world",
         type=int,
-        help="local ranks (default: one per GPU, else 2); ignored under torchrun",
     )
-    g.add_argument(
-        "--hsdp",
-        action="store_true",
-        help="hybrid sharding: replicate across nodes and shard within each (a mesh of nodes "
+    _shared(
+        g,
+        "hsdp",
+        "hybrid sharding: replicate across nodes and shard within each (a mesh of nodes "
         "x ranks per node; under torchrun a node is an agent's LOCAL_WORLD_SIZE ranks, a local "
-        "launch is one node); not remembered by checkpoints: a resumed run may change it",
+        "launch is one node); a switch here, where the measuring commands' --hsdp R counts the "
+        "replicas; not remembered by checkpoints: a resumed run may change it",
+        action="store_true",
     )
     g.add_argument(
         "--param-dtype",
@@ -85,10 +175,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=DTYPES,
         help="dtype of the gradient reduction (default: the param dtype)",
     )
-    g.add_argument(
-        "--cpu-offload",
-        action=argparse.BooleanOptionalAction,
-        help="keep sharded parameters, gradients and optimizer state on the CPU (default off)",
+    _shared(
+        g,
+        "offload",
+        _same("offload", ", and the optimizer state with them; --no-offload turns off a ")
+        + "resumed run's (default off)",
+        action=RenamedSwitch,
     )
     g.add_argument(
         "--debug",
@@ -104,18 +196,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"stack and name the stalled rank (default {DEFAULT_HANG_TIMEOUT:g}; 0 = off)",
     )
     g = p.add_argument_group("model and data")
-    g.add_argument("--preset", choices=list(PRESETS), help=f"model size (default {d['preset']})")
-    g.add_argument("--dim", type=int, help="override the preset's width")
-    g.add_argument("--n-layers", type=int, help="override the preset's number of blocks")
-    g.add_argument("--n-heads", type=int, help="override the preset's attention heads")
+    _shared(
+        g,
+        "model",
+        f"a preset: {', '.join(PRESETS)}; the measuring commands' published models and "
+        f"config.json files cannot be trained here (default {d['preset']})",
+        type=_trainable,
+    )
+    _shared(g, "dim", _same("dim"), type=int)
+    _shared(g, "layers", _same("layers"), type=int)
+    _shared(g, "heads", _same("heads"), type=int)
     g.add_argument(
         "--data",
         metavar="FILE",
         help="any file, read as bytes (default: the built-in generated corpus)",
     )
-    g.add_argument(
-        "--seq-len", type=int, help=f"tokens (bytes) per sequence (default {d['seq_len']})"
-    )
+    _shared(g, "seq", _same("seq", f"; a token is a byte (default {d['seq_len']})"), type=int)
     g = p.add_argument_group("optimization")
     g.add_argument(
         "--steps", type=int, help=f"optimizer steps in the whole run (default {d['steps']})"
@@ -123,7 +219,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--batch-size",
         type=int,
-        help=f"sequences per step over all ranks (default {d['batch_size']})",
+        help="sequences per step over all ranks, the global batch: not the measuring "
+        f"commands' --per-rank (default {d['batch_size']})",
     )
     g.add_argument(
         "--grad-accum",
@@ -133,7 +230,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--lr",
         type=float,
-        help="peak learning rate (default by preset: "
+        help="peak learning rate (default by --model: "
         + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
         + ")",
     )
