@@ -12,7 +12,7 @@ json layout that torchtitan's ``c4_test`` loader reads with ``datasets.load_data
 
 A run is launched as a user would launch it: ``torchrun --standalone --nproc-per-node 2`` of
 tests/torchtitan_on_cpu.py (the CPU shim, then ``torchtitan.train``), under torch's own
-``fully_shard``, or with ``-m twinshard.run --impl NAME`` in front for twinshard. What a run
+``fully_shard``, or with ``-m twinshard.run --impls NAME`` in front for twinshard. What a run
 leaves is read back from its folder: the TensorBoard scalars and each checkpoint, as one flat
 dict of everything DCP saved (``read_checkpoint``).
 """
@@ -161,7 +161,7 @@ def launch(impl: str, toml: Path, folder: Path, resume_from: Path | None = None)
     torchtitan resumes from it, as it resumes a job of its own."""
     if resume_from is not None:
         shutil.copytree(resume_from, folder / "checkpoint" / resume_from.name)
-    switch = [] if impl == "torch" else ["-m", "twinshard.run", "--impl", impl]
+    switch = [] if impl == "torch" else ["-m", "twinshard.run", "--impls", impl]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", "2", *switch, str(SHIM)]
     command += ["--job.config_file", str(toml), "--job.dump_folder", str(folder)]

@@ -127,12 +127,15 @@ def test_use_from_env_reads_the_variable(monkeypatch):
         switch.use_from_env()
 
 
-def test_launcher_parses_its_options_and_leaves_the_scripts_alone():
-    assert run.parse(["s.py", "--impl", "x"]) == run.Command(None, None, ["s.py", "--impl", "x"])
-    assert run.parse(["--impl=reference", "-m", "pkg.mod", "-x"]) == run.Command(
+def test_launcher_parses_its_options_and_leaves_the_scripts_alone(capsys):
+    assert run.parse(["s.py", "--impls", "x"]) == run.Command(None, None, ["s.py", "--impls", "x"])
+    assert run.parse(["--impls=reference", "-m", "pkg.mod", "-x"]) == run.Command(
         "reference", "pkg.mod", ["-x"]
     )
-    for bad, says in ((["--impl"], "needs a value"), ([], "name a script"), (["-m"], "module")):
+    assert capsys.readouterr().err == ""
+    assert run.parse(["--impl", "torch", "s.py"]) == run.Command("torch", None, ["s.py"])
+    assert capsys.readouterr().err == "note: --impl is now --impls\n"  # the old spelling
+    for bad, says in ((["--impls"], "needs a value"), ([], "name a script"), (["-m"], "module")):
         with pytest.raises(SystemExit, match=says):
             run.parse(bad)
 
@@ -190,10 +193,10 @@ def launched(tmp_path, *command: str, env: dict | None = None) -> subprocess.Com
 
 @pytest.mark.parametrize("store", ["hash", "tcp"])
 def test_launcher_under_the_fake_process_group(tmp_path, store):
-    """The variable (optimized) and --impl (reference) forms, a script that imported
+    """The variable (optimized) and --impls (reference) forms, a script that imported
     fully_shard before anything else, PyTorch's fake process group with HashStore / TCPStore."""
     impl = {"hash": "optimized", "tcp": "reference"}[store]
-    form = ["--impl", impl] if impl == "reference" else []
+    form = ["--impls", impl] if impl == "reference" else []
     done = launched(
         tmp_path, "-m", "twinshard.run", *form, "SCRIPT", store, env={switch.ENV_VAR: impl}
     )

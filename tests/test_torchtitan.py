@@ -3,7 +3,7 @@
 ``torchtitan.train`` (its ``Trainer``, its TOML config, its debug Llama, its DCP checkpoints)
 trains 4 steps on 2 gloo ranks, pure FSDP, launched by ``torchrun`` as a user launches it:
 once under torch's own ``fully_shard`` and once under each twinshard implementation with
-``-m twinshard.run --impl NAME`` in front (tests/client_torchtitan.py says what the job is,
+``-m twinshard.run --impls NAME`` in front (tests/client_torchtitan.py says what the job is,
 tests/torchtitan_on_cpu.py the small shim that a CPU-only machine needs; docs/clients.md has
 both). Every twinshard run must match torch's run bit for bit:
 

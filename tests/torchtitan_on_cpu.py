@@ -2,7 +2,7 @@
 
 Run it where you would run ``-m torchtitan.train``, with the same arguments:
 
-    torchrun --nproc-per-node 2 -m twinshard.run --impl optimized tests/torchtitan_on_cpu.py \\
+    torchrun --nproc-per-node 2 -m twinshard.run --impls optimized tests/torchtitan_on_cpu.py \\
         --job.config_file job.toml
 
 It changes none of torchtitan's files. It imports ``torchtitan.train`` with one module that

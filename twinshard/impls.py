@@ -1,10 +1,10 @@
 """Which FSDP implementation to run: a short name or any importable module.
 
 Every command that takes an implementation resolves it here, so that a researcher's variant
-runs wherever twinshard's own do: ``twinshard bench --impls``, ``twinshard schedule --impl``,
+runs wherever twinshard's own do: ``twinshard bench --impls``, ``twinshard schedule --impls``,
 ``twinshard plan --impls``, ``python -m twinshard.measure.fakeaccel --impls``, ``twinshard conform
-MODULE``, ``twinshard train --impl`` and the switch (``twinshard.switch.use``,
-``python -m twinshard.run --impl``). The short names:
+MODULE``, ``twinshard train --impls`` and the switch (``twinshard.switch.use``,
+``python -m twinshard.run --impls``). The short names:
 
     reference   twinshard.reference       the readable spec
     optimized   twinshard.optimized       the fast path

@@ -1,13 +1,13 @@
 """Run a script or a module with torch's ``fully_shard`` switched to twinshard's.
 
     python -m twinshard.run script.py ARGS...             # TWINSHARD_FSDP, default optimized
-    python -m twinshard.run --impl reference script.py ARGS...
+    python -m twinshard.run --impls reference script.py ARGS...
     python -m twinshard.run -m package.module ARGS...     # like python -m
     torchrun --nproc-per-node 8 -m twinshard.run train.py ARGS...
 
 The switch (``twinshard.switch.use_from_env``) happens before the script imports anything,
 so the script and every library it imports see twinshard's ``fully_shard`` wherever they
-import torch's. ``--impl`` wins over the ``TWINSHARD_FSDP`` environment variable and is
+import torch's. ``--impls`` (one name; ``--impl`` is its old spelling) wins over the ``TWINSHARD_FSDP`` environment variable and is
 passed on to it, so processes the script starts with this launcher switch the same way.
 The script then runs as ``python script.py`` would run it: as ``__main__``, with
 ``sys.argv`` = ``[script.py, ARGS...]`` and its folder first on ``sys.path``.
@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 from twinshard import switch
 
-USAGE = "python -m twinshard.run [--impl NAME] (script.py | -m module) [ARGS...]"
+USAGE = "python -m twinshard.run [--impls NAME] (script.py | -m module) [ARGS...]"
 
 
 class Command(NamedTuple):
-    impl: str | None  # --impl, or None to read TWINSHARD_FSDP
+    impl: str | None  # --impls, or None to read TWINSHARD_FSDP
     module: str | None  # -m MODULE, or None to run a script
     target: list[str]  # [script.py, ARGS...] or the module's ARGS
 
@@ -40,12 +40,14 @@ def parse(argv: list[str]) -> Command:
         if flag in ("-h", "--help"):
             print(__doc__)
             raise SystemExit(0)
+        if flag.split("=", 1)[0] == "--impl":
+            print("note: --impl is now --impls", file=sys.stderr)
         if "=" in flag:
             impl = flag.split("=", 1)[1]
         elif rest:
             impl = rest.pop(0)
         else:
-            raise SystemExit(f"python -m twinshard.run: --impl needs a value; usage: {USAGE}")
+            raise SystemExit(f"python -m twinshard.run: {flag} needs a value; usage: {USAGE}")
     if rest[:1] == ["-m"]:
         if len(rest) < 2:
             raise SystemExit(f"python -m twinshard.run: -m needs a module name; usage: {USAGE}")
