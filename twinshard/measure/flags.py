@@ -5,7 +5,9 @@ twinshard.measure.fakeaccel`` add the flags of a job with ``add(parser, concept,
 and one help text per concept (``VOCABULARY``), each command with its own defaults, which
 ``--help`` shows. An old spelling still works and says on stderr, in one line, what replaces
 it: ``--impl`` (now ``--impls``), ``--preset`` (``--model``), ``--world-size`` and ``--nproc``
-(``--world``), ``--batch`` (``--per-rank``). ``job(args)`` is the ``Job`` the flags describe.
+(``--world``), ``--batch`` (``--per-rank``). ``job(args)`` is the ``Job`` the flags describe,
+``jobs(args)`` one per implementation, ``problem(jobs)`` the first thing wrong with them: every
+command makes its jobs with these (the plan with its own defaults and checks).
 
 ``--impls`` takes a comma-separated list in every command: bench compares them, plan prices
 each, schedule draws them one above the other, the fake accelerator checks each. ``--device``
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from dataclasses import replace
 
 from twinshard import impls
 
@@ -89,11 +92,12 @@ def add(parser: argparse.ArgumentParser, *concepts: str, **defaults) -> None:
             )
 
 
-def job(args: argparse.Namespace, **fields) -> Job:
+def job(args: argparse.Namespace, make=Job, **fields) -> Job:
     """The job ``args`` describes: its shared flags, then ``fields`` for what a flag left
-    None or a command does not have, then ``Job``'s defaults. The implementation is the first
-    of ``--impls`` (``jobs`` gives one per name); a ``--reshard-after-forward`` it cannot
-    read stays as given, for ``Job.problem`` to name."""
+    None or a command does not have, then the defaults of ``make`` (``Job``'s, or a command's
+    own: the plan's ``config.job``). The implementation is the first of ``--impls`` (``jobs``
+    gives one per name); a ``--reshard-after-forward`` it cannot read stays as given, for
+    ``Job.problem`` to name."""
     given = {field: getattr(args, dest, None) for dest, field in FIELDS.items()}
     given["impl"] = next(iter(impls.names(getattr(args, "impls", None) or "")), None)
     given["offload"] = given["offload"] or None  # a switch left off leaves the field's value
@@ -103,16 +107,18 @@ def job(args: argparse.Namespace, **fields) -> Job:
     model |= {k: getattr(args, d) for d, k in MODEL.items() if getattr(args, d, None) is not None}
     if getattr(args, "heads", None) is not None:
         model["n_kv_heads"] = args.heads  # the example models' attention: one key per head
-    return Job(model=model, **{**fields, **{k: v for k, v in given.items() if v is not None}})
+    return make(model=model, **{**fields, **{k: v for k, v in given.items() if v is not None}})
 
 
-def jobs(args: argparse.Namespace, **fields) -> list[Job]:
-    """``job(args, **fields)`` once per name of ``--impls``."""
-    base = job(args, **fields)
+def jobs(args: argparse.Namespace, make=Job, **fields) -> list[Job]:
+    """``job(args, make, **fields)`` once per name of ``--impls``."""
+    base = job(args, make, **fields)
     names = impls.names(getattr(args, "impls", None) or "") or [base.impl]
-    return [Job(**{**base.as_dict(), "impl": name}) for name in names]
+    return [replace(base, impl=name) for name in names]
 
 
-def problem(jobs: list[Job], baselines: bool = False) -> str | None:
-    """The first of ``jobs``' problems (``Job.problem``), or None."""
-    return next(filter(None, (j.problem(baselines) for j in jobs)), None)
+def problem(jobs: list[Job], baselines: bool = False, check=None) -> str | None:
+    """The first of ``jobs``' problems, or None: ``check``'s (a command's own validator, such
+    as the plan's ``config.problem``), or ``Job.problem``'s (``baselines``: its own)."""
+    check = check or (lambda job: job.problem(baselines))
+    return next(filter(None, map(check, jobs)), None)

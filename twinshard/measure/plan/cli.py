@@ -53,21 +53,13 @@ def configs_from(args) -> tuple[list[list[Job]], str | None]:
     """The plans the command line asks for, one list per sweep point (one plan per
     implementation), and what is wrong with them (one line) or None."""
     own = dict(ac=args.ac, optimizer=args.optimizer, device=args.device, network=args.network)
-    base = config.job(**{**config.DEFAULTS, **own, "probe": args.probe})
-    plans = flags.jobs(args, **base.as_dict())
-    if args.ranks_per_node is not None:
-        wrong = positive("--ranks-per-node", args.ranks_per_node)
-        if wrong:
-            return [], wrong
+    plans = flags.jobs(args, config.job, **own, probe=args.probe)
     points, wrong = sweep_points(args.sweep)
-    if wrong:
-        return [], wrong
+    if args.ranks_per_node is not None:
+        wrong = positive("--ranks-per-node", args.ranks_per_node) or wrong
     grid = [[_at(plan, point) for plan in plans] for point in points or [{}]]
-    for plan in (p for row in grid for p in row):
-        wrong = config.problem(plan)
-        if wrong:
-            return [], wrong
-    return grid, None
+    wrong = wrong or flags.problem([plan for row in grid for plan in row], check=config.problem)
+    return ([], wrong) if wrong else (grid, None)
 
 
 def _at(plan: Job, point: dict) -> Job:

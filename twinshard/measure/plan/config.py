@@ -3,8 +3,9 @@ defaults, and the device and network whose constants price it.
 
 ``job(**fields)`` is a plan's job: bf16, AdamW, 8 ranks of one sequence of 2,048 tokens on an
 H100, recorded on the fake accelerator (``backend`` fakeaccel) or, for ``device="cpu"``, on
-the CPU's fake process group (``fake``). ``problem(job)`` checks what only a plan has (the
-device's and network's names, real tensors only on the CPU, ``--ac``), then ``Job.problem``.
+the CPU's fake process group (``fake``); ``twinshard plan`` makes its jobs with it from the
+flags (``flags.jobs(args, job)``). ``problem(job)`` checks what only a plan has (the device's
+and network's names, real tensors only on the CPU, ``--ac``), then ``Job.problem``.
 """
 
 from __future__ import annotations

@@ -33,42 +33,23 @@ from twinshard.report_files import publish
 IMPLS = ("reference", "optimized", "torch")
 LAYERS = 4
 SHAPE = dict(world=2, seq=128, dtype="fp32")
+JOB = dict(SHAPE, preset="small", per_rank=2)  # and LAYERS blocks
 STEPS = 8  # timed steps per run; their CPU times vary by about 8% from step to step
 TARGET = (0.8, 1.2)  # predicted over measured
 
 
 def bench_config(steps: int = STEPS) -> Job:
     """The job as ``twinshard bench`` runs it (2 warm-up steps, then ``steps`` timed)."""
-    return Job(
-        preset="small",
-        model={"n_layers": LAYERS},
-        per_rank=2,
-        steps=steps,
-        warmup=2,
-        backend="simnet",
-        link="ib",
-        **SHAPE,
-    )
+    where = dict(backend="simnet", link="ib", warmup=2, steps=steps)
+    return Job(**JOB, model={"n_layers": LAYERS}, **where)
 
 
 def plan_configs(impls=IMPLS) -> list:
     """The same job as ``twinshard plan --device cpu --network simnet:ib --probe`` plans it."""
     from . import config
 
-    return [
-        config.job(
-            preset="small",
-            model={"n_layers": LAYERS},
-            per_rank=2,
-            impl=impl,
-            device="cpu",
-            network="simnet:ib",
-            optimizer="sgd",
-            probe=True,
-            **SHAPE,
-        )
-        for impl in impls
-    ]
+    plan = dict(device="cpu", network="simnet:ib", optimizer="sgd", probe=True)
+    return [config.job(**JOB, model={"n_layers": LAYERS}, impl=impl, **plan) for impl in impls]
 
 
 def measure_and_plan(impls=IMPLS, steps: int = STEPS) -> tuple[dict, dict]:
