@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import models as M
 from .. import trace as T
 from ..compare import Checker
-from .core import case, train_case
+from .core import case, torch_cannot, train_case
 
 
 class Bf16AllGather:
@@ -125,7 +125,7 @@ def case_fsdp_module_methods(ctx):
             model.set_separate_reduce_scatter_group(True)  # a second gloo group for twinshard
 
     newer = ("set_reduce_scatter_max_input_buffers", "set_force_sum_reduction_for_comms")
-    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap), no_oracle=_torch_lacks(*newer))
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap), no_oracle=torch_cannot(newer))
 
 
 @case("comm_hooks")
@@ -147,18 +147,8 @@ def case_reset_after_error(ctx):
         handle.remove()
         model.reshard()  # torch's reset leaves the root unsharded; the optimizer needs DTensors
 
-    return train_case(
-        ctx, M.mlp_recipe(ctx.world, wrap=wrap), no_oracle=_torch_lacks("reset_iter_state")
-    )
-
-
-def _torch_lacks(*methods: str) -> str | None:
-    """Why the installed torch's ``fully_shard`` cannot run a case: methods its FSDPModule lacks
-    (2.11 has no reset_iter_state, for one); None where it has them all."""
-    from torch.distributed.fsdp import FSDPModule
-
-    missing = [m for m in methods if not hasattr(FSDPModule, m)]
-    return f"torch {torch.__version__} has no FSDPModule.{', .'.join(missing)}" if missing else None
+    missing = torch_cannot(("reset_iter_state",))
+    return train_case(ctx, M.mlp_recipe(ctx.world, wrap=wrap), no_oracle=missing)
 
 
 @case("comm_hooks")

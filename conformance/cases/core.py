@@ -130,3 +130,21 @@ def train_case(
         compare(checker, "torch", theirs, truth, truth_low)
         compare(checker, f"{ctx.impl_name} vs torch", mine, truth, truth_low, other=theirs)
     return checker
+
+
+def torch_cannot(methods: tuple[str, ...] = (), shard=None, mesh=None) -> str | None:
+    """Why the installed torch's own ``fully_shard`` cannot run a case (``train_case``'s
+    ``no_oracle``), or None where it can: ``methods`` its ``FSDPModule`` lacks (2.11 has no
+    ``reset_iter_state``, for one), or the ``ValueError`` it raises sharding module ``shard`` on
+    ``mesh`` (2.11 refuses every ``ModuleList``; 2.13 only those without forward)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    missing = [m for m in methods if not hasattr(FSDPModule, m)]
+    if missing:
+        return f"torch {torch.__version__} has no FSDPModule.{', .'.join(missing)}"
+    try:
+        if shard is not None:
+            fully_shard(shard, mesh=mesh)
+    except ValueError as error:
+        return f"torch {torch.__version__} refuses it: {str(error).splitlines()[0]}"
+    return None

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method as torch_registe
 from .. import models as M
 from ..compare import Checker
 from ..driver import compare, run_plain, run_sharded
-from .core import case, train_case
+from .core import case, torch_cannot, train_case
 from .errors import expect_error
 from .state_dict import dsd
 
@@ -87,20 +87,9 @@ def case_module_list_with_forward(ctx):
         impl.fully_shard(model, mesh=mesh)
 
     recipe = M.mlp_recipe(ctx.world, wrap=wrap, build=lambda: M.ListMLP())
-    return train_case(ctx, recipe, no_oracle=_torch_refuses_lists(ctx))
-
-
-def _torch_refuses_lists(ctx) -> str | None:
-    """Why the installed torch cannot shard a ``ModuleList`` that defines forward (2.11 refuses
-    every ``ModuleList``; 2.13 only those without forward), or None where it can. Asked of a
-    list holding no parameter, which sharding leaves as it was."""
-    from torch.distributed.fsdp import fully_shard
-
-    try:
-        fully_shard(M.SequentialList([torch.nn.Identity()]), mesh=ctx.mesh)
-    except ValueError as error:
-        return f"torch {torch.__version__} refuses it: {str(error).splitlines()[0]}"
-    return None
+    # asked of a list holding no parameter, which sharding leaves as it was
+    refused = torch_cannot(shard=M.SequentialList([torch.nn.Identity()]), mesh=ctx.mesh)
+    return train_case(ctx, recipe, no_oracle=refused)
 
 
 @case("interface")
