@@ -9,74 +9,53 @@ import time
 
 import torch
 
-from .stats import fmt_ratio
-
-MB = 2**20
+from twinshard.measure.units import MiB, figure, markdown_table, ms, ratio
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f}"
-
-
-def _ops(collectives: dict | None) -> str:
+def _collectives(collectives: dict | None) -> list[str]:
+    """Two cells: the count of each kind of collective ("AG 3 RS 2") and their MB per step."""
     if not collectives:
-        return "-"
+        return ["-", "-"]
     short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC"}
-    return " ".join(f"{short.get(op, op)} {v['count']}" for op, v in sorted(collectives.items()))
-
-
-def _comm_mb(collectives: dict | None) -> str:
-    if not collectives:
-        return "-"
-    return f"{sum(v['bytes'] for v in collectives.values()) / MB:.1f}"
+    ops = " ".join(f"{short.get(op, op)} {v['count']}" for op, v in sorted(collectives.items()))
+    return [ops, f"{sum(v['bytes'] for v in collectives.values()) / MiB:.1f}"]
 
 
 def table(summary: dict) -> str:
     """Step time (median and quartiles), tokens/s, ratios, memory and collectives."""
     simnet = any("overlap_efficiency" in r or "comm_s" in r for r in summary.values())
-    head = [
-        "impl",
-        "step ms (q1-q3)",
-        "tokens/s",
-        "vs DDP",
-        "vs torch",
-        "peak MB",
-        "collectives/step",
-        "MB/step",
-    ]
+    head = ["impl", "step ms (q1-q3)", "tokens/s", "vs DDP", "vs torch", "peak MB"]
+    head += ["collectives/step", "MB/step"]
     if simnet:
         head += ["compute ms", "comm ms", "overlap"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for name, r in summary.items():
         peak = r.get("accelerator_peak", r.get("memory_total"))
         cells = [
             name,
-            f"{_ms(r['step_s'])} ({_ms(r['step_q1_s'])}-{_ms(r['step_q3_s'])})",
+            f"{ms(r['step_s'])} ({ms(r['step_q1_s'])}-{ms(r['step_q3_s'])})",
             f"{r['tokens_per_s']:.0f}",
-            fmt_ratio(r.get("step_vs_ddp")),
-            fmt_ratio(r.get("step_vs_torch")),
-            f"{peak / MB:.2f}" if peak is not None else "-",
-            _ops(r.get("collectives")),
-            _comm_mb(r.get("collectives")),
+            ratio(r.get("step_vs_ddp")),
+            ratio(r.get("step_vs_torch")),
+            f"{peak / MiB:.2f}" if peak is not None else "-",
+            *_collectives(r.get("collectives")),
         ]
         if simnet:
             eff = r.get("overlap_efficiency")
             cells += [
-                _ms(r["compute_s"]) if "compute_s" in r else "-",
-                _ms(r["comm_s"]) if "comm_s" in r else "-",
+                ms(r["compute_s"]) if "compute_s" in r else "-",
+                ms(r["comm_s"]) if "comm_s" in r else "-",
                 f"{eff:.2f}" if eff is not None else "-",
             ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(head, rows)
 
 
 def memory_table(summary: dict) -> str:
     """Bytes at the peak by category, measured (probe) and predicted (memory model)."""
-    lines = [
-        "| impl | sharded+optim MB | unsharded MB | grad MB | sharded grad MB | comm MB "
-        "| peak MB | model MB | model/measured | heap MB | RSS growth MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    head = ["impl", "sharded+optim MB", "unsharded MB", "grad MB", "sharded grad MB", "comm MB"]
+    head += ["peak MB", "model MB", "model/measured", "heap MB", "RSS growth MB"]
+    rows = []
     for name, r in summary.items():
         m = r.get("memory")
         if not m:
@@ -84,11 +63,11 @@ def memory_table(summary: dict) -> str:
         model, total = r.get("model_total"), r["memory_total"]
         persistent = m["sharded"] + m["optimizer"] + m["params"]
         mb = [persistent, m["unsharded"], m["grad"], m["sharded_grad"], m["comm"], total]
-        cells = [name, *(f"{b / MB:.2f}" for b in mb)]
-        cells += [f"{model / MB:.2f}", f"{model / total:.3f}"] if model else ["-", "-"]
-        cells += [f"{r['heap_peak'] / MB:.1f}", f"{r['rss_growth'] / MB:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells = [name, *(f"{b / MiB:.2f}" for b in mb)]
+        cells += [f"{model / MiB:.2f}", f"{model / total:.3f}"] if model else ["-", "-"]
+        cells += [f"{r['heap_peak'] / MiB:.1f}", f"{r['rss_growth'] / MiB:.1f}"]
+        rows.append(cells)
+    return markdown_table(head, rows)
 
 
 def meta(config_dict: dict, argv: list[str] | None = None) -> dict:
@@ -128,28 +107,20 @@ def _cpu_name() -> str:
 
 def plot(summary: dict, path: str, title: str) -> None:
     """Step time (with quartiles) and peak memory of each implementation, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(summary)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
     steps = [summary[n]["step_s"] * 1000 for n in names]
     err = [
         [s - summary[n]["step_q1_s"] * 1000 for s, n in zip(steps, names)],
         [summary[n]["step_q3_s"] * 1000 - s for s, n in zip(steps, names)],
     ]
-    ax1.bar(names, steps, yerr=err, color="#4c72b0", capsize=3)
-    ax1.set_ylabel("step time (ms), median and quartiles")
     peaks = [
-        summary[n].get("accelerator_peak", summary[n].get("memory_total", 0)) / MB for n in names
+        summary[n].get("accelerator_peak", summary[n].get("memory_total", 0)) / MiB for n in names
     ]
-    ax2.bar(names, peaks, color="#dd8452")
-    ax2.set_ylabel("peak memory (MB)")
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 110, 1, 2, figsize=(9, 3.2)) as (fig, (ax1, ax2)):
+        ax1.bar(names, steps, yerr=err, color="#4c72b0", capsize=3)
+        ax1.set_ylabel("step time (ms), median and quartiles")
+        ax2.bar(names, peaks, color="#dd8452")
+        ax2.set_ylabel("peak memory (MB)")
+        for ax in (ax1, ax2):
+            ax.tick_params(axis="x", rotation=30)
+        fig.suptitle(title, fontsize=9)

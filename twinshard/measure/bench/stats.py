@@ -19,7 +19,6 @@ hidden is under 5% of ``serial`` the figure is not given.
 
 from __future__ import annotations
 
-import math
 import statistics
 
 from twinshard.measure import memmodel
@@ -111,7 +110,3 @@ def add_overlap(summary: dict, instant: dict) -> None:
             row["first_all_gather_s"],
             row["last_reduce_scatter_s"],
         )
-
-
-def fmt_ratio(x: float | None) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}x"

@@ -21,6 +21,7 @@ import os
 from dataclasses import replace
 
 from twinshard.measure.job import Job
+from twinshard.measure.units import MiB, figure, ms
 from twinshard.report_files import write_json
 
 from .compare import add_memory_model, side_by_side
@@ -31,11 +32,7 @@ POINTS = {
     "full": {"model size": [64, 128, 256], "groups": [2, 8, 32], "world size": [2, 8, 64]},
     "quick": {"model size": [32, 64], "groups": [1, 2], "world size": [2, 4]},
 }
-FILES = {
-    "model size": "sweep-model-size.png",
-    "groups": "sweep-groups.png",
-    "world size": "sweep-world-size.png",
-}
+FILES = {axis: f"sweep-{axis.replace(' ', '-')}.png" for axis in POINTS["full"]}
 
 
 def point(base: Job, axis: str, value: int) -> Job:
@@ -91,38 +88,30 @@ def run_sweep(args, base: Job, impls: list[str]) -> int:
 
 def _line(summary: dict) -> str:
     return ", ".join(
-        f"{n} {r['step_s'] * 1e3:.1f} ms / {r.get('memory_total', 0) / 2**20:.2f} MB"
+        f"{n} {ms(r['step_s'])} ms / {r.get('memory_total', 0) / MiB:.2f} MB"
         for n, r in summary.items()
     )
 
 
 def plot_axis(axis: str, rows: list, impls: list, path: str, base: Job) -> None:
     """Step time, overhead per group and peak memory against ``axis``, one line per impl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     xs = [r["value"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
     panels = [
         ("step time (ms)", lambda s: s["step_s"] * 1e3),
         ("overhead per group (us CPU)", lambda s: s["overhead_per_group_s"] * 1e6),
-        ("peak FSDP memory (MB)", lambda s: s.get("memory_total", 0) / 2**20),
+        ("peak FSDP memory (MB)", lambda s: s.get("memory_total", 0) / MiB),
     ]
-    for ax, (title, value) in zip(axes, panels):
-        for impl in impls:
-            ys = [value(r["summary"][impl]) for r in rows if impl in r["summary"]]
-            ax.plot(xs[: len(ys)], ys, marker="o", label=impl)
-            if title.startswith("peak") and impl != "plain":
-                model = [r["summary"][impl].get("model_total", 0) / 2**20 for r in rows]
-                ax.plot(xs, model, linestyle=":", color=ax.lines[-1].get_color())
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(axis + (" (width)" if axis == "model size" else ""))
-        ax.set_title(title, fontsize=9)
-    axes[0].legend(fontsize=7)
-    link = f", link {base.link}" if base.backend == "simnet" else ""
-    fig.suptitle(f"{base.backend}{link}; dotted: memory model", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 100, 1, 3, figsize=(10, 3)) as (fig, axes):
+        for ax, (title, value) in zip(axes, panels):
+            for impl in impls:
+                ys = [value(r["summary"][impl]) for r in rows if impl in r["summary"]]
+                ax.plot(xs[: len(ys)], ys, marker="o", label=impl)
+                if title.startswith("peak") and impl != "plain":
+                    model = [r["summary"][impl].get("model_total", 0) / MiB for r in rows]
+                    ax.plot(xs, model, linestyle=":", color=ax.lines[-1].get_color())
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(axis + (" (width)" if axis == "model size" else ""))
+            ax.set_title(title, fontsize=9)
+        axes[0].legend(fontsize=7)
+        link = f", link {base.link}" if base.backend == "simnet" else ""
+        fig.suptitle(f"{base.backend}{link}; dotted: memory model", fontsize=8)

@@ -18,11 +18,10 @@ publishes this (``python -m twinshard.measure.fakeaccel``, ``twinshard bench --b
 
 from __future__ import annotations
 
+from twinshard.measure.units import MB, markdown_table
 from twinshard.report_files import publish
 
 from .runner import run as run_checks
-
-MB = 1e6
 
 
 def mesh_label(config: dict) -> str:
@@ -38,25 +37,23 @@ def describe(config: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = [
-        "| impl | mesh | dtype | offload | reshard | host syncs | explicit | host colls "
-        "| colls | = CPU | peak MB | FSDP MB | model/FSDP |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    head = ["impl", "mesh", "dtype", "offload", "reshard", "host syncs", "explicit", "host colls"]
+    head += ["colls", "= CPU", "peak MB", "FSDP MB", "model/FSDP"]
+    rows = []
     for r in results:
         c = r["config"]
         cells = [c["impl"], mesh_label(c), c["dtype"], "yes" if c["offload"] else "no"]
         cells.append(str(c["reshard_after_forward"]))
         if "steps" not in r:
-            lines.append("| " + " | ".join(cells + ["failed"] + ["-"] * 7) + " |")
+            rows.append(cells + ["failed"] + ["-"] * 7)
             continue
         last = r["steps"][-1]
         cells += [str(last[k]) for k in ("host_syncs", "explicit_syncs", "host_collectives")]
         cells += [str(last["collectives"]), _same(r)]
         fsdp = sum(last["categories"].values())
         cells += [f"{last['peak_bytes'] / MB:.3f}", f"{fsdp / MB:.3f}", _ratio(r)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(head, rows)
 
 
 def _same(result: dict) -> str:

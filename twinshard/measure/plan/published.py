@@ -31,6 +31,7 @@ import pickle
 from dataclasses import replace
 
 from twinshard.measure.job import Job
+from twinshard.measure.units import GiB
 from twinshard.report_files import publish
 
 from . import config
@@ -96,7 +97,7 @@ def compare(rows: dict) -> list[dict]:
             out.append(dict(name=name, error=row["error"].strip().splitlines()[-1]))
             continue
         predicted_tps = row["time"]["tokens_per_s"]
-        predicted_gib = row["memory"]["peak_bytes"] / 2**30
+        predicted_gib = row["memory"]["peak_bytes"] / GiB
         out.append(
             dict(
                 name=name,

@@ -21,7 +21,7 @@ time
 
 from __future__ import annotations
 
-from .profiles import BF16, DEVICES, FP32, GiB
+from .profiles import BF16, DEVICES, FP32
 from .replay import per_link, replay
 
 
@@ -73,7 +73,3 @@ def add_ratios(rows: dict) -> None:
             "step_time": row["time"]["step_s"] / base["time"]["step_s"],
             "peak_memory": row["memory"]["peak_bytes"] / base["memory"]["peak_bytes"],
         }
-
-
-def gib(n: float) -> str:
-    return f"{n / GiB:.2f}"

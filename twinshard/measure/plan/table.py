@@ -10,7 +10,9 @@ its peak's parts as a bar beside it.
 
 from __future__ import annotations
 
-from .profiles import DEVICES, GiB
+from twinshard.measure.units import MB, GiB, MiB, figure, markdown_table, ms
+
+from .profiles import DEVICES
 from .trace import PARTS
 
 PART_NAMES = {
@@ -49,14 +51,12 @@ def format_plan(rows: dict) -> str:
         return "\n".join(lines)
     first = next(iter(ok.values()))
     big = max(r["memory"]["peak_bytes"] for r in ok.values()) >= GiB
-    unit, size = ("GiB", GiB) if big else ("MiB", 2**20)
+    unit, size = ("GiB", GiB) if big else ("MiB", MiB)
     lines += [describe(first), ""]
-    names = list(ok)
-    lines.append("| per rank | " + " | ".join(names) + " |")
-    lines.append("|---" * (len(names) + 1) + "|")
+    names, rows = list(ok), []
 
     def add(label: str, value) -> None:
-        lines.append(f"| {label} | " + " | ".join(value(ok[n]) for n in names) + " |")
+        rows.append([label, *(value(ok[n]) for n in names)])
 
     add(f"**peak device memory ({unit})**", lambda r: f"**{r['memory']['peak_bytes'] / size:.2f}**")
     for part in PARTS:
@@ -66,10 +66,10 @@ def format_plan(rows: dict) -> str:
     for name, device in DEVICES.items():
         add(f"fits {name} ({device.capacity // GiB} GiB)", lambda r, n=name: _yes(r, n))
     add(f"host peak ({unit})", lambda r: f"{r['memory']['host_peak_bytes'] / size:.2f}")
-    add("**step time (ms)**", lambda r: f"**{r['time']['step_s'] * 1e3:.1f}**")
-    add("  compute (ms)", lambda r: f"{r['time']['compute_s'] * 1e3:.1f}")
-    add("  communication (ms)", lambda r: f"{r['time']['comm_s'] * 1e3:.1f}")
-    add("  exposed communication (ms)", lambda r: f"{r['time']['exposed_s'] * 1e3:.1f}")
+    add("**step time (ms)**", lambda r: f"**{ms(r['time']['step_s'])}**")
+    add("  compute (ms)", lambda r: ms(r["time"]["compute_s"]))
+    add("  communication (ms)", lambda r: ms(r["time"]["comm_s"]))
+    add("  exposed communication (ms)", lambda r: ms(r["time"]["exposed_s"]))
     add("  most exposed at", _most_exposed)
     add("tokens/s per rank", lambda r: f"{r['time']['tokens_per_s']:,.0f}")
     add("MFU", lambda r: "-" if r["time"]["mfu"] is None else f"{r['time']['mfu']:.1%}")
@@ -77,12 +77,12 @@ def format_plan(rows: dict) -> str:
         add("step time / torch's", lambda r: f"{r['vs_torch']['step_time']:.3f}")
         add("peak memory / torch's", lambda r: f"{r['vs_torch']['peak_memory']:.3f}")
     add("recorded in (s)", lambda r: f"{r['record_s']:.1f}")
-    lines += ["", "Collectives per step (count, MB per rank, ms on the wire):", ""]
+    lines += [markdown_table(["per rank", *names], rows), ""]
+    lines += ["Collectives per step (count, MB per rank, ms on the wire):", ""]
     for name, row in ok.items():
         for key, c in sorted(row["communication"].items()):
             lines.append(
-                f"- {name}: {key}: {c['count']}, {c['bytes'] / 1e6:.1f} MB, "
-                f"{c['seconds'] * 1e3:.2f} ms"
+                f"- {name}: {key}: {c['count']}, {c['bytes'] / MB:.1f} MB, {ms(c['seconds'], 2)} ms"
             )
     return "\n".join(lines)
 
@@ -96,39 +96,31 @@ def _most_exposed(row: dict) -> str:
     if not exposed:
         return "-"
     label, seconds = next(iter(exposed.items()))
-    return f"{label} ({seconds * 1e3:.2f} ms)"
+    return f"{label} ({ms(seconds, 2)} ms)"
 
 
 def plot_plan(rows: dict, timelines: dict, path: str) -> None:
     """Device memory through the step per implementation, and the peak's parts."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = {n: r for n, r in rows.items() if "error" not in r}
-    fig, (line, bars) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(3, 1))
-    for name in ok:
-        points = timelines.get(name) or []
-        line.plot([p[0] for p in points], [p[1] / GiB for p in points], label=name)
-    _shade_phases(line, timelines.get(next(iter(ok))) or [])
-    line.set_xlabel(
-        "recorded entry of the step (shaded, the first one's: backward, recompute, optimizer)"
-    )
-    line.set_ylabel("device memory (GiB)")
-    line.legend(fontsize=8)
-    bottom = [0.0] * len(ok)
-    for part in PARTS:
-        heights = [r["memory"]["parts"].get(part, 0) / GiB for r in ok.values()]
-        if any(heights):
-            bars.bar(list(ok), heights, bottom=bottom, label=PART_NAMES[part])
-            bottom = [b + h for b, h in zip(bottom, heights)]
-    bars.set_title("at the peak (GiB)", fontsize=9)
-    bars.legend(fontsize=6)
-    fig.suptitle(describe(next(iter(ok.values()))), fontsize=7, wrap=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 100, 1, 2, figsize=(11, 4), width_ratios=(3, 1)) as (fig, (line, bars)):
+        for name in ok:
+            points = timelines.get(name) or []
+            line.plot([p[0] for p in points], [p[1] / GiB for p in points], label=name)
+        _shade_phases(line, timelines.get(next(iter(ok))) or [])
+        line.set_xlabel(
+            "recorded entry of the step (shaded, the first one's: backward, recompute, optimizer)"
+        )
+        line.set_ylabel("device memory (GiB)")
+        line.legend(fontsize=8)
+        bottom = [0.0] * len(ok)
+        for part in PARTS:
+            heights = [r["memory"]["parts"].get(part, 0) / GiB for r in ok.values()]
+            if any(heights):
+                bars.bar(list(ok), heights, bottom=bottom, label=PART_NAMES[part])
+                bottom = [b + h for b, h in zip(bottom, heights)]
+        bars.set_title("at the peak (GiB)", fontsize=9)
+        bars.legend(fontsize=6)
+        fig.suptitle(describe(next(iter(ok.values()))), fontsize=7, wrap=True)
 
 
 PHASE_COLOURS = {"backward": "#dde8f5", "recompute": "#f5e6d3", "optimizer": "#e2f0d9"}
@@ -152,26 +144,18 @@ def _shade_phases(ax, points: list) -> None:
 def plot_sweep(points: list[tuple], axis: str, path: str) -> None:
     """Step time, peak memory and MFU against the swept ``axis``, one line per
     implementation (``points``: (value, implementation -> row) in the sweep's order)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = [
         ("step time (ms)", lambda r: r["time"]["step_s"] * 1e3),
         ("peak device memory (GiB)", lambda r: r["memory"]["peak_bytes"] / GiB),
         ("MFU", lambda r: r["time"]["mfu"] or 0.0),
     ]
     impls = list(dict.fromkeys(name for _, rows in points for name in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for ax, (title, value) in zip(axes, panels):
-        for impl in impls:
-            xs = [str(v) for v, rows in points if "error" not in rows.get(impl, {"error": 1})]
-            ys = [value(rows[impl]) for v, rows in points if str(v) in xs and impl in rows]
-            ax.plot(xs, ys, marker="o", label=impl)
-        ax.set_xlabel(axis)
-        ax.set_title(title, fontsize=9)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 100, 1, 3, figsize=(11, 3.2)) as (fig, axes):
+        for ax, (title, value) in zip(axes, panels):
+            for impl in impls:
+                xs = [str(v) for v, rows in points if "error" not in rows.get(impl, {"error": 1})]
+                ys = [value(rows[impl]) for v, rows in points if str(v) in xs and impl in rows]
+                ax.plot(xs, ys, marker="o", label=impl)
+            ax.set_xlabel(axis)
+            ax.set_title(title, fontsize=9)
+        axes[0].legend(fontsize=7)

@@ -9,21 +9,14 @@ the caller waited for it on the spot (blocking) or went on and needed the result
 
 from __future__ import annotations
 
+from twinshard.measure.units import human_bytes
+
 from .steps import Collective, Schedule, name_of
 
 LEGEND = (
     "states after each hook: U unsharded, S sharded (DTensor shard), "
     "P post-forward piece, - freed, * mixed"
 )
-
-
-def human_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def used_in(schedule: Schedule, c: Collective) -> int | None:
