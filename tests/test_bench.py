@@ -65,7 +65,7 @@ def simnet_run() -> dict:
 
 
 def test_simnet_takes_at_least_latency_plus_bytes_over_bandwidth(simnet_run):
-    expected = simnet.parse_link("1", 2000).seconds(7 / 8 * 4 * 2**20)  # 2 ms + 3.67 ms
+    expected = simnet.parse_link("1", 2000).seconds("all_gather", 4 * 2**20, 8)  # 2 + 3.67 ms
     assert simnet_run["gather_s"] >= expected
     assert simnet_run["issued"] < expected  # async_op returns before the data has arrived
     assert simnet_run["two_s"] >= 2 * expected  # one wire: the second waits for the first
@@ -91,7 +91,7 @@ def test_wire_bytes_and_links():
     assert simnet.wire_bytes("all_gather", 800, 1) == 0
     assert simnet.parse_link("ib").bandwidth == simnet.LINKS["ib"].bandwidth
     assert simnet.parse_link("2.5").bandwidth == 2.5e9
-    assert simnet.parse_link("inf").seconds(10**9) == 0
+    assert simnet.parse_link("inf").seconds("all_gather", 10**9, 8) == 0
     with pytest.raises(ValueError, match="GB/s"):
         simnet.parse_link("fast")
 

@@ -3,13 +3,15 @@
 ``init(world_size, link)`` starts ``torch.distributed`` with the ``"simnet"`` backend, a
 process group written in Python (registered with ``torch.distributed.Backend.register_backend``,
 as PyTorch's fake process group is). Every collective returns a work handle at once and
-completes on a background thread after the time the chosen link would need for it:
+completes on a background thread after the time the chosen link would need for it
+(``Link.seconds``, the one link model that ``twinshard plan``'s networks use too):
 
-    seconds = latency + wire bytes / bandwidth
+    seconds = latency + steps * per_step + wire bytes / bandwidth
 
 where the wire bytes are what one rank sends in a ring algorithm over a group of S ranks:
 (S - 1) / S of the gathered output for an all-gather, of the input for a reduce-scatter,
-twice that for an all-reduce, the whole tensor for a broadcast (nothing when S = 1). The
+twice that for an all-reduce, the whole tensor for a broadcast (nothing when S = 1), and
+``steps`` is S - 1 (2 (S - 1) for an all-reduce; ``per_step`` is 0 on the simulated links). The
 collectives of one process group run one after the other on its own wire (like the
 collectives of one NCCL communicator), so a late one waits for those issued before it.
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -51,22 +53,26 @@ BACKEND = "simnet"
 
 @dataclass(frozen=True)
 class Link:
-    """One rank's connection: latency per collective and bandwidth in bytes per second."""
+    """One rank's connection: its bandwidth, a latency per collective and one per step of the
+    ring (NCCL's latency model; 0 on the simulated links)."""
 
     name: str
-    latency_s: float
     bandwidth: float  # bytes/s that one rank sends (NCCL's "bus bandwidth")
+    latency_s: float  # per collective (NCCL's base latency)
+    per_step_s: float = 0.0  # per step of the ring
 
-    def seconds(self, wire_bytes: float) -> float:
-        return self.latency_s + wire_bytes / self.bandwidth
+    def seconds(self, op: str, nbytes: int, size: int) -> float:
+        """How long ``op`` on ``nbytes`` over ``size`` ranks takes (the module docstring)."""
+        if size <= 1:
+            return 0.0
+        steps = 2 * (size - 1) if op == "all_reduce" else size - 1
+        wire = wire_bytes(op, nbytes, size)
+        return self.latency_s + steps * self.per_step_s + wire / self.bandwidth
 
 
 # Typical bus bandwidths that NCCL reaches for large messages: NVLink within an H100 node,
 # and one 400 Gb/s InfiniBand NIC per GPU across nodes.
-LINKS = {
-    "nvlink": Link("nvlink", 10e-6, 350e9),
-    "ib": Link("ib", 20e-6, 45e9),
-}
+LINKS = {"nvlink": Link("nvlink", 350e9, 10e-6), "ib": Link("ib", 45e9, 20e-6)}
 
 
 def parse_link(text: str, latency_us: float | None = None) -> Link:
@@ -75,7 +81,7 @@ def parse_link(text: str, latency_us: float | None = None) -> Link:
     if text in LINKS:
         link = LINKS[text]
     elif text == "inf":
-        link = Link("instant", 0.0, float("inf"))  # communication takes no time at all
+        link = Link("instant", float("inf"), 0.0)  # communication takes no time at all
     else:
         try:
             gbps = float(text)
@@ -83,10 +89,8 @@ def parse_link(text: str, latency_us: float | None = None) -> Link:
             raise ValueError(f"--link: use {' or '.join(LINKS)} or a bandwidth in GB/s") from None
         if gbps <= 0:
             raise ValueError(f"--link: the bandwidth must be positive, got {text}")
-        link = Link(f"{text} GB/s", 20e-6, gbps * 1e9)
-    if latency_us is not None:
-        link = Link(link.name, latency_us * 1e-6, link.bandwidth)
-    return link
+        link = Link(f"{text} GB/s", gbps * 1e9, 20e-6)
+    return link if latency_us is None else replace(link, latency_s=latency_us * 1e-6)
 
 
 def wire_bytes(op: str, nbytes: int, size: int) -> float:
@@ -119,9 +123,6 @@ class Network:
     calls: list = field(default_factory=list)
     fill: bool = True  # write the values described in the module docstring
     observer: Any = None  # called with (op, tensors) at every collective (measure.probe)
-
-    def seconds(self, op: str, nbytes: int, size: int) -> float:
-        return self.link.seconds(wire_bytes(op, nbytes, size)) if size > 1 else 0.0
 
 
 _NETWORK: Network | None = None
@@ -183,22 +184,19 @@ class SimProcessGroup(dist.ProcessGroup):
         nbytes = big.numel() * big.element_size()
         now = time.perf_counter()
         start = max(now, self._wire.free_at)
-        end = start + net.seconds(op, nbytes, self._size)
+        end = start + net.link.seconds(op, nbytes, self._size)
         self._wire.free_at = end
         wire = wire_bytes(op, nbytes, self._size)
         net.calls.append(Call(op, big.dtype, big.numel(), self._size, wire, now, start, end))
         if net.observer is not None:
             net.observer(op, tensors)
         future = Future()
-        if big.is_cuda:  # see [Note: the simulated network on an accelerator]
-            if net.fill and fill is not None:
-                fill()
-            _gpu_sleep(end - start)
-            future.set_result(result)
-        elif end <= now and self._wire.jobs.empty():  # an instant link: done here and now
+        if big.is_cuda or (end <= now and self._wire.jobs.empty()):  # a GPU, or an instant link
             if net.fill and fill is not None:
                 with torch.no_grad():
                     fill()
+            if big.is_cuda:  # see [Note: the simulated network on an accelerator]
+                _gpu_sleep(end - start)
             future.set_result(result)
         else:
             self._wire.submit(end, fill if net.fill else None, future, result)

@@ -10,15 +10,12 @@ it (``CALIBRATED_ON``), and then held fixed for every other prediction; fp32 use
 figure (no published fp32 run exists to fit it on). ``measure.memmodel``-style tuning per
 configuration is what this avoids.
 
-A **network** turns a collective into seconds (``Network.seconds``), with NCCL's own latency
-model for ring algorithms (``src/graph/tuning.cc``, ring, Simple protocol: a base latency of
-8.4 us and 5.7 us per step over NVLink, 6.6 us per step over the network) and a bus bandwidth:
-
-    seconds = base + steps * per_step + wire bytes / bandwidth
-
-with ``steps`` = S - 1 for an all-gather or reduce-scatter over S ranks (2 (S - 1) for an
-all-reduce) and the wire bytes of ``measure.simnet.wire_bytes``. A group whose ranks share a
-node (``ranks_per_node`` consecutive ranks) runs on the node's link, any other on the
+A **network** turns a collective into seconds (``Network.seconds``) on one of its two links,
+each a ``measure.simnet.Link`` (base + steps * per_step + wire bytes / bandwidth, the
+simulated network's one link model) with NCCL's own latency model for ring algorithms
+(``src/graph/tuning.cc``, ring, Simple protocol: a base latency of 8.4 us and 5.7 us per step
+over NVLink, 6.6 us per step over the network) and a bus bandwidth. A group whose ranks share
+a node (``ranks_per_node`` consecutive ranks) runs on the node's link, any other on the
 network's: a ring over several nodes is as fast as its slowest hop. The bus bandwidths are
 what NCCL reaches for large messages, the figures ``measure.simnet.LINKS`` uses (NVLink in an
 H100 node 350 GB/s; one 400 Gb/s NIC per GPU: 45 GB/s, 0.9 of the line rate), the same 0.9
@@ -33,11 +30,12 @@ efficiency ``CPU_EFFICIENCY`` (see there).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from twinshard.measure import simnet
+from twinshard.measure.simnet import Link
+from twinshard.measure.units import GiB
 
-GiB = 2**30
 BF16, FP32 = "torch.bfloat16", "torch.float32"
 
 
@@ -103,29 +101,20 @@ DEVICES = {
         55e9,
         "NVIDIA H100 SXM datasheet, 700 W; efficiency of the 500 W part (none fitted at 700 W)",
     ),
-    "h100-500w": _gpu(
-        "H100 96GB HBM2e, 500 W (Grand Teton)",
-        989.4e12,
-        66.9e12,
-        2.4e12,
-        H100_500W_EFFICIENCY,
-        96 * GiB,
-        55e9,
-        "torchtitan's H100s: 2.4 TB/s, 96 GB, 500 W; SXM's peak, as torchtitan's MFU uses",
-    ),
 }
-
-
-@dataclass(frozen=True)
-class Link:
-    name: str
-    bandwidth: float  # bytes/s one rank sends (NCCL's bus bandwidth)
-    base_s: float
-    per_step_s: float
+DEVICES["h100-500w"] = replace(  # the same peaks, host link and efficiency as the SXM part
+    DEVICES["h100"],
+    name="H100 96GB HBM2e, 500 W (Grand Teton)",
+    memory_bandwidth=2.4e12,
+    capacity=96 * GiB,
+    about="torchtitan's H100s: 2.4 TB/s, 96 GB, 500 W; SXM's peak, as torchtitan's MFU uses",
+)
 
 
 @dataclass(frozen=True)
 class Network:
+    """A cluster as its collectives see it: the link within a node and the one across."""
+
     name: str
     intra: Link  # within a node
     inter: Link  # across nodes
@@ -137,13 +126,7 @@ class Network:
         return self.intra if len(nodes) <= 1 else self.inter
 
     def seconds(self, op: str, nbytes: int, ranks: list[int]) -> float:
-        size = len(ranks)
-        if size <= 1:
-            return 0.0
-        link = self.link(ranks)
-        steps = 2 * (size - 1) if op == "all_reduce" else size - 1
-        wire = simnet.wire_bytes(op, nbytes, size)
-        return link.base_s + steps * link.per_step_s + wire / link.bandwidth
+        return self.link(ranks).seconds(op, nbytes, len(ranks))
 
 
 NCCL_BASE_S = 8.4e-6
@@ -154,23 +137,21 @@ NVLINK_A100 = Link("NVLink (A100)", 230e9, NCCL_BASE_S, NVLINK_STEP_S)
 NIC_400 = Link("400 Gb/s per GPU", simnet.LINKS["ib"].bandwidth, NCCL_BASE_S, NET_STEP_S)
 NIC_200 = Link("200 Gb/s per GPU", 22.5e9, NCCL_BASE_S, NET_STEP_S)
 
+
+def _nodes_of_8(gpu: str, nvlink: Link, nic: Link, fabric: str) -> Network:
+    """A cluster of 8-GPU nodes: NVLink within a node, ``fabric`` (one NIC per GPU) across."""
+    return Network(f"{gpu} nodes of 8, NVLink + {fabric} per GPU", nvlink, nic, 8)
+
+
 NETWORKS = {
-    "h100-ib": Network(
-        "H100 nodes of 8, NVLink + 400 Gb/s InfiniBand per GPU", NVLINK_H100, NIC_400, 8
-    ),
-    "h100-roce": Network(
-        "H100 nodes of 8, NVLink + 400 Gb/s RoCE per GPU", NVLINK_H100, NIC_400, 8
-    ),
+    "h100-ib": _nodes_of_8("H100", NVLINK_H100, NIC_400, "400 Gb/s InfiniBand"),
+    "h100-roce": _nodes_of_8("H100", NVLINK_H100, NIC_400, "400 Gb/s RoCE"),
     # torchtitan's A100 page names no network; at 200 Gb/s per GPU the collectives of its
     # Llama 2 13B run (no AC, batch 2) alone take longer than its published step, so the
     # published A100 runs are planned on 400 Gb/s per GPU, as the H100 cluster has (see
     # docs/plan.md); a100-hdr is the 200 Gb/s (HDR InfiniBand per GPU) cluster
-    "a100-ib": Network(
-        "A100 nodes of 8, NVLink + 400 Gb/s InfiniBand per GPU", NVLINK_A100, NIC_400, 8
-    ),
-    "a100-hdr": Network(
-        "A100 nodes of 8, NVLink + 200 Gb/s HDR InfiniBand per GPU", NVLINK_A100, NIC_200, 8
-    ),
+    "a100-ib": _nodes_of_8("A100", NVLINK_A100, NIC_400, "400 Gb/s InfiniBand"),
+    "a100-hdr": _nodes_of_8("A100", NVLINK_A100, NIC_200, "200 Gb/s HDR InfiniBand"),
 }
 DEFAULT_NETWORK = {"a100": "a100-ib", "h100": "h100-ib", "h100-500w": "h100-roce"}
 
@@ -179,8 +160,7 @@ def simulated_network(link_text: str, world: int) -> Network:
     """``twinshard bench --backend simnet``'s link as a network of one node: a constant latency
     per collective and its bandwidth (``simnet.parse_link``)."""
     link = simnet.parse_link(link_text)
-    one = Link(link.name, link.bandwidth, link.latency_s, 0.0)
-    return Network(f"simulated link {link.name}", one, one, max(world, 1))
+    return Network(f"simulated link {link.name}", link, link, max(world, 1))
 
 
 # A training step's operators on one core reach this fraction of the large matmul's FLOP/s and

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from twinshard.measure.simnet import wire_bytes
+
 COMPUTE = {"accelerator": "default", "cpu": "host"}
 
 
@@ -105,8 +107,6 @@ def replay(trace: dict, device, network, cpu: bool) -> dict:
 
 def per_link(trace: dict, network) -> dict:
     """Collectives of the step by (op, link): count, bytes per rank, wire bytes, seconds."""
-    from twinshard.measure import simnet
-
     out: dict = {}
     for info in trace["collectives"]:
         size = len(info["ranks"])
@@ -114,6 +114,6 @@ def per_link(trace: dict, network) -> dict:
         row = out.setdefault(f"{info['op']} @ {link}", Counter())
         row["count"] += 1
         row["bytes"] += info["bytes"]
-        row["wire_bytes"] += simnet.wire_bytes(info["op"], info["bytes"], size)
+        row["wire_bytes"] += wire_bytes(info["op"], info["bytes"], size)
         row["seconds"] += network.seconds(info["op"], info["bytes"], info["ranks"])
     return {k: dict(v) for k, v in out.items()}
