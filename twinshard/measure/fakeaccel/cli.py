@@ -29,13 +29,11 @@ from .runner import STEPS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     job = dict(impls=",".join(SHARDED), world=8, hsdp=1, model="tiny", seq=16, per_rank=2)
     flags.add(parser, *flags.JOB, "json", "markdown", **job, dtype="bf16", reshard="true")
-    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per run")
-    parser.add_argument("--no-cpu", action="store_true", help="skip the CPU run's collectives")
-    parser.add_argument(
-        "--device",
-        default="fake",
-        help="fake (the fake accelerator, default) or a real device type such as cuda",
-    )
+    add = parser.add_argument
+    add("--steps", type=int, default=STEPS, help="training steps per run")
+    add("--no-cpu", action="store_true", help="skip the CPU run's collectives")
+    where = "fake (the fake accelerator, default) or a real device type such as cuda"
+    add("--device", default="fake", help=where)
 
 
 def configs_from(args) -> list[Job]:

@@ -85,16 +85,11 @@ def sweep_points(text: str | None) -> tuple[list[dict], str | None]:
 def device_and_network(plan: Job, ranks_per_node: int | None = None):
     """The constants that time ``plan``: a datasheet device and network, or this CPU."""
     if plan.cpu:
-        device = profiles.measure_cpu()
         link = (plan.network or "simnet:ib").partition(":")[2]
-        return device, profiles.simulated_network(link, plan.world)
-    name = plan.network
-    if name is None or name.startswith("simnet:"):
-        network = (
-            profiles.simulated_network(name.partition(":")[2], plan.world)
-            if name
-            else profiles.NETWORKS[profiles.DEFAULT_NETWORK[plan.device]]
-        )
+        return profiles.measure_cpu(), profiles.simulated_network(link, plan.world)
+    name = plan.network or profiles.DEFAULT_NETWORK[plan.device]
+    if name.startswith("simnet:"):
+        network = profiles.simulated_network(name.partition(":")[2], plan.world)
     else:
         network = profiles.NETWORKS[name]
     if ranks_per_node:
@@ -109,13 +104,10 @@ def plan(plans: list[Job], progress: bool = True, ranks_per_node=None) -> list[d
     recorded = record_many(plans, progress)
     out = []
     for job, rec in zip(plans, recorded):
-        if "error" in rec:
-            out.append(rec)
-            continue
-        device, network = device_and_network(job, ranks_per_node)
-        row = summarize(rec, device, network)
-        row["timeline"] = rec["timeline"]
-        out.append(row)
+        if "error" not in rec:
+            row = summarize(rec, *device_and_network(job, ranks_per_node))
+            rec = {**row, "timeline": rec["timeline"]}
+        out.append(rec)
     return out
 
 
@@ -126,15 +118,13 @@ def run(args) -> int:
         return 2
     plans = [job for point in grid for job in point]
     rows = plan(plans, not args.no_progress, args.ranks_per_node)
-    by_point = []  # one table per sweep point: implementation -> row
-    for k, point in enumerate(grid):
-        by_point.append({job.impl: row for job, row in zip(point, rows[k * len(point) :])})
-    texts = []
+    in_order = iter(rows)  # one table per sweep point: implementation -> row
+    by_point = [{job.impl: next(in_order) for job in point} for point in grid]
     for by_impl in by_point:
         add_ratios(by_impl)
-        texts.append(format_plan(by_impl))
     slim = [{k: v for k, v in row.items() if k != "timeline"} for row in rows]
-    publish("\n\n".join(texts), args.markdown, args.json, {"plans": slim})
+    texts = "\n\n".join(format_plan(by_impl) for by_impl in by_point)
+    publish(texts, args.markdown, args.json, {"plans": slim})
     if args.plot and args.sweep:
         values = [next(iter(point.values())) for point in sweep_points(args.sweep)[0]]
         axis = args.sweep.partition("=")[0]
