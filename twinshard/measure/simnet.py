@@ -98,9 +98,8 @@ def wire_bytes(op: str, nbytes: int, size: int) -> float:
     if size <= 1:
         return 0.0
     share = (size - 1) / size
-    return {"all_gather": share, "reduce_scatter": share, "all_reduce": 2 * share}.get(op, 1.0) * (
-        nbytes
-    )
+    factor = {"all_gather": share, "reduce_scatter": share, "all_reduce": 2 * share}.get(op, 1.0)
+    return factor * nbytes
 
 
 @dataclass
@@ -217,9 +216,8 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._issue("all_gather", [output, input], fill, [output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        for o, i in zip(outputs[:-1], inputs[:-1]):
-            self.all_gather_single(o, i, opts)
-        return self.all_gather_single(outputs[-1], inputs[-1], opts)
+        # one collective per pair on the one wire: the last one's work ends after all of them
+        return [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)][-1]
 
     def allgather(self, output_lists, inputs, opts=None):
         outs = [o for lst in output_lists for o in lst]
@@ -245,9 +243,7 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._issue("reduce_scatter", [output, input], fill, [output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        for o, i in zip(outputs[:-1], inputs[:-1]):
-            self.reduce_scatter_single(o, i, opts)
-        return self.reduce_scatter_single(outputs[-1], inputs[-1], opts)
+        return [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)][-1]
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         k = self._factor(opts)

@@ -55,9 +55,8 @@ class Device:
         """How long one operator takes (see the module docstring)."""
         if host_copy:
             return self.kernel_s + moved / self.host_link
-        peak = self.peak_flops.get(dtype, self.peak_flops[FP32])
         efficiency = self.efficiency.get(dtype, self.efficiency[BF16])
-        work = max(flops / peak, moved / self.memory_bandwidth) / efficiency
+        work = max(flops / self.peak(dtype), moved / self.memory_bandwidth) / efficiency
         return self.overhead_s + max(work, self.kernel_s)
 
     def peak(self, dtype: str) -> float:
