@@ -229,8 +229,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
         return self._issue("all_gather", outs + list(inputs), fill, output_lists)
 
-    def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self.allgather(output_lists, inputs, opts)
+    allgather_coalesced = allgather
 
     # --- reduce-scatter ---------------------------------------------------------------------
     def reduce_scatter_single(self, output, input, opts=None):
@@ -266,8 +265,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
         return self._issue("all_reduce", list(tensors), fill, list(tensors))
 
-    def allreduce_coalesced(self, tensors, opts=None):
-        return self.allreduce(tensors, opts)
+    allreduce_coalesced = allreduce
 
     def broadcast(self, tensors, opts=None):
         return self._issue("broadcast", list(tensors), None, list(tensors))

@@ -19,7 +19,6 @@ def human_bytes(n: int) -> str:
         if n < 1024 or unit == "GiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n} B"
 
 
 def ms(seconds: float, digits: int = 1) -> str:
