@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from twinshard import impls
 
-from .job import Job, parse_reshard
+from .job import OVERRIDES, Job, parse_reshard
 
 # concept -> (spelling, old spellings, type (None: a switch), help)
 VOCABULARY = {
@@ -64,7 +64,7 @@ JOB += ("dtype", "reshard", "offload")
 FIELDS = {"model": "preset", "world": "world", "hsdp": "replicas", "per_rank": "per_rank"}
 FIELDS |= {"seq": "seq", "dtype": "dtype", "offload": "offload"}
 FIELDS |= {"reshard_after_forward": "reshard_after_forward"}
-MODEL = {"layers": "n_layers", "dim": "dim", "heads": "n_heads", "vocab": "vocab_size"}
+MODEL = {flag.removeprefix("--"): name for name, flag in OVERRIDES.items()}  # layers: n_layers
 
 
 class Renamed(argparse.Action):
