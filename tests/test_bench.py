@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from twinshard.measure.bench import cli, compare, hooks, memmodel, simnet, stats
+from twinshard.measure import memmodel, simnet
+from twinshard.measure.bench import cli, compare, hooks, stats
 from twinshard.measure.bench.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]

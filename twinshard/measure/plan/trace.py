@@ -114,6 +114,7 @@ class StepTrace(Monitor):
         self.fsdp_made: set[int] = set()  # serials of storages FSDP code made
         self.collective_serials: set[int] = set()  # serials a collective used this step
         self.works: dict[int, int] = {}  # id(Work) -> its collective's entry index
+        self.issued = None  # the collective the operator dispatched now issued
         self.flops = Counter()  # by label kind: forward, backward, recompute, optimizer
         self._count_serial = itertools.count()
         self._log_mark = len(fakecuda.LOG)
@@ -170,12 +171,13 @@ class StepTrace(Monitor):
                 self._take_snapshot()
             return out
         self._flush()
-        collectives, syncs = len(self.phase.collectives), len(self.phase.syncs)
+        syncs = len(self.phase.syncs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         stream = fakecuda.current_stream().name if self.accelerator != "cpu" else "host"
         label = self.labels.now
-        if len(self.phase.collectives) > collectives:
-            self._record_collective(self.last_call, out, stream, label)
+        if self.issued is not None:  # held for this operator only: it holds the buffers
+            call, self.issued = self.issued, None
+            self._record_collective(call, out, stream, label)
         elif len(self.phase.syncs) > syncs:
             self.entries.append(("host_sync", stream, label))
         self._record_operator(func, args, kwargs, out, stream, label)
@@ -232,8 +234,9 @@ class StepTrace(Monitor):
 
     def _collective(self, call: c10d.Call) -> None:
         super()._collective(call)
-        self.last_call = call
-        if not self.recording:  # the snapshot's step: which buffers collectives use
+        if self.recording:
+            self.issued = call
+        else:  # the snapshot's step: which buffers collectives use
             self._note_collective_tensors(call)
 
     def waited(self, work) -> None:
