@@ -8,7 +8,8 @@ never one above (``tests/test_layers.py`` checks it); bottom first:
     job.py flags.py hf.py      the job and its one validator, ``Job.problem()``; the flag
                                vocabulary (one spelling and help text per concept, old spellings
                                kept as aliases that name their replacement); a Hugging Face
-                               ``config.json`` as a job's ``--model``
+                               ``config.json`` as a job's ``--model``; ``units.py``, how
+                               bytes, times, ratios, tables and figures are written
     step.py                    one training step of a job: its model built and sharded, driven
     world.py                   joining a world of W ranks, and its backends: ``simnet.py`` (the
                                simulated network), ``fakedevice.py`` and ``fakecuda.py`` (the

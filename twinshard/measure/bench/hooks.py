@@ -26,6 +26,7 @@ import statistics
 import tempfile
 from dataclasses import replace
 
+from twinshard.measure.units import markdown_table, ratio
 from twinshard.report_files import publish
 
 from .compare import side_by_side
@@ -123,31 +124,26 @@ def add_ratio_by_repetition(summary: dict, runs: dict) -> None:
 
 def overhead_table(summary: dict, base, groups: int) -> str:
     torch_row = summary.get("torch")
-    lines = [
+    head = ["impl", "CPU ms/step", "wall ms/step", "overhead us/group", "vs torch"]
+    head += ["vs torch, by repetition", "forward", "backward", "optimizer"]
+    rows = []
+    for name, r in summary.items():
+        per = r["overhead_per_group_s"]
+        compared = torch_row and name != "plain" and torch_row["overhead_per_group_s"] > 0
+        reps = r.get("vs_torch_by_repetition")
+        rows.append(
+            [name, f"{r['cpu_s'] * 1e3:.2f}", f"{r['step_s'] * 1e3:.2f}", f"{per * 1e6:.0f}"]
+            + [ratio(per / torch_row["overhead_per_group_s"] if compared else None)]
+            + [f"{min(reps):.2f}-{max(reps):.2f}x" if reps else "-"]
+            + [f"{x * 1e6:.0f}" for x in r["phase_overhead_per_group_s"]]
+        )
+    title = (
         f"{base.backend} world {base.world}, {groups - 1} blocks + root = {groups} groups, "
         f"dim {base.llama().dim}, {base.per_rank} x {base.seq} tokens; SGD {_optimizer(base)}; "
         "CPU time per step; overhead "
-        "per group = (CPU time - plain's) / groups, in total and by phase (us)",
-        "",
-        "| impl | CPU ms/step | wall ms/step | overhead us/group | vs torch "
-        "| vs torch, by repetition | forward | backward | optimizer |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in summary.items():
-        per = r["overhead_per_group_s"]
-        ratio = (
-            f"{per / torch_row['overhead_per_group_s']:.2f}x"
-            if torch_row and name != "plain" and torch_row["overhead_per_group_s"] > 0
-            else "-"
-        )
-        split = " | ".join(f"{x * 1e6:.0f}" for x in r["phase_overhead_per_group_s"])
-        reps = r.get("vs_torch_by_repetition")
-        spread = f"{min(reps):.2f}-{max(reps):.2f}x" if reps else "-"
-        lines.append(
-            f"| {name} | {r['cpu_s'] * 1e3:.2f} | {r['step_s'] * 1e3:.2f} | "
-            f"{per * 1e6:.0f} | {ratio} | {spread} | {split} |"
-        )
-    return "\n".join(lines)
+        "per group = (CPU time - plain's) / groups, in total and by phase (us)"
+    )
+    return title + "\n\n" + markdown_table(head, rows)
 
 
 def _optimizer(config) -> str:
@@ -162,19 +158,14 @@ def profile_tables(profiles: dict) -> str:
         {c for p in profiles.values() for c in p["categories"]},
         key=lambda c: -max(p["categories"].get(c, 0.0) for p in profiles.values()),
     )
-    lines = [
-        "cProfile, microseconds per group and step (self time, by where the code lives)",
-        "",
-        "| where | " + " | ".join(names) + " |",
-        "|---|" + "---|" * len(names),
-    ]
-    for c in cats:
-        cells = [f"{profiles[n]['categories'].get(c, 0.0):.1f}" for n in names]
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    totals = [f"{sum(profiles[n]['categories'].values()):.1f}" for n in names]
-    lines.append("| total (profiled) | " + " | ".join(totals) + " |")
+    rows = [[c] + [f"{profiles[n]['categories'].get(c, 0.0):.1f}" for n in names] for c in cats]
+    rows.append(
+        ["total (profiled)"] + [f"{sum(profiles[n]['categories'].values()):.1f}" for n in names]
+    )
+    lines = ["cProfile, microseconds per group and step (self time, by where the code lives)", ""]
+    lines.append(markdown_table(["where", *names], rows))
     for n in names:
         lines += ["", f"{n}: the costliest functions (us and calls per group and step)", ""]
-        lines += ["| us | calls | function |", "|---|---|---|"]
-        lines += [f"| {us:.1f} | {calls:.1f} | `{fn}` |" for us, calls, fn, _ in profiles[n]["top"]]
+        top = [[f"{us:.1f}", f"{calls:.1f}", f"`{fn}`"] for us, calls, fn, _ in profiles[n]["top"]]
+        lines.append(markdown_table(["us", "calls", "function"], top))
     return "\n".join(lines)
