@@ -56,10 +56,8 @@ class Job:
     preset: str = "small"  # the model: a preset, a published name or a config.json (--model)
     model: dict = field(default_factory=dict)  # LlamaConfig overrides (n_layers, dim, ...)
     dtype: str = "fp32"  # fp32, or bf16 compute with fp32 reduction and fp32 master weights
-    # the mixed-precision policy's dtypes (DTYPES' names, fp16 too) where they are not dtype's:
-    # twinshard schedule's --param-dtype and --reduce-dtype (see Job.mixed_precision)
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
+    param_dtype: str | None = None  # mixed precision's where not dtype's: schedule's --param-dtype
+    reduce_dtype: str | None = None  # and --reduce-dtype (fp16 too; see Job.mixed_precision)
     seq: int = 128
     per_rank: int = 4  # sequences per rank per step
     warmup: int = 2

@@ -73,9 +73,9 @@ def build_on_meta(job, device: torch.device, on, model=None):
     wraps it for activation checkpointing first), sharded on mesh ``on`` and given memory on
     ``device`` (the host with offload, as FSDP2 asks). Call it inside a ``FakeTensorMode``; make
     ``on`` outside it (``DeviceMesh`` computes with real tensors). With offload, twinshard's
-    implementations get ``job``'s model built on the host instead, where a user keeps an
-    offloaded one; torch's ``fully_shard`` moves every parameter to the device by ``.data``
-    assignment first, which fake tensors refuse across devices, so its model takes meta's path."""
+    implementations get ``job``'s model built on the host, where a user keeps an offloaded one;
+    torch's ``fully_shard`` first moves every parameter to the device by ``.data`` assignment,
+    which fake tensors refuse across devices, so torch's takes the meta path."""
     torch_own = impls.module_name(job.impl) == impls.SHORT_NAMES["torch"]
     on_host = model is None and job.offload and not torch_own
     if model is None:
