@@ -1,43 +1,19 @@
 """A memory model: the peak bytes per rank that FSDP itself holds, predicted from sizes alone.
 
-``predict(groups, impl, world, ...)`` replays one steady-state training step as the schedule
-of the implementation prescribes it, allocating and freeing what each hook allocates and
-frees, and returns the categories at the moment their sum is largest. The categories are
-those that ``probe.Probe`` measures, so the two can be compared (activations and temporaries
-of the model's own arithmetic are in neither):
+``groups_of`` turns a model (the meta device will do) into ``Group``s of parameter shapes: the
+root, then one per block. ``_Sizes`` derives from a group, a shard group size and the two
+dtypes every buffer a hook can hold (padded shard, unsharded weights, packed gradients,
+reduced block, gradients per parameter). ``_Timeline`` is the allocator: ``alloc`` and
+``free`` by key, recording the categories at the largest sum. ``_reference``, ``_optimized``
+and ``_torch`` each replay one steady-state step of that implementation's schedule on a
+timeline, and ``predict`` runs the one asked for; ``predict_replicated`` gives the plain model
+and DDP, which hold no FSDP state, and ``for_job`` picks between them for a bench job. The
+categories are ``probe.CATEGORIES``, so a prediction and a measurement compare key by key; a
+replay function must free every buffer at the point the implementation does, not at the end
+of its group, or the peak moves.
 
-    sharded, optimizer   every rank's shards and SGD momentum: always there
-    sharded_grad         reduced gradients, created group by group as backward goes
-    unsharded            all-gathered weights: the root (kept from forward to the end of
-                         backward), the group computing, and for ``optimized`` the group after it
-    grad                 unsharded gradients written by autograd, until reduced
-    comm                 all-gather send/receive buffers and reduce-scatter buffers alive
-
-The schedules, per group g in the order forward runs them (the root first, then the blocks;
-backward runs the blocks in reverse and the root last, from the end-of-backward callback):
-
-    reference  all-gather straight into each parameter (no buffers); the post-backward
-               reshards first, then per parameter, a reduce-scatter whose output becomes the
-               sharded gradient, and the parameter's unsharded gradient is dropped.
-    optimized  copy-in into this rank's slot of the output + all-gather in place (recv, the
-               group); copy-out into the parameters, after which recv goes; the next group's
-               all-gather is issued one ahead: in a block's forward before its copy-out, in
-               backward after it. The post-backward reshards first, packs the group's
-               gradients (packed, S x its block) into one buffer, drops them and
-               reduce-scatters it; the next group's post-backward adds the result (out, 1/S)
-               to the sharded gradients, and then packed and out go. On gloo it all-reduces
-               packed in place instead, and out is a view of it.
-    torch      all-gather in place into one output buffer (recv), copied out and dropped; the
-               next group's all-gather is issued in backward before this group computes (its
-               output buffer is alive from then until its copy-out). The
-               post-backward reshards first, then packs the gradients into the reduce-scatter
-               input (packed, held until the next reduce-scatter) and drops them; the output
-               becomes the sharded gradients.
-
-At world size 1 the model assumes no communication buffers at all: torch issues no
-collectives there. Sizes: a parameter of (rows, *rest) is padded to S * chunk rows (chunk = ceil(rows / S));
-rank 0 keeps chunk rows. Compute dtype bytes ``pb``, reduction dtype bytes ``rb``, shards
-and momentum in fp32.
+The schedules, the sizes and how to read the prediction beside the measurement:
+docs/benchmarks.md, "The memory model".
 """
 
 from __future__ import annotations
@@ -130,7 +106,8 @@ def predict(
     rb: int | None = None,
     gloo: bool = False,
 ) -> dict:
-    """Peak bytes by category of one steady-state step on rank 0 (see the module docstring).
+    """Peak bytes by category of one steady-state step on rank 0 (the schedules:
+    docs/benchmarks.md, "The memory model").
     ``gloo``: a gloo run without HSDP, where ``optimized`` all-reduces the packed gradients in
     place and its reduced block (out) is a view of them."""
     rb = rb or pb

@@ -1,30 +1,20 @@
 """Memory by category and collectives, observed from outside the implementation.
 
-``Probe(model, optimizer)`` is a ``TorchDispatchMode``. While it is active (one training
-step), it looks after every operator at what is alive and sorts the bytes into categories:
+``Probe(model, optimizer)`` is a ``TorchDispatchMode``: after every operator it remembers the
+tensors visible now (parameters, gradients, optimizer state; ``_look``) under the category
+each is in, and ``sample`` adds up the bytes of those still alive, keeping the categories at
+the largest sum as ``peak``. Tensors are held by weak references keyed by ``id``, so the probe
+never keeps anything alive; an ``id`` reused after its tensor died is remembered anew. Bytes
+are counted per storage (``storages.memory_key``), once, in the first category of
+``CATEGORIES`` that claims it; ``roles`` gives the same first-claim answer per storage for
+callers that sort storages themselves. ``saw_collective`` is the one entry for collectives:
+the mode calls it for every c10d operator, and a Python process group (``simnet``), which the
+dispatcher never sees, calls it itself. ``heap_in_use`` reads glibc's ``mallinfo2`` (0 where
+the C library has none). ``sharded_modules`` finds the modules that hold ``DTensor``
+parameters, which is all the probe needs to know of an implementation.
 
-    sharded      the local tensors of the ``DTensor`` parameters (this rank's shards)
-    sharded_grad their ``DTensor`` gradients
-    optimizer    the optimizer's state tensors
-    unsharded    plain-tensor parameters of sharded modules (the all-gathered weights)
-    grad         plain-tensor gradients of those (unsharded, not yet reduced)
-    comm         tensors handed to a collective (all-gather and reduce-scatter buffers)
-    params       parameters of a model without FSDP (plain, DDP), and their .grad in grad
-
-Every tensor it has once seen in a category is remembered through a weak reference and
-counted for as long as the implementation keeps it alive (an unsharded gradient that the
-implementation took off the parameter and holds until its reduction, a prefetched buffer),
-by its storage: a storage shared by several tensors counts once, in the first category above
-that claims it, and a storage freed with ``resize_(0)`` counts nothing. Sampling after every
-operator sees each allocation right after it happens, which is where peaks are.
-
-The same mode counts the collectives (op, bytes) of ``twinshard.c10d``'s table, as the suite's
-trace does: every c10d operator reaches it. A Python process group (``simnet``) bypasses the
-dispatcher; it hands its tensors to ``Probe.saw_collective`` itself.
-
-It also samples the C allocator's bytes in use (glibc ``mallinfo2``), which covers the
-activations and every temporary: on the CPU the closest thing to an accelerator's
-allocator statistics.
+The categories and how to read them: docs/benchmarks.md, "Memory by category, observed from
+outside".
 """
 
 from __future__ import annotations
@@ -78,7 +68,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Probe(TorchDispatchMode):
-    """Tracks bytes by category (see the module docstring) while active."""
+    """Tracks bytes by category while active (the categories: docs/benchmarks.md)."""
 
     def __init__(self, model: nn.Module, optimizer=None, sharded_modules=None):
         super().__init__()

@@ -1,38 +1,24 @@
 """A simulated network: one process stands in for rank 0 of a world of W ranks.
 
-``init(world_size, link)`` starts ``torch.distributed`` with the ``"simnet"`` backend, a
-process group written in Python (registered with ``torch.distributed.Backend.register_backend``,
-as PyTorch's fake process group is). Every collective returns a work handle at once and
-completes on a background thread after the time the chosen link would need for it
-(``Link.seconds``, the one link model that ``twinshard plan``'s networks use too):
-
-    seconds = latency + steps * per_step + wire bytes / bandwidth
-
-where the wire bytes are what one rank sends in a ring algorithm over a group of S ranks:
-(S - 1) / S of the gathered output for an all-gather, of the input for a reduce-scatter,
-twice that for an all-reduce, the whole tensor for a broadcast (nothing when S = 1), and
-``steps`` is S - 1 (2 (S - 1) for an all-reduce; ``per_step`` is 0 on the simulated links). The
-collectives of one process group run one after the other on its own wire (like the
-collectives of one NCCL communicator), so a late one waits for those issued before it.
-
-So shapes, memory and CPU work are those of world size W, and communication takes the time
-it would take on the link. Values are those of a world where every rank holds this rank's
-data: an all-gather repeats the input S times, a reduce-scatter returns S times this rank's
-block (the sum of S equal blocks), an all-reduce multiplies by S. Training therefore sees
-gradients of the right scale, and no uninitialized memory (whose NaNs or denormals could slow
-the arithmetic down) reaches the model, unlike with the fake process group.
+``Link`` is the one link model (a bandwidth, a latency per collective and one per step of the
+ring) and ``Link.seconds`` the time of one collective on it; ``twinshard plan``'s networks use
+it too. ``SimProcessGroup`` is the process group, registered by ``register`` under the
+``"simnet"`` backend and started by ``init(world_size, link)``. Each collective goes through
+``_issue``, which logs a ``Call`` in the ``Network`` (``network()``: the link, the log, the
+optional probe to tell) and either hands the collective to its group's ``_Wire``, a thread
+that completes collectives one after the other at their simulated end, or, on a GPU, writes
+the values at once and sleeps on the stream (``_gpu_sleep``). A Python process group is called
+directly by ``torch.distributed``, so neither the dispatcher nor ``conformance.trace`` sees
+it: ``network().calls`` is how the benchmark counts collectives.
 
 [Note: the simulated network on an accelerator]
-On a GPU a collective is a kernel on a stream: the stream it was issued on is busy until it
-ends, the CPU goes on. So there the collective's values are written at once on the current
-stream and the stream then spins (``torch.cuda._sleep``) for the link's time, and the work
-handle is complete when returned; whoever waits for the result waits for that stream, as with
-NCCL. Unlike the CPU wire, collectives issued on different streams do not queue behind each
-other there. (Written for the day a GPU is lent; CI has none.)
+On a GPU a collective is a kernel that keeps its stream busy, not a future that completes
+late: there ``_issue`` writes the values at once, the stream spins for the link's time, and
+the work handle is complete when returned (no wire thread). What that changes for a reader of
+the numbers is on the page below. (Written for the day a GPU is lent; CI has none.)
 
-``network().calls`` logs every collective (op, dtype, numel, bytes on the wire, simulated
-start and end), which is how the benchmark counts them: a Python process group is called
-directly by ``torch.distributed``, so the dispatcher (and ``conformance.trace``) never sees it.
+The link model, the values a collective returns and how they read: docs/benchmarks.md, "The
+simulated network".
 """
 
 from __future__ import annotations
@@ -62,7 +48,7 @@ class Link:
     per_step_s: float = 0.0  # per step of the ring
 
     def seconds(self, op: str, nbytes: int, size: int) -> float:
-        """How long ``op`` on ``nbytes`` over ``size`` ranks takes (the module docstring)."""
+        """How long ``op`` on ``nbytes`` over ``size`` ranks takes (docs/benchmarks.md, "The simulated network")."""
         if size <= 1:
             return 0.0
         steps = 2 * (size - 1) if op == "all_reduce" else size - 1
@@ -120,7 +106,7 @@ class Network:
 
     link: Link
     calls: list = field(default_factory=list)
-    fill: bool = True  # write the values described in the module docstring
+    fill: bool = True  # write the values (docs/benchmarks.md, "The simulated network")
     observer: Any = None  # called with (op, tensors) at every collective (measure.probe)
 
 

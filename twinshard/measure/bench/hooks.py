@@ -1,21 +1,13 @@
 """Hook overhead: the CPU time each implementation spends per parameter group and step.
 
-With PyTorch's fake process group (collectives do nothing) and tiny blocks (compute is next
-to nothing), a training step costs what the implementation's hooks, bookkeeping and
-collective calls cost on the CPU. ``twinshard bench hooks`` measures, per implementation,
+``run_hooks`` runs the implementations side by side under PyTorch's fake process group, then
+each once more under ``cProfile``; ``breakdown`` sorts a profile's time into ``CATEGORIES`` by
+the file each function lives in (``category``: the first fragment that matches wins, so the
+narrower paths come first), and ``overhead_table`` and ``profile_tables`` write what is read.
+``add_ratio_by_repetition`` pairs the k-th repetition of each implementation with torch's,
+since those ran back to back.
 
-    overhead per group = (CPU time of a step - CPU time of the plain model's step) / groups
-
-with groups = blocks + the root, on world size 8 and 64 blocks by default, from interleaved
-repetitions of many steps (CPU time of the process, which a busy machine disturbs less than
-wall time). The optimizer runs as it does on an accelerator: SGD's step is a few multi-tensor
-(``foreach``) operations over all parameters. ``--foreach auto`` gives the CPU's default
-instead, a loop in which each parameter's update goes through ``DTensor``'s Python dispatch
-(the same cost under every sharded implementation, and none of their hooks). Then it runs
-each implementation once more under ``cProfile`` and splits that time by where it is spent
-(the table of categories below, and the functions that cost most). cProfile adds a fixed
-cost to every Python call, so its shares are approximate; the totals above are measured
-without it.
+The setting, the formula and how to read the tables: docs/benchmarks.md, "Hook overhead".
 """
 
 from __future__ import annotations

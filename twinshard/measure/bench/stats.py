@@ -1,20 +1,13 @@
 """From raw runs to the numbers a reader compares: medians, spread, ratios, overlap.
 
-Step times of all timed steps of all repetitions are pooled: the median is the figure, the
-quartiles are the spread of single steps, and the lowest and highest repetition medians show
-how much a whole run moved (on a shared machine, usually more than single steps do).
+``summarize`` pools the step times of one implementation's repetitions into its figures
+(``quantiles`` of single steps, repetition medians, tokens per second, CPU time, the probe's
+memory and the part of it FSDP adds, ``memmodel.tracked``); ``add_ratios`` and ``add_overlap`` then add what needs
+every implementation's summary (the ratios to DDP and to torch) or the instant network's run
+(``overlap_efficiency``). Nothing here runs or prints anything.
 
-Overlap efficiency (simulated network). For one implementation, with ``compute`` its step
-time on an instant network (its arithmetic and its own CPU work), ``comm`` the time of all of
-its collectives one after the other on the link, and ``first`` / ``last`` its first
-all-gather and its last reduce-scatter (nothing can hide those):
-
-    serial     = compute + comm                          nothing overlaps
-    ideal      = max(compute, comm) + first + last       everything else overlaps
-    efficiency = (serial - measured) / (serial - ideal)  0: serial, 1: ideal
-
-A blocking implementation (the reference) measures ``serial``: about 0. When what can be
-hidden is under 5% of ``serial`` the figure is not given.
+What each figure means and the overlap formula: docs/benchmarks.md, "What one run measures"
+and "Overlap efficiency".
 """
 
 from __future__ import annotations
@@ -36,7 +29,7 @@ def quantiles(values: list[float]) -> tuple[float, float, float]:
 def overlap_efficiency(
     compute: float, comm: float, measured: float, first: float, last: float
 ) -> float | None:
-    """See the module docstring; None when there is too little to overlap to measure it: less
+    """docs/benchmarks.md, "Overlap efficiency"; None when there is too little to overlap to measure it: less
     than 5% of the serial time (then noise in the step times would decide the figure)."""
     serial = compute + comm
     ideal = max(compute, comm) + first + last

@@ -1,17 +1,11 @@
 """How cost grows: one command sweeps model size, number of groups and world size.
 
-``twinshard bench sweep`` varies one thing at a time around a small base model on the
-simulated network (``simnet``, one process as rank 0 of the world) and measures, for plain,
-reference, optimized and torch's fully_shard:
+``POINTS`` holds the values of each swept quantity around ``BASE`` (``--points quick``: a
+smaller set, for a check), ``point`` makes the job for one of them, ``run_sweep`` runs and
+records them all and ``plot_axis`` draws one quantity's plot; ``replot`` draws a recorded
+sweep again.
 
-- step time (wall clock, median of the timed steps of every repetition);
-- overhead per group: (CPU time of the step - the plain model's) / groups;
-- peak memory that FSDP holds (``probe``: shards, optimizer state, unsharded weights,
-  gradients and communication buffers at the peak), and the memory model's prediction.
-
-It writes ``sweep.json`` and three plots into ``--out``, one per swept quantity, each with the
-three measurements side by side: ``sweep-model-size.png``, ``sweep-groups.png``,
-``sweep-world-size.png``.
+What is swept and what the plots show: docs/benchmarks.md, "How cost grows".
 """
 
 from __future__ import annotations
