@@ -3,7 +3,7 @@
 Code written for an accelerator asks its device module for streams, events, the current
 device, the RNG and memory figures, always through ``torch.get_device_module(device.type)``
 (the optimized path's ``streams.DeviceStreams``, torch's FSDP2 ``_get_device_handle``, the
-optimizers). ``device.register`` registers *this module* as the fake device's module, so
+optimizers). ``fakedevice.register`` registers *this module* as the fake device's module, so
 those questions reach the functions below, with ``torch.cuda``'s names and signatures.
 
 Streams and events are the project's stand-ins (``twinshard.standin``): each

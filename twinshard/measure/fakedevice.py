@@ -1,27 +1,11 @@
 """The fake accelerator: a device that torch treats as its accelerator, on a CPU-only build.
 
-Why not ``cuda`` itself. A CPU build of torch makes ``FakeTensor``s on device ``cuda``, but
-cannot run a training step with them: the Python bindings of many operators (``copy_``,
-indexing, ``uniform_``, ``split_with_sizes_copy``) open a CUDA device guard, which a CPU build
-does not have, and autograd's engine, before it runs a backward over CUDA tensors, asks for
-the accelerator's streams, and a CPU build has no accelerator to ask. Nothing in Python can
-make a CPU build's accelerator CUDA.
-
-What works is a device of torch's own extension slot (``PrivateUse1``) registered from
-Python: renamed ``fakecuda``, with a Python device guard and Python hooks that say it is built
-and available, it *is* then torch's accelerator (``torch.accelerator.current_accelerator()``
-names it), so autograd, ``DeviceMesh``, DTensor, the optimizers and FSDP2 treat it as they
-treat CUDA, through ``torch.get_device_module``, which answers with ``fakecuda`` (streams and
-events, the current device, the RNG). The tensors on it are ``FakeTensor``s: shapes, dtypes
-and devices, no values, so ``.item()`` cannot answer and a step costs no arithmetic.
-
-The process group is PyTorch's fake one, registered for this device only (``fake_group``): a
-collective of tensors on the device returns at once; one of host tensors has no backend, as
-on NCCL (inside ``FakeTensorMode`` a fake host tensor still passes, so ``monitor`` checks
-every collective's devices itself).
-
-These registrations are process-wide and cannot be undone: a run lives in a process of its
-own (``runner`` spawns one).
+``register`` renames torch's ``PrivateUse1`` slot to ``fakecuda``, makes ``fakecuda.py`` its
+device module and installs ``_Hooks`` and ``_Guard``, the two things ATen asks of the slot;
+``fake_group`` registers PyTorch's fake process group for one device type and
+``backend_name`` names it. Why a ``PrivateUse1`` device and not ``cuda``, and why a run needs
+a process of its own (``runner`` spawns one): the page this file is shown on,
+docs/fake-accelerator.md.
 """
 
 from __future__ import annotations
@@ -97,8 +81,8 @@ _backends: set[str] = set()  # the device types a fake process-group backend is 
 
 
 def fake_group(device_type: str | None = None) -> str:
-    """The backend name of PyTorch's fake process group for ``device_type`` alone (see the
-    module docstring), registered on first use. ``device_type`` None is the fake accelerator
+    """The backend name of PyTorch's fake process group for ``device_type`` alone, registered
+    on first use. ``device_type`` None is the fake accelerator
     (registered first); a real one (``cuda``) gives its real tensors a world of W ranks in one
     process, for the checks on a lent GPU. ``measure.world.join`` joins it."""
     if device_type is None:

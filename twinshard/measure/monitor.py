@@ -1,39 +1,22 @@
 """What a training step does on the accelerator that a GPU would pay for: one dispatch mode.
 
-``Monitor(accelerator)`` is a ``TorchDispatchMode`` entered inside ``FakeTensorMode`` (so it
-sees every operator first, before the fake mode answers it). It records, per phase (setup,
-step 1, step 2, ...):
+``Monitor(accelerator)`` records, per ``Phase`` (``begin`` starts one: setup, step 1, ...),
+the host syncs (``Sync``, each with a short stack), the explicit syncs that ``fakecuda``
+counted meanwhile, the collectives (``Collective``, as ``twinshard.c10d.call`` reads them)
+and those given a host tensor, and the peak bytes per device type. It is entered inside
+``FakeTensorMode``, so it sees every operator before the fake mode answers it, and can answer
+what the fake mode cannot: ``.item()`` (a placeholder) and pinning, which the fake mode does
+not implement (``aten._pin_memory`` becomes a copy whose storage is remembered as pinned, and
+``is_pinned`` is answered from that). The fake process group cannot refuse a fake host tensor,
+so ``_collective`` does.
 
-host syncs
-    where the host would wait for the device. ``aten._local_scalar_dense`` (``.item()``,
-    ``int(t)``, ``bool(t)``, ``.tolist()``): on a fake tensor it cannot be answered, so the
-    monitor answers it with a placeholder (0, 0.0 or False) and the step goes on, so that one
-    run lists every such site rather than the first. Copies between host and device: a
-    device-to-host copy is a sync unless it is ``non_blocking`` into pinned memory; a
-    host-to-device copy is one unless it is ``non_blocking`` (CUDA's copy kernel waits for
-    the stream after any blocking copy between host and device). Each comes with a short
-    stack. Explicit ``synchronize()`` calls are counted by ``fakecuda`` and reported apart.
-host tensors in collectives
-    every ``c10d`` operator's tensors must live on the accelerator: NCCL has no host backend.
-    The fake process group cannot refuse a fake host tensor, so the monitor does.
-collectives
-    (op, dtype, elements, group size, group ranks) in issue order, as
-    ``twinshard.c10d.call`` reads them, to compare with the CPU run.
-memory
-    every storage an operator touches is held (a strong reference to the storage object, so
-    its identity stays unique) and counted while something else still uses it; its bytes are
-    read at each count, so a ``resize_`` (FSDP frees an all-gather output that way) counts.
-    After each operator that made a new storage, the live bytes per device type are summed
-    and the peak of the accelerator's kept. ``probe``, when given (``measure.probe.Probe``),
-    sorts the same bytes into the categories of the memory model.
+Memory: every storage an operator touches is held by a strong reference to the storage
+object, so that its identity (``_cdata``) stays unique while it is counted, and is dropped at
+the count after nothing else uses it; its bytes are read at each count, after each operator
+that made a new storage. On real tensors this holding only delays a storage's release to the
+next count. ``probe``, when given, sorts the same bytes into the memory model's categories.
 
-Pinned host memory: the fake mode cannot pin (``aten._pin_memory`` is not implemented for it),
-so the monitor makes a copy, remembers its storage as pinned, and answers ``is_pinned`` from
-that; ``pin_memory=True`` of a factory is remembered the same way.
-
-On real tensors (``runner.device_run``: a lent GPU; ``Monitor("cpu")``: the CPU run, which
-records collectives only) nothing is answered for the device: values are read, memory is
-pinned, and the holding of storages only delays their release to the next count.
+What each check counts and its target: docs/fake-accelerator.md, the table of checks.
 """
 
 from __future__ import annotations
@@ -89,7 +72,8 @@ class Phase:
 
 
 class Monitor(TorchDispatchMode):
-    """See the module docstring. ``accelerator``: the device type collectives must use."""
+    """The dispatch mode (the module docstring); ``accelerator``: the device type collectives
+    must use."""
 
     def __init__(self, accelerator: str, probe=None):
         super().__init__()
@@ -98,7 +82,7 @@ class Monitor(TorchDispatchMode):
         self.probe = probe
         self.phases: list[Phase] = []
         self.storages: dict[int, tuple] = {}  # key -> (the storage, held; its device type)
-        self.pinned: set[int] = set()  # keys of host storages pinned (see the module doc)
+        self.pinned: set[int] = set()  # keys of host storages pinned (the module docstring)
         self.begin("setup")
 
     # --- phases ---------------------------------------------------------------------------------

@@ -1,19 +1,10 @@
 """The fake-accelerator run's results as text: one table, then what needs a reader's eye.
 
-The table has a row per configuration, with the figures of its last (steady-state) step:
-
-    host syncs        hidden waits of the host for the device (``.item()``, blocking copies)
-    explicit          ``synchronize()`` calls (of the device module, a stream or an event)
-    host colls        collectives given a tensor on the host
-    colls = CPU       collectives issued, and whether every step's sequence equals the CPU run's
-    peak MB           the accelerator's bytes at their peak (everything: activations included)
-    FSDP MB / model   what FSDP holds at its peak (``measure.probe``), and the memory model's
-                      prediction over it where the model covers the setting
-
-Below it, for every configuration that did not come out clean: where each host sync and each
-host collective came from (a short stack, with how often per step), the first collective that
-differs from the CPU run, and a failure's traceback. ``check_and_report`` runs the checks and
-publishes this (``python -m twinshard.measure.fakeaccel``, ``twinshard bench --backend fakeaccel``).
+``table`` writes a row per configuration, ``details`` the findings of those that are not
+``clean``, ``uncovered`` the settings the memory model does not cover, and ``render`` puts them
+together; ``check_and_report`` runs the checks and publishes that (``python -m
+twinshard.measure.fakeaccel``, ``twinshard bench --backend fakeaccel``). The columns and what
+the findings list: docs/fake-accelerator.md, "How to run it".
 """
 
 from __future__ import annotations
