@@ -1,19 +1,13 @@
 """Activation checkpointing for the plan: none, every block, every N-th block, or selective ops.
 
 ``apply(model, mode)`` replaces entries of ``model.blocks`` by ``Checkpointed`` wrappers
-before ``fully_shard`` runs, as torchtitan does (the wrapper is then the parameter group):
-
-    none        keep every activation (the default)
-    block       every block: its forward runs again in backward, keeping only its input
-    layer:N     every N-th block (blocks N-1, 2N-1, ...), the rest keep their activations
-    selective   every block, but the outputs of the expensive operators are kept: attention
-                (scaled-dot-product kernels) and every other matrix multiply, so backward
-                recomputes the cheap pointwise work and half the matmuls
-
+before ``fully_shard`` runs, as torchtitan does, so the wrapper is then the parameter group.
 The wrappers use PyTorch's non-reentrant ``torch.utils.checkpoint.checkpoint`` (selective:
 with ``create_selective_checkpoint_contexts``); the FSDP implementation's hooks stay on the
 wrapper, so the recompute runs with the block's parameters still unsharded from its
 pre-backward.
+
+What each mode keeps and recomputes: docs/plan.md, ``--ac``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Where a training step is, hook by hook: the labels the plan names time and memory by.
 
-``Labels.attach(model)`` registers, on the sharded model, hooks that only set a label:
+``Labels.attach(model)`` registers, on the sharded model, hooks that only set a label. Their
+order is the point: the forward pre-hooks are prepended (``prepend=True``) and the gradient
+hook on a block's output is registered from a prepended forward hook, so each runs before the
+implementation's own and the all-gather a block waits for is charged to that block. The caller
+sets the root's backward ("backward root" before ``loss.backward()``) and the optimizer
+("optimizer step"). ``kind`` is the first word: forward, backward, recompute, optimizer;
+``replay.py`` and the FLOP count group by it.
 
-- forward: a pre-hook on the root and on every block, put *before* the implementation's own
-  (``prepend=True``), so the all-gather a block waits for is charged to that block
-  ("forward blocks.3"); after a block's forward the label returns to the root's (its norm and
-  output projection run there);
-- backward: a gradient hook on each block's output, registered before the implementation's
-  (from a prepended forward hook), so it fires as the block's backward begins ("backward
-  blocks.3"), and one on the first block's input, which fires once that block's backward,
-  its post-backward included, is done ("backward root": the embedding's gradient);
-- recompute: with activation checkpointing, the checkpointed block's forward runs again in
-  backward ("recompute blocks.3", back to "backward blocks.3" after it).
-
-The caller sets the root's backward ("backward root" before ``loss.backward()``) and the
-optimizer ("optimizer step"). ``kind`` is the first word: forward, backward, recompute,
-optimizer; ``replay.py`` and the FLOP count group by it.
+Which hook sets which label: docs/plan.md, "How the time is predicted".
 """
 
 from __future__ import annotations

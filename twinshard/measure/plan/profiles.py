@@ -1,30 +1,18 @@
 """The constants a plan predicts time with: devices and networks, chosen once and named.
 
-A **device** turns an operator into seconds (``Device.seconds``): the larger of its FLOPs
-over the device's peak for the operator's dtype and its bytes read and written over the
-memory bandwidth, divided by one efficiency per device and dtype, and never less than a
-kernel's floor (``kernel_s``); a copy between host and device takes its bytes over the host
-link. Peaks, bandwidths and capacities are the vendors' datasheet figures. The efficiency is
-the one number that is not: it is fitted once per device, on one published run named beside
-it (``CALIBRATED_ON``), and then held fixed for every other prediction; fp32 uses the bf16
-figure (no published fp32 run exists to fit it on). ``measure.memmodel``-style tuning per
-configuration is what this avoids.
+A ``Device`` turns an operator into seconds (``Device.seconds``), ``DEVICES`` names the ones a
+plan can target and ``CALIBRATED_ON`` the one published run each GPU's efficiency was fitted
+on; that efficiency is the one constant that is not a datasheet figure, and it is held fixed
+for every other prediction. A ``Network`` turns a collective into seconds on one of its two
+links, each a ``measure.simnet.Link``, so the plan and the simulated network share one link
+model; the latencies are NCCL's own model for rings (``src/graph/tuning.cc``, ring, Simple
+protocol), the bus bandwidths those ``measure.simnet.LINKS`` uses where they coincide.
+``NETWORKS`` names the clusters, ``simulated_network`` makes one of a simnet link for a CPU
+plan. The CPU has no datasheet: ``measure_cpu()`` times this machine when a CPU plan starts,
+and its one constant is ``CPU_EFFICIENCY`` (its fit is told beside it).
 
-A **network** turns a collective into seconds (``Network.seconds``) on one of its two links,
-each a ``measure.simnet.Link`` (base + steps * per_step + wire bytes / bandwidth, the
-simulated network's one link model) with NCCL's own latency model for ring algorithms
-(``src/graph/tuning.cc``, ring, Simple protocol: a base latency of 8.4 us and 5.7 us per step
-over NVLink, 6.6 us per step over the network) and a bus bandwidth. A group whose ranks share
-a node (``ranks_per_node`` consecutive ranks) runs on the node's link, any other on the
-network's: a ring over several nodes is as fast as its slowest hop. The bus bandwidths are
-what NCCL reaches for large messages, the figures ``measure.simnet.LINKS`` uses (NVLink in an
-H100 node 350 GB/s; one 400 Gb/s NIC per GPU: 45 GB/s, 0.9 of the line rate), the same 0.9
-for a 200 Gb/s NIC, and NVIDIA's published ``nccl-tests`` bus bandwidth of an A100 node's
-NVLink (230 GB/s).
-
-The CPU is no datasheet: ``measure_cpu()`` times this machine (one thread, as
-``twinshard bench``'s simulated ranks run) when a CPU plan starts; its one constant is the
-efficiency ``CPU_EFFICIENCY`` (see there).
+Every value and where it comes from: docs/plan.md, "The constants, chosen once"; how they are
+applied: "How the time is predicted".
 """
 
 from __future__ import annotations
@@ -44,7 +32,7 @@ class Device:
     name: str
     peak_flops: dict  # dtype (str) -> FLOP/s, dense
     memory_bandwidth: float  # bytes/s
-    efficiency: dict  # dtype -> the fraction of peak reached (see the module docstring)
+    efficiency: dict  # dtype -> the fraction of peak reached (docs/plan.md)
     capacity: int  # bytes of device memory
     host_link: float  # bytes/s between host and device, each way
     kernel_s: float = 4e-6  # no kernel takes less: launch and ramp-up
@@ -52,7 +40,7 @@ class Device:
     about: str = ""
 
     def seconds(self, flops: float, moved: float, dtype: str, host_copy: bool) -> float:
-        """How long one operator takes (see the module docstring)."""
+        """How long one operator takes (docs/plan.md, "How the time is predicted")."""
         if host_copy:
             return self.kernel_s + moved / self.host_link
         efficiency = self.efficiency.get(dtype, self.efficiency[BF16])
@@ -175,7 +163,7 @@ CPU_EFFICIENCY = 0.65
 
 
 def measure_cpu(threads: int = 1, seconds: float = 0.3) -> Device:
-    """This CPU as a device (see the module docstring): a matmul's FLOP/s per dtype, a large
+    """This CPU as a device: a matmul's FLOP/s per dtype, a large
     copy's bandwidth, and the time of one small operator under autograd (the dispatch and
     bookkeeping every operator of a training step pays), with ``threads`` threads."""
     import torch

@@ -1,29 +1,13 @@
 """A recorded step, timed: its operators and collectives replayed over its streams and waits.
 
 ``replay(trace, device, network, cpu)`` walks ``trace.StepTrace``'s entries in the order the
-host issued them, once, keeping one clock per stream, per process group and for the host:
+host issued them, once, keeping one clock per stream, per process group and for the host, and
+charges what a wait moves on the compute stream to the entry's label; ``per_link`` counts the
+step's collectives by op and link. Nothing here knows which implementation ran: the schedule
+is what the recorded waits and events say it is.
 
-    operator            starts when its stream is free (and not before the host issued it),
-                        takes ``device.seconds``; the stream is busy until it ends
-    collective          starts when its stream has reached it and its process group's wire is
-                        free (one NCCL communicator runs its collectives one after another, as
-                        ``measure.simnet``'s wire does), takes ``network.seconds``
-    Work.wait()         the issuing stream (an accelerator: NCCL makes the current stream wait)
-                        or the host (the CPU: gloo blocks the caller) waits for its end
-    record_event        the event is the stream's clock at that point
-    wait_event          the stream's clock moves to the event's, if later
-    wait_stream         the stream's clock moves to the other stream's, if later
-    synchronize()       the host waits for every stream; a hidden host sync (an ``.item()``, a
-                        blocking copy) for the stream it ran on
-
-On the CPU target every operator runs on the host itself (one thread computes; collectives
-run beside it on their process group's wire), which is how ``twinshard bench`` runs a rank.
-
-Whatever moves the compute stream's clock forward at a wait is communication the step could
-not hide: it is charged to the label of where it happened ("forward blocks.3"), which is how
-the report names exposed communication by hook. The step ends when the last stream, wire and
-the host are done. Nothing here knows which implementation ran: the schedule is what the
-recorded waits and events say it is.
+The rule for each kind of entry and how exposed communication is named: docs/plan.md, "How
+the time is predicted".
 """
 
 from __future__ import annotations

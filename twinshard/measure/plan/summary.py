@@ -1,22 +1,11 @@
 """A recorded step as the plan's answer: memory, communication and time, per rank.
 
 ``summarize(recorded, device, network)`` turns one ``runner.record`` result into plain data:
-
-memory
-    the device's peak and its parts at the peak (``trace.StepTrace.parts_at_peak``), the
-    host's peak (offloaded shards and states), and whether the peak fits each named device
-    (``profiles.DEVICES``: 80 GiB, 96 GiB, ...);
-communication
-    the step's collectives by op and link (``replay.per_link``): how many, the bytes each
-    rank hands to them, the bytes on its wire and their seconds;
-time
-    the step replayed over its streams and waits (``replay.replay``): predicted step time,
-    compute, communication and the part of it the step could not hide (by hook), tokens per
-    second per rank, and MFU: the step's forward and backward FLOPs (PyTorch's FLOP counter;
-    a recompute is not useful work and is left out, as torchtitan's MFU does) over the step
-    time and the device's dense bf16 (or fp32) peak.
-
+memory from ``trace.StepTrace.parts_at_peak`` and ``profiles.DEVICES`` (whether it fits),
+communication from ``replay.per_link``, time and MFU from ``replay.replay``.
 ``add_ratios(rows)`` adds each implementation's step time and peak against torch's.
+
+What each figure is: docs/plan.md, "What it reports, per rank".
 """
 
 from __future__ import annotations

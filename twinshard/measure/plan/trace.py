@@ -1,34 +1,20 @@
 """What one training step did, recorded for the plan: operators, streams, collectives, memory.
 
 ``StepTrace`` is the fake-accelerator run's ``Monitor`` (host syncs, host collectives, the
-collectives, the device's bytes) with what a plan needs on top, recorded only while
-``recording`` is on (the measured step):
+collectives, the device's bytes) with what a plan needs on top, recorded only between
+``start`` and ``stop`` (the measured step): ``entries``, the step in the order the host issued
+it, for ``replay.py``, each carrying its ``labels.Labels`` place; ``memory``, the live bytes
+sampled whenever a storage is made, and the operator after which they peaked. ``arm(index)``
+makes the next step, which repeats the measured one operator for operator, stop after that
+operator and sort the device's live storages (``parts_at_peak``); ``made_by_fsdp`` tells a
+buffer of the FSDP implementation's own code from the model's.
 
-entries
-    the step in the order the host issued it, so that ``replay.py`` can time it: every
-    operator with its stream, its FLOPs (PyTorch's FLOP counter registry, as
-    ``torch.utils.flop_counter.FlopCounterMode`` counts them) and the bytes it reads and
-    writes; every collective with its stream and process group; the streams' waits and events
-    (the fake device module's log, or nothing on the CPU); explicit synchronizations and hidden host syncs;
-    and each ``Work.wait()`` (on the CPU the host waits there; on an accelerator the stream
-    that issued the collective does). Operators that only make views or empty buffers cost
-    nothing and are left out.
-labels
-    each entry carries the hook-level place it belongs to (``labels.Labels``: "forward
-    blocks.3", "backward root", "recompute blocks.3", "optimizer"), so that exposed
-    communication and memory can be named by hook.
-memory
-    a sample of the device's live bytes whenever a storage is made (the timeline picture), and
-    the operator after which the device reached its peak. The parts of that peak are taken in
-    the next step, which repeats the measured one operator for operator (the steady state):
-    ``arm(index)`` makes the trace stop after that operator and sort every live storage of the
-    device (``parts_at_peak``) into a parameter shard, optimizer state, a sharded gradient, an
-    unsharded parameter or its gradient (``measure.probe``'s view of the model, looked at once,
-    there), a buffer that a collective used during that step, another buffer made by the FSDP
-    implementation's own code (for example gradients cast to the reduction dtype before they
-    are packed), or, for the rest, activations and temporaries of the model's arithmetic.
-    Looking at every peak as it happens would cost a look at every parameter after nearly every
-    operator of a forward (activations only grow there): hours for a 70B model.
+Why the parts are taken a step later: looking at every peak as it happens would cost a look at
+every parameter after nearly every operator of a forward (activations only grow there): hours
+for a 70B model.
+
+What is recorded and how the parts are sorted: docs/plan.md, "How the time is predicted" and
+"How the memory's parts are found".
 """
 
 from __future__ import annotations
@@ -268,7 +254,7 @@ class StepTrace(Monitor):
             self.peak_operator, self.peak_label = self.operators, self.labels.now
 
     def _take_snapshot(self) -> None:
-        """What every live storage of the device is, now (see the module docstring)."""
+        """What every live storage of the device is, now (docs/plan.md, the memory's parts)."""
         roles = Probe(self.model, self.optimizer, self.modules).roles(self.shards)
         snap = {}
         for key, (storage, kind) in self.storages.items():
@@ -279,7 +265,7 @@ class StepTrace(Monitor):
         self.snapshot_bytes = sum(n for n, _ in snap.values())
 
     def parts_at_peak(self) -> dict[str, int]:
-        """The device's bytes at its peak, by part (see the module docstring)."""
+        """The device's bytes at its peak, by part (docs/plan.md, the memory's parts)."""
         parts = dict.fromkeys(PARTS, 0)
         for serial, (nbytes, role) in self.snapshot.items():
             if role is None:
