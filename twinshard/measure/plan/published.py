@@ -1,20 +1,11 @@
 """Published FSDP2 runs, planned: predicted against published, configuration by configuration.
 
 ``RUNS`` holds every run of torchtitan's performance pages that FSDP alone reproduces in shape
-and policy (no tensor, pipeline or context parallelism, no ``torch.compile``, no Float8):
-
-- ``docs/performance.md`` at commit 04133643 (2024): Llama 3 8B and 70B, Llama 2 13B and 70B,
-  FSDP2 on 64 A100 80GB, tokens per second per GPU ("WPS") and MFU, no memory;
-- ``benchmarks/llama3_h100_202412_torchtitan.md`` (= ``docs/performance.md`` at eaea6f6a):
-  Llama 3.1 8B, FSDP2 on 8 and 128 H100 96GB (500 W, Grand Teton: NVLink in a host of 8,
-  400 Gb/s RDMA per GPU), tokens per second per GPU and memory (GiB, max reserved).
-
-Their policies as torchtitan names them: "selective op" is ``--ac selective``, "selective
-layer" checkpoints every second block (``layer:2``), "full" every block (``block``); training
-is bf16 with fp32 reduction and fused AdamW; sequences are 8192 tokens for Llama 3, 4096 for
-Llama 2. Each run is planned with torch's ``fully_shard`` and the device's and network's
-constants (``profiles.py``), the same for every run; two runs are marked as the ones the
-efficiencies were fitted on (``CALIBRATED_ON``) and are not evidence.
+and policy, each as a plan's job with its published figures; each is planned with torch's
+``fully_shard`` and ``profiles.py``'s constants, the same for every run, and the two runs the
+efficiencies were fitted on (``CALIBRATED_ON``) are marked, being no evidence. Which pages,
+how their policies map onto ``--ac`` and how to read the table: docs/benchmarks.md, "Planned
+against published runs".
 
     python -m twinshard.measure.plan.published --out benchmarks/results/2026-11-24-plan-published.md
     python -m twinshard.measure.plan.published --only 8b,13b     # runs whose name has one of these
