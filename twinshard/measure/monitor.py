@@ -34,7 +34,6 @@ from . import fakecuda
 from .fakecuda import short_stack
 
 aten = torch.ops.aten
-_PLACEHOLDER = {bool: False, int: 0, float: 0.0}
 
 
 @dataclass(frozen=True)
@@ -49,11 +48,10 @@ class Collective:
     op: str  # all_gather | reduce_scatter | all_reduce | broadcast | all_to_all
     dtype: str
     numel: int
-    group_size: int
     ranks: tuple[int, ...]
 
     def key(self) -> tuple:
-        return (self.op, self.dtype, self.numel, self.group_size, self.ranks)
+        return (self.op, self.dtype, self.numel, len(self.ranks), self.ranks)
 
 
 @dataclass
@@ -156,7 +154,9 @@ class Monitor(TorchDispatchMode):
             if args[0].device.type == self.accelerator and not self.on_host:
                 self._sync("item", "aten._local_scalar_dense")
             if fake:  # no value to read: a placeholder, so that the step goes on
-                return _PLACEHOLDER.get(_python_type(args[0].dtype), 0)
+                dtype = args[0].dtype
+                floating = dtype.is_floating_point or dtype.is_complex  # a float either way
+                return False if dtype == torch.bool else 0.0 if floating else 0
         elif fake and func is aten._pin_memory.default:
             out = args[0].clone()
             self._remember_pinned(out)
@@ -175,9 +175,8 @@ class Monitor(TorchDispatchMode):
         elif func is aten._to_copy.default:
             pin = self._copy(args[0], kwargs.get("device") or args[0].device, kwargs, pin)
         elif func is aten.copy_.default:
-            self._copy(
-                args[1], args[0].device, {"non_blocking": _arg(args, kwargs, 2)}, None, args[0]
-            )
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self._copy(args[1], args[0].device, {"non_blocking": non_blocking}, None, args[0])
         out = func(*args, **kwargs)
         new = False
         for t in _storage_holders(tree_leaves((args, out))):
@@ -191,8 +190,7 @@ class Monitor(TorchDispatchMode):
         return out
 
     def _collective(self, call: c10d.Call) -> None:
-        ranks = tuple(call.ranks())
-        entry = Collective(call.op, call.dtype, call.numel, len(ranks), ranks)
+        entry = Collective(call.op, call.dtype, call.numel, tuple(call.ranks()))
         self.phase.collectives.append(entry)
         if not self.on_host and any(t.device.type != self.accelerator for t in call.tensors):
             self.phase.host_collectives.append((entry, tuple(short_stack())))
@@ -203,16 +201,16 @@ class Monitor(TorchDispatchMode):
         """Note a copy of ``src`` to device ``to`` (into ``dst`` for ``copy_``) if the host
         waits for it; return whether a ``_to_copy``'s output is pinned: torch pins the output
         of a ``non_blocking`` copy from an accelerator to the host itself, so that it can be."""
-        to = torch.device(to)
+        to, what = torch.device(to), "aten._to_copy" if dst is None else "aten.copy_"
         blocking = not kwargs.get("non_blocking")
         if src.device.type == self.accelerator and to.type == "cpu":
             pinned = (pin or not blocking) if dst is None else self._is_pinned(dst)
             if blocking or not pinned:
                 why = "blocking" if blocking else "non_blocking into pageable memory"
-                self._sync("device-to-host copy", f"{_name(dst)} ({why})")
+                self._sync("device-to-host copy", f"{what} ({why})")
             return pinned
         if src.device.type == "cpu" and to.type == self.accelerator and blocking:
-            self._sync("host-to-device copy", f"{_name(dst)} (blocking)")
+            self._sync("host-to-device copy", f"{what} (blocking)")
         return bool(pin)
 
     def _sync(self, kind: str, op: str) -> None:
@@ -254,20 +252,6 @@ def _host_only(args, kwargs) -> bool:
     return bool(tensors) and all(
         t.device.type == "cpu" and not isinstance(t, FakeTensor) for t in tensors
     )
-
-
-def _arg(args, kwargs, index: int, name: str = "non_blocking"):
-    return args[index] if len(args) > index else kwargs.get(name, False)
-
-
-def _name(dst) -> str:
-    return "aten._to_copy" if dst is None else "aten.copy_"
-
-
-def _python_type(dtype: torch.dtype) -> type:
-    if dtype == torch.bool:
-        return bool
-    return float if dtype.is_floating_point or dtype.is_complex else int
 
 
 def _storage_holders(values):

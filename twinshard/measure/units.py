@@ -31,9 +31,11 @@ def ratio(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}x"
 
 
-def markdown_table(head: list[str], rows: list[list[str]]) -> str:
-    """The header, its rule and one line per row of cells."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+def markdown_table(head: list[str], rows: list[list[str]], align: str = "") -> str:
+    """The header, its rule and one line per row of cells; ``align`` has an ``r`` for each
+    column aligned right (``"lrr"``), any other letter or none for the left."""
+    rule = ["---:" if a == "r" else "---" for a in align.ljust(len(head))]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(rule) + "|"]
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 

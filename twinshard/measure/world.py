@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from twinshard import devices
+
 LAUNCHED = ("gloo", "nccl")
 ONE_PROCESS = ("fake", "simnet", "fakeaccel", "lent")
 KINDS = LAUNCHED + ONE_PROCESS
@@ -70,9 +72,6 @@ def join(
 
 def _on(device: str) -> torch.device:
     """The device of type ``device`` this process uses: an accelerator's current one."""
-    if device == "cpu":
-        return torch.device("cpu")
-    module = torch.get_device_module(device)
-    if not module.is_available():
+    if device != "cpu" and not torch.get_device_module(device).is_available():
         raise RuntimeError(f"no {device!r} device here to join a world on")
-    return torch.device(device, module.current_device())
+    return devices.current_device(device)

@@ -40,7 +40,6 @@ from twinshard.measure.fakedevice import backend_name
 from twinshard.measure.job import SHARDED, Job
 from twinshard.measure.monitor import Monitor, Phase
 from twinshard.measure.probe import Probe, sharded_modules
-from twinshard.models import Llama
 
 from .planted import plant
 
@@ -210,10 +209,7 @@ def _memory_model(config: Job, phase: Phase) -> dict:
         return {"covered": False, "why": "the model has no offload (shards on the host)"}
     if config.reshard_after_forward is not True:
         return {"covered": False, "why": "the model reshards after forward"}
-    with torch.device("meta"):
-        groups = memmodel.groups_of(Llama(config.llama()))
-    pb = 2 if config.low_precision is not None else 4
-    predicted = memmodel.predict(groups, config.impl, config.world // config.replicas, pb, 4)
+    predicted = memmodel.for_job(config)
     total = sum(predicted.values())
     return {
         "covered": True,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from unittest import mock
 
 import torch
 
@@ -137,13 +138,6 @@ def standin_log(config: Job, steps: int) -> list[tuple]:
 
     log = standin_streams().log
     start = len(log)
-    previous = os.environ.get(STANDIN_ENV)
-    os.environ[STANDIN_ENV] = "1"
-    try:
+    with mock.patch.dict(os.environ, {STANDIN_ENV: "1"}):  # restored as it was, after
         cpu_run(config, steps, None)
-    finally:
-        if previous is None:
-            del os.environ[STANDIN_ENV]
-        else:
-            os.environ[STANDIN_ENV] = previous
     return log[start:]

@@ -13,6 +13,8 @@ Which hook sets which label: docs/plan.md, "How the time is predicted".
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 
@@ -40,33 +42,24 @@ class Labels:
         def before(module, args):
             self.set("forward", name)
             if first and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                args[0].register_hook(self._marker("backward", "root"))
+                args[0].register_hook(lambda grad: self.set("backward", "root"))
 
         def after(module, args, output):
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(self._marker("backward", name))
+                output.register_hook(lambda grad: self.set("backward", name))
 
         self.handles.append(block.register_forward_pre_hook(before, prepend=True))
         self.handles.append(block.register_forward_hook(after, prepend=True))
         self.handles.append(block.register_forward_hook(lambda *_: self.set("forward", "root")))
         watchers = getattr(block, "watchers", None)
         if watchers is not None:  # checkpointed: the block runs again in backward
-            watch = self._recompute(name)
+            watch = partial(self._recompute, name)
             watchers.append(watch)
             self.watched.append((watchers, watch))
 
-    def _marker(self, kind: str, where: str):
-        def hook(grad):
-            self.set(kind, where)
-
-        return hook
-
-    def _recompute(self, name: str):
-        def watch(starting: bool):
-            if self.kind in ("backward", "recompute"):
-                self.set("recompute" if starting else "backward", name)
-
-        return watch
+    def _recompute(self, name: str, starting: bool) -> None:
+        if self.kind in ("backward", "recompute"):
+            self.set("recompute" if starting else "backward", name)
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -28,6 +28,7 @@ import statistics
 import sys
 
 from twinshard.measure.job import Job
+from twinshard.measure.units import markdown_table, ms
 from twinshard.report_files import publish
 
 IMPLS = ("reference", "optimized", "torch")
@@ -96,24 +97,19 @@ def verdict(runs: list[dict]) -> dict:
 
 
 def markdown(runs: list[dict], summary: dict) -> str:
-    lines = [
-        "| run | implementation | predicted step (ms) | measured CPU time (ms) | ratio |",
-        "|---:|---|---:|---:|---:|",
+    head = ["run", "implementation", "predicted step (ms)", "measured CPU time (ms)", "ratio"]
+    rows = [
+        [str(k), impl, ms(r["predicted_s"]), ms(r["measured_cpu_s"]), f"{r['ratio']:.3f}"]
+        for k, run in enumerate(runs, 1)
+        for impl, r in run.items()
     ]
-    for k, run in enumerate(runs, 1):
-        for impl, r in run.items():
-            lines.append(
-                f"| {k} | {impl} | {r['predicted_s'] * 1e3:.1f} | "
-                f"{r['measured_cpu_s'] * 1e3:.1f} | {r['ratio']:.3f} |"
-            )
-    lines += ["", "| implementation | median ratio | lowest | highest | runs within 20% |"]
-    lines.append("|---|---:|---:|---:|---:|")
-    for impl, v in summary.items():
-        lines.append(
-            f"| {impl} | {v['median']:.3f} | {v['lowest']:.3f} | {v['highest']:.3f} | "
-            f"{v['within']} of {v['runs']} |"
-        )
-    return "\n".join(lines)
+    spread = [
+        [impl, *(f"{v[k]:.3f}" for k in ("median", "lowest", "highest"))]
+        + [f"{v['within']} of {v['runs']}"]
+        for impl, v in summary.items()
+    ]
+    second = ["implementation", "median ratio", "lowest", "highest", "runs within 20%"]
+    return markdown_table(head, rows, "rlrrr") + "\n\n" + markdown_table(second, spread, "lrrrr")
 
 
 def main(argv=None) -> int:

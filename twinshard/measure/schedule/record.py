@@ -30,6 +30,7 @@ collective itself only knows its tensors.
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -93,57 +94,48 @@ class Recorder:
         for g in self.groups:
             self._attach(g)
 
-    # --- hooks ---------------------------------------------------------------------------------
+    # --- hooks (each bound to its group's path with ``partial``) --------------------------------
     def _attach(self, g: GroupInfo) -> None:
         m, path = g.module, g.path
+        wrap = partial(self._wrap_inputs, path)
         self.handles += [
-            m.register_forward_pre_hook(self._wrap_inputs(path), prepend=True, with_kwargs=True),
-            m.register_forward_pre_hook(self._after_pre_forward(path)),
-            m.register_forward_hook(self._after_forward(path)),
+            m.register_forward_pre_hook(wrap, prepend=True, with_kwargs=True),
+            m.register_forward_pre_hook(partial(self._after_pre_forward, path)),
+            m.register_forward_hook(partial(self._after_forward, path)),
         ]
 
-    def _wrap_inputs(self, path: str):
-        def hook(module, args, kwargs):
-            if not (self.active and torch.is_grad_enabled()):
-                return None
-            top = list(args) + list(kwargs.values())  # nested tensors are not followed
-            inputs = [t for t in top if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not inputs:
-                return None  # its gradients are reduced at the end of backward instead
-            note = lambda: self._event(path, "post_backward")  # noqa: E731
-            swapped = dict(zip(map(id, inputs), _AfterPostBackward.apply(note, *inputs)))
-            swap = lambda v: swapped.get(id(v), v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-            return (tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()})
-
-        return hook
-
-    def _after_pre_forward(self, path: str):
-        def hook(module, args):
-            if self.active:
-                self._event(path, "pre_forward")
-
-        return hook
-
-    def _after_forward(self, path: str):
-        def hook(module, args, output):
-            if not self.active:
-                return None
-            self._event(path, "post_forward")
-            fired = []
-
-            def pre_backward(grad):
-                if not fired:
-                    fired.append(True)
-                    self._queue_final_callback()
-                    self._event(path, "pre_backward")
-
-            if torch.is_grad_enabled():
-                for t in c10d.tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(pre_backward)
+    def _wrap_inputs(self, path: str, module, args, kwargs):
+        if not (self.active and torch.is_grad_enabled()):
             return None
+        top = list(args) + list(kwargs.values())  # nested tensors are not followed
+        inputs = [t for t in top if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:
+            return None  # its gradients are reduced at the end of backward instead
+        note = partial(self._event, path, "post_backward")
+        swapped = dict(zip(map(id, inputs), _AfterPostBackward.apply(note, *inputs)))
+        swap = lambda v: swapped.get(id(v), v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return (tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()})
 
-        return hook
+    def _after_pre_forward(self, path: str, module, args) -> None:
+        if self.active:
+            self._event(path, "pre_forward")
+
+    def _after_forward(self, path: str, module, args, output) -> None:
+        if not self.active:
+            return
+        self._event(path, "post_forward")
+        fired = []
+
+        def pre_backward(grad):
+            if not fired:
+                fired.append(True)
+                self._queue_final_callback()
+                self._event(path, "pre_backward")
+
+        if torch.is_grad_enabled():
+            for t in c10d.tensors(output):
+                if t.requires_grad:
+                    t.register_hook(pre_backward)
 
     def _queue_final_callback(self) -> None:
         # Queued twice over: by the time ours is queued the second time, the
