@@ -70,6 +70,16 @@ finish first, and a group's gradients never outlive its own post-backward. Only 
 buffer crosses to the reduce-scatter stream; it goes once the reduction has been waited for
 and added, like every buffer that crosses streams.
 
+[Note: the gradients are cast as they are packed]
+Autograd writes a group's gradients in the compute dtype (bf16 with mixed precision), and the
+reduction runs in the reduce dtype (fp32). The group's buffer is allocated in the reduce dtype
+and ``_chunk_cat`` writes each gradient into its place in it, casting as it copies: one pass
+that reads 2 bytes and writes 4 per element, as torch's ``fully_shard`` packs. Casting each
+gradient on its own first (in ``take_grad``) and then packing read and wrote every element
+twice (2 + 4 + 4 + 4 bytes). Several backwards without a reduction
+(``set_requires_gradient_sync(False)``) add each bf16 gradient to the fp32 sum as it is,
+which widens it in the same pass (``ShardedParam.take_grad``).
+
 [Note: reduce-scatter on gloo]
 gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` clones the whole input on the
 calling thread, all-reduces the clone and copies this rank's block out of it at ``wait()``.
@@ -292,9 +302,12 @@ def reduce_scatter(
     grads = [grads[i] for i in taken]
     sizes, shapes = [blocks[p][0] for p in params], [blocks[p][1] for p in params]
     S = info.shard_size
-    # see [Note: the gradients go at the pack]
+    # see [Note: the gradients go at the pack] and [Note: the gradients are cast as they are packed]
+    if len({g.dtype for g in grads}) > 1:  # zeros of an unused parameter beside the others
+        grads = [g.to(dtype) for g in grads]
+    packed = grads[0].new_empty((S * sum(sizes),), dtype=dtype)  # (S * per-rank,)
     # rank-major: block r of every gradient, for r = 0 .. S-1 (one op instead of a view each)
-    packed = torch._chunk_cat(grads, dim=0, num_chunks=S).view(-1)  # (S * per-rank,)
+    torch._chunk_cat(grads, dim=0, num_chunks=S, out=packed.view(S, -1))
     comm.streams.release(grads, "release of the unreduced gradients")
     del grads
     comm.reduce_scatter_stream.wait_stream(comm.current_stream())

@@ -162,6 +162,7 @@ class ParamGroup:
         grad = p.reduce_scatter_input(dtype)  # (S * chunk, *rest), zeros if unused here
         if grad is None:
             return None
+        grad = grad.to(dtype)  # reduced in the reduce dtype
         if before is not None:
             grad.div_(before)  # fp16: a sum of N gradients must not overflow
         group, comm = self.info.shard_group, self.comms.reduce_scatter

@@ -232,7 +232,8 @@ class ShardedParam:
         return self.unsharded_param is not None and self.unsharded_param.grad is not None
 
     def take_grad(self, reduce_dtype: torch.dtype) -> None:
-        """Move autograd's unsharded ``.grad`` into the sum waiting to be reduced."""
+        """Move autograd's unsharded ``.grad`` into the sum waiting to be reduced: as it is (the
+        reduction casts it), or added to a sum kept in ``reduce_dtype`` (cast first if narrower)."""
         grad = self.unsharded_param.grad if self.unsharded_param is not None else None
         if grad is None:
             return
@@ -240,12 +241,12 @@ class ShardedParam:
             grad = grad.to_local()
         if hasattr(grad, "__tensor_flatten__"):  # a subclass: collectives move plain tensors
             grad = torch.empty(grad.shape, dtype=reduce_dtype, device=self.device).copy_(grad)
-        grad = grad.to(dtype=reduce_dtype)  # (rows, *rest)
         self.unsharded_param.grad = None
-        if self.grad_to_reduce is None:
-            self.grad_to_reduce = grad
-        else:
-            self.grad_to_reduce += grad
+        if self.grad_to_reduce is not None:  # a gradient that widens into the sum: not copied
+            wide = torch.promote_types(grad.dtype, reduce_dtype) == reduce_dtype
+            grad = grad if wide else grad.to(reduce_dtype)
+            grad = self.grad_to_reduce.to(reduce_dtype).add_(grad)
+        self.grad_to_reduce = grad  # (rows, *rest)
 
     @property
     def has_grad_to_reduce(self) -> bool:
@@ -253,9 +254,9 @@ class ShardedParam:
         return self.grad_to_reduce is not None
 
     def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Hand over the waiting gradient, padded to (S * chunk, *rest). A trainable parameter
-        with no gradient here hands over zeros of ``dtype`` (every rank must send the same
-        amount, whichever parameters it used); a frozen one hands over None."""
+        """Hand over the waiting gradient, padded to (S * chunk, *rest), not cast (the caller casts
+        to ``dtype``, the reduce dtype); zeros of ``dtype`` for a trainable parameter with none
+        here (every rank sends the same amount, whichever it used); None for a frozen one."""
         rows = self.info.shard_size * self.chunk
         if self.grad_to_reduce is None:
             alone = self.info.shard_size * self.info.replicate_size == 1
