@@ -218,3 +218,28 @@ def test_published_runs_are_valid_plans_and_compared_as_ratios():
     assert compared["memory_ratio"] == pytest.approx(0.5)
     assert compared["fitted"]
     assert "| 11,524 | 2.00 | 82.4 | 41.2 | 0.50 |" in published.markdown([compared])
+
+
+def test_torchs_own_copy_operators_are_priced_as_the_copies_they_make():
+    """torch's fully_shard copies through fsdp:: operators, which a dispatch mode sees but not
+    the copies inside them: each is priced as the bytes it reads plus those it writes."""
+    import torch
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - defines fsdp::
+
+    from twinshard.measure.plan.trace import fsdp_copy_bytes
+
+    fsdp = torch.ops.fsdp
+    shards = [torch.zeros(6, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16)]
+    output = torch.empty(4 * 8, dtype=torch.bfloat16)  # 4 ranks' slots of 8 elements
+    args = (shards, output, [6, 2], 8, 1)
+    assert fsdp_copy_bytes("all_gather_copy_in", fsdp.all_gather_copy_in.default, args, {}) == 32
+    params = [torch.empty(4, 6), torch.empty(4, 2)]
+    gathered = torch.zeros(4, 8)
+    kwargs = {"dim": 1, "out": params}
+    copy_out = fsdp.split_with_sizes_copy.default
+    assert fsdp_copy_bytes("split_with_sizes_copy", copy_out, (gathered, [6, 2]), kwargs) == 256
+    grads = [torch.zeros(4, 3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)]
+    packed = torch.empty(2, 8)  # fp32: cast as it packs
+    chunk = fsdp.chunk_cat.default
+    assert fsdp_copy_bytes("chunk_cat", chunk, (grads, 0, 2), {"out": packed}) == 32 + 64
+    assert fsdp_copy_bytes("something_else", chunk, (grads, 0, 2), {"out": packed}) == 0

@@ -13,6 +13,11 @@ Why the parts are taken a step later: looking at every peak as it happens would 
 every parameter after nearly every operator of a forward (activations only grow there): hours
 for a 70B model.
 
+[Note: torch's copies are priced]
+torch's ``fully_shard`` copies through operators of its own (``fsdp::``), whose copies a
+dispatch mode does not see (on fake tensors one copies nothing): each is priced as the bytes it
+reads and writes (``fsdp_copy_bytes``). Why, and what it changed: docs/plan.md.
+
 What is recorded and how the parts are sorted: docs/plan.md, "How the time is predicted" and
 "How the memory's parts are found".
 """
@@ -36,23 +41,10 @@ from twinshard.measure.probe import CATEGORIES, Probe
 aten = torch.ops.aten
 
 # operators that move no data: bookkeeping, or a buffer whose contents nobody wrote yet
-FREE = {
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "new_empty",
-    "new_empty_strided",
-    "detach",
-    "alias",
-    "lift_fresh",
-    "set_",
-    "resize_",
-    "record_stream",
-    "_local_scalar_dense",
-    "is_pinned",
-    "device",
-    "_to_copy_meta",
-}
+FREE = set(
+    "empty empty_like empty_strided new_empty new_empty_strided detach alias lift_fresh set_ "
+    "resize_ record_stream _local_scalar_dense is_pinned device _to_copy_meta".split()
+)
 # files whose code is an FSDP implementation: what they make is FSDP's, not the model's
 FSDP_CODE = ("/fsdp/_fully_shard/", "/twinshard/reference/", "/optimized/", "/reference/")
 # the scaled-dot-product-attention kernels and where their ``is_causal`` argument is
@@ -74,6 +66,21 @@ def made_by_fsdp() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def fsdp_copy_bytes(name: str, func, args, kwargs) -> int:
+    """The bytes read and written by one of the copies torch's ``fully_shard`` makes through
+    operators of its own (``fsdp::``), 0 for another. [Note: torch's copies are priced]"""
+    bound = c10d.arguments(func, args, kwargs)
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    if name == "all_gather_copy_in":  # the shards into this rank's slot of the output
+        shards = bound["all_gather_inputs"]
+        return size(shards) + sum(s.numel() for s in shards) * bound["all_gather_output"].itemsize
+    if name == "split_with_sizes_copy":  # the gathered output into the parameters
+        return size([bound["all_gather_output"]]) + size(bound["out"])
+    if name == "chunk_cat":  # the gradients into the reduce-scatter input
+        return size(bound["tensors"]) + size([bound["out"]])
+    return 0
 
 
 class StepTrace(Monitor):
@@ -170,8 +177,10 @@ class StepTrace(Monitor):
         return out
 
     def _record_operator(self, func, args, kwargs, out, stream, label) -> None:
-        name = func.__name__.split(".")[0]
-        if getattr(func, "namespace", "") != "aten" or name in FREE or func.is_view:
+        name, namespace = func.__name__.split(".")[0], getattr(func, "namespace", "")
+        if namespace == "fsdp" and (moved := fsdp_copy_bytes(name, func, args, kwargs)):
+            self.entries.append(("op", stream, label, 0, moved, "torch.float32", False))
+        if namespace != "aten" or name in FREE or func.is_view:
             return
         flops = 0
         counter = flop_registry.get(func._overloadpacket)
