@@ -21,6 +21,7 @@ MEASURED_MODULES = {
     "test_contract",
     "test_drop_in",
     "test_gradient_division",
+    "test_gradient_pack",
     "test_kept_shards",
     "test_optimized_schedule",
     "test_parity",
