@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 
 class Op(NamedTuple):
@@ -102,17 +101,6 @@ def group_of(value):
         return dist.ProcessGroup.unbox(value)
     except RuntimeError:
         return None
-
-
-def group_in(value):
-    """The first process group among ``value``'s leaves (args and kwargs, say): one boxed as a
-    dispatch mode sees it, or a ``ProcessGroup`` itself; None if there is none."""
-    for leaf in tree_leaves(value):
-        if isinstance(leaf, dist.ProcessGroup):
-            return leaf
-        if (group := group_of(leaf)) is not None:
-            return group
-    return None
 
 
 def gathered_in_place(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> int | None:
