@@ -186,8 +186,11 @@ def test_command_writes_table_json_and_picture(tmp_path, capsys):
     assert main([*args, "--json", str(out), "--plot", str(picture)]) == 0
     text = capsys.readouterr().out
     assert "| **peak device memory (MiB)** |" in text and "tokens/s per rank" in text
+    assert "| ideal step (ms) |" in text and "| FSDP overhead / torch's | 1.000 |" in text
     row = json.loads(out.read_text())["plans"][0]
     assert row["config"]["world"] == 4 and row["memory"]["fits"]["h100"]
+    t = row["time"]  # the ideal step (tests/test_plan_ideal.py) and the overhead over it
+    assert t["overhead_s"] == pytest.approx(t["step_s"] - t["ideal_s"]) and t["overhead_s"] > 0
     assert picture.stat().st_size > 10_000
 
 

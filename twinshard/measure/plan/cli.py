@@ -11,7 +11,9 @@ command (``twinshard.measure.flags``);
 one training step of the real code (the implementation's ``fully_shard`` with the policies
 asked) runs as rank 0 of ``--world`` ranks on the fake accelerator, in a process of its own
 (``runner.py``); the recorded step is timed with the device's and network's constants
-(``profiles.py``) by replaying it over its streams and waits (``replay.py``). ``--device cpu``
+(``profiles.py``) by replaying it over its streams and waits (``replay.py``). The job's ideal
+step, the same model without FSDP (``ideal.py``), is recorded beside them, once per job, and
+each implementation's FSDP overhead is its step minus the ideal. ``--device cpu``
 plans this machine instead (``twinshard bench --backend simnet``'s rank, timed with constants
 measured here). Every argument is checked before any work starts (``config.problem``).
 """
@@ -27,7 +29,9 @@ from twinshard.measure.job import Job, positive
 from twinshard.report_files import publish
 
 from . import config, profiles
-from .summary import add_ratios, summarize
+from .ideal import job as ideal_job
+from .ideal import seconds as ideal_seconds
+from .summary import add_ideal, add_ratios, summarize
 from .table import format_plan, plot_plan, plot_sweep
 
 # --sweep NAME -> the job's field (layers: the model's n_layers), and the values' type
@@ -97,15 +101,30 @@ def device_and_network(plan: Job, ranks_per_node: int | None = None):
     return profiles.DEVICES[plan.device], network
 
 
-def plan(plans: list[Job], progress: bool = True, ranks_per_node=None) -> list[dict]:
-    """Record every plan (one spawned process) and summarize each; errors stay as rows."""
+def plan(plans: list[Job], progress: bool = True, ranks_per_node=None, ideal=True) -> list[dict]:
+    """Record every plan (one spawned process) and summarize each; errors stay as rows.
+    ``ideal`` (a bool, or a function of a job that says it for that job): also record each
+    job's ideal step once (``ideal.py``) and add it to its rows."""
     from .runner import record_many
 
-    recorded = record_many(plans, progress)
+    wanted = ideal if callable(ideal) else (lambda _: ideal)
+    ideals = {repr(ideal_job(job)): ideal_job(job) for job in plans if wanted(job)}
+    recorded = record_many([*plans, *ideals.values()], progress)
+    ideal_s = {}  # the ideal's seconds, or its error's last line
+    for key, job, rec in zip(ideals, ideals.values(), recorded[len(plans) :]):
+        if "error" in rec:
+            ideal_s[key] = rec["error"].strip().splitlines()[-1]
+        else:
+            ideal_s[key] = ideal_seconds(summarize(rec, *device_and_network(job, ranks_per_node)))
     out = []
     for job, rec in zip(plans, recorded):
         if "error" not in rec:
             row = summarize(rec, *device_and_network(job, ranks_per_node))
+            found = ideal_s.get(repr(ideal_job(job)))
+            if isinstance(found, str):
+                row["time"]["ideal_error"] = found
+            elif found is not None:
+                add_ideal(row, found)
             rec = {**row, "timeline": rec["timeline"]}
         out.append(rec)
     return out

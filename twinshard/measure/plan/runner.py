@@ -18,7 +18,8 @@ The world is joined and the step built and driven by ``twinshard.measure``: the 
 on ``meta`` (``twinshard.models.Llama``), wrapped for activation checkpointing
 (``checkpointing.py``), sharded by the implementation with the plan's policies inside the fake
 mode, moved with ``to_empty`` (to the host with offload) and trained with AdamW (fused, as
-torchtitan) or SGD with momentum (foreach).
+torchtitan) or SGD with momentum (foreach). The implementation ``plain`` is the job's ideal
+step instead: the same model with no FSDP (``ideal.py``).
 
 ``record_many(configs)`` runs several in one spawned process (the fake accelerator's
 registration is process-wide and for good); ``progress`` receives a line per stage.
@@ -37,7 +38,7 @@ from twinshard.measure import step, world
 from twinshard.measure.probe import Probe, sharded_modules
 from twinshard.models import Llama
 
-from . import checkpointing
+from . import checkpointing, ideal
 from .labels import Labels
 from .trace import StepTrace
 
@@ -64,9 +65,12 @@ def record(config, progress=print) -> dict:
     fake = contextlib.nullcontext() if config.real else FakeTensorMode(allow_non_fake_inputs=True)
     with fake, trace, _watch_waits(trace):
         progress(f"{config.impl}: sharding {params / 1e9:.2f}B parameters over {config.world}")
-        step.build_on_meta(config, device, mesh, model)
-        # foreach as twinshard bench leaves it: torch's choice (a loop over parameters on the CPU)
-        opt = step.optimizer(model, config.optimizer, None if config.cpu else True)
+        if config.impl == ideal.NAME:  # the ideal step: the model without FSDP (ideal.py)
+            model, opt = ideal.build(config, device, model)
+        else:
+            step.build_on_meta(config, device, mesh, model)
+            # foreach as twinshard bench leaves it: torch's choice (a CPU loop over parameters)
+            opt = step.optimizer(model, config.optimizer, None if config.cpu else True)
         tokens = step.tokens(config, cfg.vocab_size, device=device)
         labels.attach(model)
         trace.model, trace.optimizer = model, opt

@@ -3,7 +3,9 @@
 ``summarize(recorded, device, network)`` turns one ``runner.record`` result into plain data:
 memory from ``trace.StepTrace.parts_at_peak`` and ``profiles.DEVICES`` (whether it fits),
 communication from ``replay.per_link``, time and MFU from ``replay.replay``.
-``add_ratios(rows)`` adds each implementation's step time and peak against torch's.
+``add_ideal(row, ideal_s)`` adds the job's ideal step (``ideal.py``) and the FSDP overhead,
+the planned step minus the ideal; ``add_ratios(rows)`` adds each implementation's step time,
+peak and overhead against torch's.
 
 What each figure is: docs/plan.md, "What it reports, per rank".
 """
@@ -50,8 +52,15 @@ def summarize(recorded: dict, device, network) -> dict:
     }
 
 
+def add_ideal(row: dict, ideal_s: float) -> None:
+    """The ideal step of ``row``'s job (seconds) and ``row``'s FSDP overhead over it."""
+    row["time"]["ideal_s"] = ideal_s
+    row["time"]["overhead_s"] = row["time"]["step_s"] - ideal_s
+
+
 def add_ratios(rows: dict) -> None:
-    """Step time and peak memory of each implementation over torch's (if torch ran)."""
+    """Step time, peak memory and (where the ideal is known) FSDP overhead of each
+    implementation over torch's (if torch ran)."""
     base = rows.get("torch")
     if base is None or "error" in base:
         return
@@ -62,3 +71,6 @@ def add_ratios(rows: dict) -> None:
             "step_time": row["time"]["step_s"] / base["time"]["step_s"],
             "peak_memory": row["memory"]["peak_bytes"] / base["memory"]["peak_bytes"],
         }
+        overhead, base_overhead = row["time"].get("overhead_s"), base["time"].get("overhead_s")
+        if overhead is not None and base_overhead:
+            row["vs_torch"]["fsdp_overhead"] = overhead / base_overhead

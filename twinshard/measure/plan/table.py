@@ -2,8 +2,9 @@
 
 ``format_plan(rows)`` is the table ``twinshard plan`` prints (markdown, so that it pastes into
 a results page): one column per implementation, memory at the peak by part, whether it fits
-each named device, the step's time and where its communication was exposed, MFU, the ratios
-to torch's ``fully_shard``, then the collectives by op and link. ``plot_plan(rows, path)``
+each named device, the step's time and where its communication was exposed, the job's ideal
+step and the FSDP overhead over it, MFU, the ratios to torch's ``fully_shard``, then the
+collectives by op and link. ``plot_plan(rows, path)``
 draws each implementation's device memory through the step (one line, by replayed entry) with
 its peak's parts as a bar beside it.
 """
@@ -71,11 +72,14 @@ def format_plan(rows: dict) -> str:
     add("  communication (ms)", lambda r: ms(r["time"]["comm_s"]))
     add("  exposed communication (ms)", lambda r: ms(r["time"]["exposed_s"]))
     add("  most exposed at", _most_exposed)
+    add("ideal step (ms)", lambda r: _in_ms(r, "ideal_s"))
+    add("FSDP overhead (ms)", lambda r: _in_ms(r, "overhead_s"))
     add("tokens/s per rank", lambda r: f"{r['time']['tokens_per_s']:,.0f}")
     add("MFU", lambda r: "-" if r["time"]["mfu"] is None else f"{r['time']['mfu']:.1%}")
     if all("vs_torch" in r for r in ok.values()):
         add("step time / torch's", lambda r: f"{r['vs_torch']['step_time']:.3f}")
         add("peak memory / torch's", lambda r: f"{r['vs_torch']['peak_memory']:.3f}")
+        add("FSDP overhead / torch's", lambda r: _ratio_of(r, "fsdp_overhead"))
     add("recorded in (s)", lambda r: f"{r['record_s']:.1f}")
     lines += [markdown_table(["per rank", *names], rows), ""]
     lines += ["Collectives per step (count, MB per rank, ms on the wire):", ""]
@@ -85,6 +89,16 @@ def format_plan(rows: dict) -> str:
                 f"- {name}: {key}: {c['count']}, {c['bytes'] / MB:.1f} MB, {ms(c['seconds'], 2)} ms"
             )
     return "\n".join(lines)
+
+
+def _in_ms(row: dict, key: str) -> str:
+    t = row["time"]
+    return ms(t[key]) if key in t else ("failed" if "ideal_error" in t else "-")
+
+
+def _ratio_of(row: dict, key: str) -> str:
+    value = row["vs_torch"].get(key)
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _yes(row: dict, name: str) -> str:
