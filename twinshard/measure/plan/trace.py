@@ -83,6 +83,18 @@ def fsdp_copy_bytes(name: str, func, args, kwargs) -> int:
     return 0
 
 
+def operator_bytes(func, args, kwargs, out) -> tuple[int, list]:
+    """The bytes an ATen operator reads and writes, and those tensors (its tensor arguments
+    and results). An ``out=`` argument is only written: where the operator returns
+    it as well it counts once, there, as the functional form's result would (an in-place
+    operator's ``self``, read and written, counts twice)."""
+    returns = bool(func._schema.returns)
+    written = {a.name for a in func._schema.arguments if a.is_out and returns}
+    read = (args, {k: v for k, v in kwargs.items() if k not in written})
+    tensors = [t for t in tree_leaves((read, out)) if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors), tensors
+
+
 class StepTrace(Monitor):
     """See the module docstring. ``accelerator``: the device type of the run ("cpu" for the
     CPU target); ``labels``: a ``labels.Labels`` that says where the step is."""
@@ -189,10 +201,8 @@ class StepTrace(Monitor):
             self.flops[self.labels.kind] += flops
         index = CAUSAL_ARG.get(func)
         causal = index is not None and len(args) > index and bool(args[index])
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        devices = {t.device.type for t in tensors}
-        moved = sum(t.numel() * t.element_size() for t in tensors)
-        copy = "host_copy" if len(devices) > 1 else "op"
+        moved, tensors = operator_bytes(func, args, kwargs, out)
+        copy = "host_copy" if len({t.device.type for t in tensors}) > 1 else "op"
         dtype = str(out.dtype if isinstance(out, torch.Tensor) else tensors[0].dtype)
         if flops == 0 and moved == 0:
             return
