@@ -1,15 +1,13 @@
-"""The optimized path's collectives: one all-gather and one reduce-scatter per parameter group.
+"""The optimized path's all-gather: one collective per parameter group.
 
-Four free functions, each handed the group's parameters and the shared ``CommContext``; the
-two that issue work return a small record of what is in flight:
+Two free functions, each handed the group's parameters and the shared ``CommContext``:
 
-    all_gather     copy-in + all-gather       -> AllGatherResult
+    all_gather     copy-in + all-gather -> AllGatherResult (what is in flight)
     copy_out       wait, split into the unsharded parameters
-    reduce_scatter pack + reduce-scatter (+ HSDP partial sum and all-reduce) -> ReduceScatterResult
-    accumulate     wait, divide, add to the sharded gradients
 
-They move parameters between states only through ``ShardedParam``'s public methods, the
-same ones the reference's per-parameter loop calls; only the batching and the streams differ.
+Gradients go the other way in ``reduction.py``. Both move parameters between states only
+through ``ShardedParam``'s public methods, the same ones the reference's per-parameter loop
+calls; only the batching and the streams differ.
 
 [Note: one flat buffer per group]
 The reference all-gathers each parameter separately: for a block of nine weights that is nine
@@ -46,54 +44,10 @@ no type promotion, so such a group is gathered as bytes: each tensor is viewed a
 gathered, and each output is viewed as uint8 for the copy-out. No value is converted, so the result is the same as gathering each dtype on
 its own. Reductions need arithmetic, so those are grouped by dtype instead (``flat_group.py``).
 
-[Note: HSDP after the reduce-scatter]
-The partial sum of earlier backwards (``set_requires_all_reduce(False)``) is added on the
-reduce-scatter stream, right after the reduce-scatter: the stream that allocated those
-buffers is the one that reads and drops them, so no other stream can be using them. Only then
-does the all-reduce stream take over; where none follows (one replica, or the sum kept for a
-later backward), the event that ``accumulate`` waits on is recorded after the addition, not after
-the reduce-scatter. On the CPU that addition needs the reduce-scatter's data, so the CPU waits
-for it there; without HSDP nothing waits before ``accumulate``.
-
-[Note: HSDP with one shard]
-With a shard group of one rank there is no reduce-scatter: the packed gradients are the sum. Plain
-FSDP then reads them where they are. HSDP keeps partial sums as views of the reduced buffer, adds
-to them on the reduce-scatter stream and frees them there, so that buffer must come from the
-reduce-scatter stream's memory: it is copied there once (mesh (R, 1), that is DDP, one group's
-gradients per reduction). Kept as views of ``packed``, allocated on the compute stream, they
-would be freed to the compute stream's pool while the reduce-scatter stream may still add to them.
-
-[Note: the gradients go at the pack]
-The group's unsharded gradients are packed on the stream that autograd wrote them on (the
-current one), and dropped right there: nothing else reads them, so no other stream has to
-finish first, and a group's gradients never outlive its own post-backward. Only the packed
-buffer crosses to the reduce-scatter stream; it goes once the reduction has been waited for
-and added, like every buffer that crosses streams.
-
-[Note: the gradients are cast as they are packed]
-Autograd writes a group's gradients in the compute dtype (bf16 with mixed precision), and the
-reduction runs in the reduce dtype (fp32). The group's buffer is allocated in the reduce dtype
-and ``_chunk_cat`` writes each gradient into its place in it, casting as it copies: one pass
-that reads 2 bytes and writes 4 per element, as torch's ``fully_shard`` packs. Casting each
-gradient on its own first (in ``take_grad``) and then packing read and wrote every element
-twice (2 + 4 + 4 + 4 bytes). Several backwards without a reduction
-(``set_requires_gradient_sync(False)``) add each bf16 gradient to the fp32 sum as it is,
-which widens it in the same pass (``ShardedParam.take_grad``).
-
-[Note: reduce-scatter on gloo]
-gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` clones the whole input on the
-calling thread, all-reduces the clone and copies this rank's block out of it at ``wait()``.
-The packed gradients are ours to overwrite, so on gloo the group all-reduces them in place and
-keeps a view of its block: the same sums over the same bytes on the wire, minus a copy of the
-group's gradients and a 1/S copy on the CPU that runs the model (at world size 2 with the
-``small`` preset, 13 ms of the main thread's time per step), and minus the clone's memory. A
-custom reduce-scatter, and HSDP (whose partial sums would keep the whole buffer alive), take
-the reduce-scatter as before. Traces and recorded schedules show an all-reduce there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -103,9 +57,8 @@ from twinshard.api import without_grad
 
 from .comm import CommContext, Pending
 
-# torch 2.13 renamed the single-tensor collectives; torch 2.11 has only the old names.
+# torch 2.13 renamed the single-tensor collective; torch 2.11 has only the old name.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class AllGatherResult(NamedTuple):
@@ -118,30 +71,6 @@ class AllGatherResult(NamedTuple):
     as_bytes: bool  # mixed dtypes, gathered as uint8; see [Note: mixed dtypes in one group]
 
 
-@dataclass
-class ReduceScatterResult:
-    pending: Pending  # the reduce-scatter, or the HSDP all-reduce after it
-    packed: torch.Tensor | None  # (S * per-rank numel,) the gradients, rank-major
-    out: torch.Tensor | None  # (per-rank numel,) this rank's reduced block of every gradient
-    params: list  # the ShardedParams in ``out``, in order
-    shapes: list  # per param: its block's shape, a tuple (chunk, *rest)
-    sizes: list  # per param: its block's numel, so ``out`` splits into the blocks
-    used: list  # per param: whether this rank had a gradient (else it sent zeros)
-    add: list  # per param: whether to add its block to the sharded gradient
-    divide_after: float  # the sum becomes the mean (``ParamGroup.gradient_divisors``)
-    kept_partial: bool  # HSDP without all-reduce: the sums wait in the params; add nothing
-
-    def release(self, comm: CommContext) -> None:
-        """Let the buffers go once their last use (on the current stream) is queued, and
-        forget them here, so that releasing them frees their memory."""
-        if self.kept_partial:  # ``out`` lives on in the partial sums; only ``packed`` goes
-            buffers, streams = (self.packed,), ()
-        else:  # ``out`` was allocated on the reduce-scatter stream
-            buffers, streams = (self.packed, self.out), (comm.reduce_scatter_stream,)
-        self.packed = self.out = None
-        comm.free_after_use("release of the reduce_scatter buffers", buffers, *streams)
-
-
 @without_grad
 def all_gather(
     params: list,
@@ -151,13 +80,15 @@ def all_gather(
     custom=None,
     kept=None,
     after_current: bool = False,
+    memory=None,
 ) -> AllGatherResult:
     """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over the
     shard group of ``mesh`` (a ``MeshInfo``), with the user's ``custom`` all-gather if one was
     set (it allocates the output and is called once for the whole group). ``kept``: the
     group's padded blocks, flat, kept ready (``FlatParamGroup.kept_shards``), concatenated as
     they are, and their total numel. ``after_current``: shards were written on the current
-    stream since the optimizer step (``CommContext.before_all_gather``). Replaces the
+    stream since the optimizer step (``CommContext.before_all_gather``). ``memory``: where
+    the output comes from without a custom all-gather (``comm_memory.py``). Replaces the
     reference's ``ParamGroup.unshard_param`` loop, one blocking all-gather per parameter; see
     [Note: one flat buffer per group]."""
     comm.before_all_gather(after_current)
@@ -179,7 +110,8 @@ def all_gather(
             return AllGatherResult(pending, send, send, 1, params, dtypes, as_bytes)
         # see [Note: gathered in place]
         size = (ranks * numel,)
-        recv = custom.allocate(size, dtype=dtype, device=device) if custom else None
+        memory = custom or memory
+        recv = memory.allocate(size, dtype=dtype, device=device) if memory else None
         recv = torch.empty(size, dtype=dtype, device=device) if recv is None else recv
         send = recv.narrow(0, mesh.shard_rank * numel, numel)  # this rank's slot
         torch.cat(pieces, out=send)  # kept blocks are cast to the compute dtype on the way
@@ -202,6 +134,8 @@ def all_gather(
                 stands_for="all_gather",
             )
         else:
+            if memory is not None and custom is None:
+                memory.before((recv,), mesh.shard_group)  # symmetric memory: a rendezvous
             pending = comm.issue(
                 custom or all_gather_into,
                 recv,
@@ -267,119 +201,3 @@ def same_tensors(a: list, b: list) -> bool:
         if x is not y:
             return False
     return True
-
-
-@without_grad
-def reduce_scatter(
-    params: list,
-    dtype: torch.dtype,
-    info,
-    all_reduce: bool,
-    divisors: tuple,
-    comm: CommContext,
-    blocks: dict,
-    custom=None,
-    keep_unused: bool = False,
-    group: dist.ProcessGroup | None = None,
-) -> ReduceScatterResult | None:
-    """Pack the waiting gradients of ``params`` (all of reduce dtype ``dtype``; zeros for a
-    trainable parameter this rank did not use) into one buffer and reduce-scatter it, with the
-    user's ``custom`` reduce-scatter if one was set; for HSDP add the partial sums and
-    all-reduce across replicas. Replaces the reference's ``ParamGroup.reduce_param`` loop of
-    blocking per-parameter reductions. ``divisors``: what the gradients are divided by
-    before the sum (None: nothing) and after it (``ParamGroup.gradient_divisors``; the second
-    is applied by ``accumulate``). ``group``: another process group over the shard
-    ranks for the reduce-scatter (``set_separate_reduce_scatter_group``). ``blocks``: each
-    parameter's block as (numel, shape tuple), computed once by the group (``view(*shape)``
-    takes 0.9 us, ``view(torch.Size)`` 2.2 us: the group's blocks are viewed at every step)."""
-    group = group or info.shard_group
-    used = [p.has_grad_to_reduce for p in params]
-    grads = [p.reduce_scatter_input(dtype) for p in params]  # None: frozen, takes no part
-    taken = [i for i, g in enumerate(grads) if g is not None]
-    if not taken:
-        return None
-    params, used = [params[i] for i in taken], [used[i] for i in taken]
-    grads = [grads[i] for i in taken]
-    sizes, shapes = [blocks[p][0] for p in params], [blocks[p][1] for p in params]
-    S = info.shard_size
-    # see [Note: the gradients go at the pack] and [Note: the gradients are cast as they are packed]
-    if len({g.dtype for g in grads}) > 1:  # zeros of an unused parameter beside the others
-        grads = [g.to(dtype) for g in grads]
-    packed = grads[0].new_empty((S * sum(sizes),), dtype=dtype)  # (S * per-rank,)
-    # rank-major: block r of every gradient, for r = 0 .. S-1 (one op instead of a view each)
-    torch._chunk_cat(grads, dim=0, num_chunks=S, out=packed.view(S, -1))
-    comm.streams.release(grads, "release of the unreduced gradients")
-    del grads
-    comm.reduce_scatter_stream.wait_stream(comm.current_stream())
-    with comm.on(comm.reduce_scatter_stream):
-        if divisors[0] is not None:  # fp16: see ``ParamGroup.gradient_divisors``
-            packed.div_(divisors[0])
-        if S == 1:  # one rank in the shard group: the sum is the input itself
-            # see [Note: HSDP with one shard]
-            out = packed.clone() if info.replicate_group is not None else packed
-            pending = comm.done_on(comm.reduce_scatter_stream)
-        elif custom is None and info.replicate_group is None and comm.runs_on_gloo(group):
-            # see [Note: reduce-scatter on gloo]
-            out = packed.view(S, -1)[info.shard_rank]  # (per-rank numel,) this rank's block
-            pending = comm.issue(
-                dist.all_reduce,
-                packed,
-                group=group,
-                op=dist.ReduceOp.SUM,
-                stream=comm.reduce_scatter_stream,
-                about=params,
-            )
-        else:
-            size = (packed.numel() // S,)  # (per-rank numel,)
-            out = custom.allocate(size, dtype=dtype, device=packed.device) if custom else None
-            out = packed.new_empty(size) if out is None else out
-            pending = comm.issue(
-                custom or reduce_scatter_into,
-                out,
-                packed,
-                group=group,
-                op=dist.ReduceOp.SUM,
-                stream=comm.reduce_scatter_stream,
-                about=params,
-            )
-        kept = False
-        if info.replicate_group is not None:  # see [Note: HSDP after the reduce-scatter]
-            comm.wait(pending, comm.reduce_scatter_stream)
-            pieces = torch.split_with_sizes(out, sizes)
-            for p, piece, shape in zip(params, pieces, shapes):
-                p.combine_partial_sum(piece.view(*shape), all_reduce)
-            kept = not all_reduce
-            # what waits for this reduction must also wait for the sums just added
-            pending = comm.done_on(comm.reduce_scatter_stream)
-    if info.replicate_group is not None and all_reduce and info.replicate_size > 1:
-        comm.all_reduce_stream.wait_stream(comm.reduce_scatter_stream)
-        pending = comm.issue(
-            dist.all_reduce,
-            out,
-            group=info.replicate_group,
-            stream=comm.all_reduce_stream,
-            about=params,
-        )
-    add = [u or keep_unused for u in used]
-    return ReduceScatterResult(
-        pending, packed, out, params, shapes, sizes, used, add, divisors[1], kept
-    )
-
-
-@without_grad
-def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> None:
-    """Wait for a reduction, run the user's all-reduce ``hook`` on it (once for the group's
-    flat buffer), and add each parameter's block to its sharded gradient (replaces the end of
-    ``ParamGroup.reduce_param``: one division for the whole group)."""
-    comm.wait(result.pending)
-    if result.kept_partial:
-        result.release(comm)
-        return
-    if hook is not None:
-        hook(result.out)  # in place, before the division, as torch's FSDP2 calls it
-    reduced = result.out / result.divide_after  # (per-rank numel,) the mean over ranks
-    result.release(comm)  # before the sharded gradients are allocated
-    blocks = torch.split_with_sizes(reduced, result.sizes)
-    for p, block, shape, add in zip(result.params, blocks, result.shapes, result.add):
-        if add:
-            p.accumulate_grad(block.view(*shape))

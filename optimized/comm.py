@@ -98,7 +98,7 @@ class CommContext:
     def runs_on_gloo(self, group) -> bool:
         """Whether ``group``'s backend is gloo, whose all-gather and reduce-scatter cost more
         than the exchanges they stand for; see [Note: all-gather on gloo] and [Note:
-        reduce-scatter on gloo] in ``collectives.py``."""
+        reduce-scatter on gloo] in ``reduction.py``."""
         if group not in self.backends:
             self.backends[group] = dist.get_backend(group)
         return self.backends[group] == "gloo"
@@ -112,6 +112,12 @@ class CommContext:
     def done_on(self, stream) -> Pending:
         """What was just queued on ``stream`` (no collective: a group of one rank)."""
         return Pending(None, stream.record_event())
+
+    def after_reductions(self) -> None:
+        """Order the current stream after the gradients made on the reduce-scatter stream, at
+        the end of backward, before anything reads them (see [Note: the gradients are made on
+        the reduce-scatter stream] in ``reduction.py``)."""
+        self.current_stream().wait_stream(self.reduce_scatter_stream)
 
     def after_copy_in(self) -> None:
         """Order the current stream after the copy-in queued so far: an all-gather issued

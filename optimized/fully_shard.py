@@ -25,6 +25,7 @@ from twinshard.reference.more.fsdp_module import register_fsdp_forward_method, s
 from twinshard.reference.state import get_state
 
 from .comm import CommContext
+from .comm_memory import ProcessGroupMemory, SymmetricMemory
 from .flat_group import FlatParamGroup
 from .state import FSDPState
 
@@ -103,6 +104,36 @@ class FSDPModule(ReferenceModule):
         state = get_state(self)
         state.lazy_init()
         state.comm.set_post_optim_event(event)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        super().set_allocate_memory_from_process_group_for_comm(enable)  # checks
+        if (group := get_state(self).group) is not None:  # this module's group, as torch's
+            group.comm_memory = ProcessGroupMemory(group.info.shard_group) if enable else None
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        super().set_symm_mem_for_comm(backend)  # checks
+        if (group := get_state(self).group) is not None:
+            if group.comms.all_gather or group.comms.reduce_scatter:
+                raise FSDPUsageError(
+                    "set_symm_mem_for_comm cannot be used with a custom all-gather or "
+                    "reduce-scatter (set_custom_*), which allocates its own buffers"
+                )
+            group.comm_memory = SymmetricMemory(group.info.shard_group, backend)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        super().set_force_sum_reduction_for_comms(enable)  # checks the flag
+        if (group := get_state(self).group) is not None:  # this module's group, as torch's
+            group.force_sum_reduction = enable
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Keep up to ``max_input_buffers`` reductions in flight; see [Note: reductions in
+        flight] in ``flat_group.py``."""
+        super().set_reduce_scatter_max_input_buffers(max_input_buffers, recurse=recurse)
+        for state in states_below(self, recurse):
+            if state.group is not None:
+                state.group.reductions_in_flight = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
         super().set_separate_reduce_scatter_group(enable, recurse=recurse)  # checks the flag

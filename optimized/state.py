@@ -60,6 +60,7 @@ class FSDPState(ReferenceState):
         self.forward_hint: list | None = None  # explicit set_modules_to_forward_prefetch
         self.backward_hint: list | None = None
         self.comm: CommContext | None = None
+        self.prefetched = False  # a forward prefetch whose copy-in the hook has not ordered
 
     def lazy_init(self) -> None:
         if self.is_root is not None:
@@ -96,6 +97,9 @@ class FSDPState(ReferenceState):
                 self.comm.current_order.append(self.group)  # the order groups start forward
             if not early:
                 self.prefetch(self.forward_hint, self.comm.forward_order)
+        if self.prefetched:  # see [Note: a prefetch reads the shards when it is issued]
+            self.comm.after_copy_in()
+            self.prefetched = False
         return args, kwargs
 
     @torch.compiler.disable
@@ -134,16 +138,21 @@ class FSDPState(ReferenceState):
         finish_reduce(self.comm)
         groups = super().finish_groups()
         finish_reduce(self.comm)
+        self.comm.after_reductions()
         return groups
 
     # --- prefetch ---------------------------------------------------------------------------
     def prefetch(self, hint: list | None, order: list, backward: bool = False) -> None:
-        """Issue the all-gathers of the groups that run next; see [Note: implicit prefetch]."""
+        """Issue the all-gathers of the groups that run next; see [Note: implicit prefetch].
+        Sets ``prefetched`` where one was issued in forward, whose copy-in the forward hook
+        orders the current stream after, at its end (see [Note: a prefetch reads the shards
+        when it is issued] in ``flat_group.py``)."""
         for group in self.prefetch_targets(hint, order):
             if backward and not group.unshard_in_backward:
                 continue  # set_unshard_in_backward(False): backward does not need them
             if isinstance(group, FlatParamGroup) and group is not self.group:
-                group.prefetch()
+                issued = group.prefetch(order_now=False)
+                self.prefetched = self.prefetched or (issued and not backward)
 
     def prefetch_targets(self, hint: list | None, order: list) -> list:
         """The groups to all-gather now, while this one computes: the modules of ``hint`` (an

@@ -17,6 +17,7 @@ COVERAGE_ENV = "COVERAGE_PROCESS_CONFIG"
 MEASURED_MODULES = {
     "test_all_gather_extension",
     "test_api",
+    "test_comm_memory",
     "test_conformance",
     "test_contract",
     "test_drop_in",
@@ -25,6 +26,7 @@ MEASURED_MODULES = {
     "test_kept_shards",
     "test_optimized_schedule",
     "test_parity",
+    "test_reduce_switches",
     "test_stream_order",
 }
 

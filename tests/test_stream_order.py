@@ -129,13 +129,20 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
             assert first == ("wait_event", "copy_in", marks["post-optim event 0"]), first
         else:
             assert first == ("wait_stream", "copy_in", "default"), (g, first)
-    # 2. each release comes after its streams waited on an event recorded on the compute
-    # stream, after the buffers' last use there
+    # 2. each release comes after the streams that allocated its buffers waited on an event
+    # recorded after the buffers' last use: on the compute stream for the all-gather's; on
+    # gloo's in-place path, the packed gradients' last use is the copy of this rank's block
+    # out of them, on the reduce-scatter stream, and the compute stream waits for that
     assert any("all_gather" in log[i][2] for i in releases)
-    assert any("reduce_scatter" in log[i][2] for i in releases)
+    assert any("reduce_scatter input" in log[i][2] for i in releases)
     for i in releases:
         if "unreduced" in log[i][2]:
             continue  # gradients live on the compute stream, which waited for the reduction
+        if "reduce_scatter input" in log[i][2]:
+            assert "copied out" in log[i][2], log[i]  # gloo, no HSDP: the in-place path
+            assert log[i - 1][:2] == ("wait_event", "default"), log[i - 2 : i + 1]
+            assert recorded_on[log[i - 1][2]] == "reduce_scatter", log[i - 2 : i + 1]
+            continue
         waits = [log[i - 1]] + ([log[i - 2]] if "all_gather" in log[i][2] else [])
         for kind, _, event in waits:
             assert kind == "wait_event" and recorded_on[event] == "default", (i, log[i - 2 : i + 1])

@@ -119,8 +119,11 @@ class FSDPModule(TorchFSDPModule):
         raise _must_implement(self)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Reduce only with ``ReduceOp.SUM`` (and divide separately). twinshard always does, on
-        every backend, so this is checked and has nothing left to change."""
+        """Reduce only with ``ReduceOp.SUM`` and divide after the sum, for this module's group
+        (NCCL's zero-copy and symmetric-memory reductions take no other op). Without it, an
+        implementation may have the collectives take the mean (``ReduceOp.AVG``) where torch's
+        ``fully_shard`` does: the optimized path does; the reference always sums, so there it
+        changes nothing."""
         _check_bool(enable, "set_force_sum_reduction_for_comms")
 
     # --- when parameters are freed and gathered ------------------------------------------------
@@ -161,17 +164,23 @@ class FSDPModule(TorchFSDPModule):
 
     def set_all_reduce_hook(self, hook: Callable, *, stream: Any = None) -> None:
         """Call ``hook(reduced)`` on the reduced gradients (the reduce-scatter output, or the
-        all-reduce output with HSDP), in place, before they are divided and accumulated."""
+        all-reduce output with HSDP), in place, before they are accumulated: the mean where the
+        collectives take it (``ReduceOp.AVG``, as under torch), else the sum, which is divided
+        afterwards."""
         raise _must_implement(self)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Let the process group allocate the communication buffers (NCCL zero-copy). gloo
-        has no such allocator: checked and accepted, with no effect here."""
+        """Let the process group's backend allocate this module's communication buffers (NCCL
+        registers them for zero-copy transfers). The optimized path does; where the backend
+        allocates no tensors (gloo) a warning says so once. The reference, whose collectives
+        write straight into each parameter, accepts it and changes nothing."""
         _check_bool(enable, "set_allocate_memory_from_process_group_for_comm")
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Use symmetric memory for the collectives (NCCL only). Checked and accepted; it has
-        no effect without NCCL symmetric memory."""
+        """Take this module's communication buffers from the device's symmetric-memory pool
+        (NCCL on CUDA), the reduce-scatter's only with ``set_force_sum_reduction_for_comms``.
+        The optimized path does; elsewhere a warning says once that it changes nothing. The
+        reference accepts it and changes nothing."""
         if backend != "NCCL":
             raise FSDPUsageError(f"set_symm_mem_for_comm supports backend 'NCCL', got {backend!r}")
 
@@ -202,9 +211,10 @@ class FSDPModule(TorchFSDPModule):
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """How many reduce-scatter input buffers may be in flight at once (>= 1). twinshard keeps
-        one group's reduction in flight and frees its buffers at the next one, which is what 1
-        means; larger values are accepted and change nothing yet."""
+        """How many reduce-scatter input buffers may be in flight at once (>= 1): with K, the
+        compute stream waits for a group's reduce-scatter only K groups later, for K packed
+        buffers of memory. The optimized path keeps that many in flight; the reference, whose
+        collectives block, accepts it and changes nothing."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise FSDPUsageError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"

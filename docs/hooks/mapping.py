@@ -59,21 +59,29 @@ NOTES: dict[tuple[str, str | None], str] = {
     ("FSDPModule.set_all_reduce_hook", "twinshard.reference"): "called once per parameter, before "
     "the division by the world size",
     ("FSDPModule.set_all_reduce_hook", "twinshard.optimized"): "called once per group on its flat "
-    "reduced buffer, before the division",
+    "reduced buffer: the mean where the collectives take it (ReduceOp.AVG, as torch's), else "
+    "the sum, before the division",
     ("FSDPModule.set_reduce_scatter_unused_params", None): "without it, twinshard names the "
     "parameters used on some ranks only at the end of the next backward, tallied over the store "
     "(the same backward with TWINSHARD_DEBUG=1; torch aborts inside the backend)",
     ("FSDPModule.set_separate_reduce_scatter_group", "twinshard.reference"): "accepted; one stream",
+    ("FSDPModule.set_symm_mem_for_comm", "twinshard.reference"): "checked and accepted",
+    ("FSDPModule.set_symm_mem_for_comm", "twinshard.optimized"): "buffers from the symmetric-"
+    "memory pool on NCCL and CUDA; elsewhere one warning, no effect",
     (
-        "FSDPModule.set_symm_mem_for_comm",
-        None,
-    ): "checked (NCCL only) and accepted; no effect on gloo",
-    ("FSDPModule.set_allocate_memory_from_process_group_for_comm", None): "checked and accepted; "
-    "gloo has no allocator of its own",
-    ("FSDPModule.set_reduce_scatter_max_input_buffers", None): "checked (>= 1); one reduction is "
-    "kept in flight whatever the value",
-    ("FSDPModule.set_force_sum_reduction_for_comms", None): "checked; twinshard always reduces "
-    "with SUM and divides afterwards",
+        "FSDPModule.set_allocate_memory_from_process_group_for_comm",
+        "twinshard.reference",
+    ): "checked and accepted",
+    (
+        "FSDPModule.set_allocate_memory_from_process_group_for_comm",
+        "twinshard.optimized",
+    ): "buffers from the backend where it allocates (NCCL); elsewhere one warning, no effect",
+    ("FSDPModule.set_reduce_scatter_max_input_buffers", "twinshard.reference"): "checked (>= 1); "
+    "the reductions block",
+    ("FSDPModule.set_reduce_scatter_max_input_buffers", "twinshard.optimized"): "keeps up to that "
+    "many reductions in flight; the compute stream waits for each that many groups later",
+    ("FSDPModule.set_force_sum_reduction_for_comms", None): "the optimized path reduces with "
+    "SUM and divides afterwards, instead of ReduceOp.AVG; the reference always does",
 }
 
 

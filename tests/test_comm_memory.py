@@ -1,0 +1,143 @@
+"""torch's switches for the collectives' memory in the optimized path (``optimized/
+comm_memory.py``): on gloo, which has neither a tensor allocator nor symmetric memory, training
+is unchanged and one warning per switch says so; where a backend allocates, the group's
+buffers come from it."""
+
+import warnings
+
+import torch
+
+from twinshard.launch import launch
+
+
+def _train(switch: str):
+    import twinshard.optimized as O
+    from twinshard.models import MLPStack
+
+    torch.manual_seed(0)
+    model = MLPStack(dim=16, hidden=24, n_blocks=3)
+    for block in model.blocks:
+        O.fully_shard(block)
+    O.fully_shard(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for module in (*model.blocks, model):
+            if switch == "process_group":
+                module.set_allocate_memory_from_process_group_for_comm(True)
+            elif switch == "symm_mem":
+                module.set_symm_mem_for_comm()
+            elif switch == "allocating backend":  # a backend that allocates: every buffer
+                from twinshard.optimized.comm_memory import ProcessGroupMemory
+                from twinshard.reference.state import get_state
+
+                get_state(module).group.comm_memory = ProcessGroupMemory(_Group())
+        torch.manual_seed(1 + torch.distributed.get_rank())
+        for _ in range(2):
+            model(torch.randn(8, 16)).sum().backward()
+    said = [str(w.message) for w in caught if "communication buffers" in str(w.message)]
+    if switch == "allocating backend":
+        said = [
+            len(get_state(m).group.comm_memory.group.backend.calls) for m in (*model.blocks, model)
+        ]
+    return [p.grad.to_local().clone() for p in model.parameters()], said
+
+
+def test_gloo_trains_the_same_and_says_once_that_a_switch_does_nothing():
+    plain = launch(_train, 2, "none")
+    for switch, name in (
+        ("process_group", "set_allocate_memory_from_process_group_for_comm"),
+        ("symm_mem", "set_symm_mem_for_comm"),
+    ):
+        switched = launch(_train, 2, switch)
+        for rank in range(2):
+            grads, said = switched[rank]
+            assert all(torch.equal(a, b) for a, b in zip(grads, plain[rank][0]))
+            assert len(said) == 1 and said[0].startswith(name) and "gloo" in said[0], said
+        assert plain[0][1] == []
+
+
+class _Backend:
+    def __init__(self):
+        self.calls = []
+
+    def supports_tensor_alloc(self, device):
+        return True
+
+    def allocate_tensor(self, numel, *, dtype, device):
+        self.calls.append((numel, dtype))
+        return torch.full((numel,), 7.0, dtype=dtype, device=device)
+
+
+class _Group:
+    def __init__(self):
+        self.backend = _Backend()
+
+    def _get_backend(self, device):
+        return self.backend
+
+
+def test_a_backend_that_allocates_gives_every_buffer():
+    from twinshard.optimized.comm_memory import ProcessGroupMemory
+
+    plain = launch(_train, 2, "none")
+    allocated = launch(_train, 2, "allocating backend")
+    for rank in range(2):
+        grads, calls = allocated[rank]
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain[rank][0]))
+        # per group and step: the all-gather's output twice (forward and backward; the root
+        # keeps its parameters after forward: once) and the packed gradients (on gloo the
+        # reduce-scatter is an all-reduce in place: no output of its own)
+        assert calls == [2 * (2 + 1)] * 3 + [2 * (1 + 1)], calls
+    group = _Group()
+    memory = ProcessGroupMemory(group)
+    buffer = memory.allocate((3, 4), dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert buffer.shape == (12,) and buffer.dtype == torch.bfloat16 and buffer[0] == 7
+    assert group.backend.calls == [(12, torch.bfloat16)]
+
+
+def test_symmetric_memory_comes_from_the_pool_and_is_made_known_before_each_collective(
+    monkeypatch,
+):
+    """The NCCL path, its calls recorded: the backend set and the communicator made once, the
+    buffers allocated inside the device's pool, each collective's tensors rendezvoused."""
+    import contextlib
+
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from twinshard.optimized.comm_memory import SymmetricMemory
+
+    calls = []
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(dist, "barrier", lambda group: calls.append(("barrier", group)))
+    monkeypatch.setattr(symm_mem, "set_backend", lambda name: calls.append(("backend", name)))
+    monkeypatch.setattr(symm_mem, "get_mem_pool", lambda device: ("pool", device.type))
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool):
+        calls.append(("in", pool))
+        yield
+        calls.append(("out", pool))
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", use_mem_pool)
+    monkeypatch.setattr(
+        symm_mem, "rendezvous", lambda t, group: calls.append(("rendezvous", t.numel(), group))
+    )
+
+    class OnThisMachine(SymmetricMemory):
+        devices = ("cpu",)  # the pool stubbed above stands for CUDA's
+
+    class Group:
+        group_name = "g0"
+
+    memory = OnThisMachine(Group())
+    cpu = torch.device("cpu")
+    a = memory.allocate((6,), dtype=torch.float32, device=cpu)
+    b = memory.allocate((2,), dtype=torch.float32, device=cpu)
+    memory.before((a, b), Group())
+    assert calls[:2] == [("backend", "NCCL"), ("barrier", memory.group)]
+    pool = ("pool", "cpu")
+    assert calls[2:] == [("in", pool), ("out", pool)] * 2 + [
+        ("rendezvous", 6, "g0"),
+        ("rendezvous", 2, "g0"),
+    ]
