@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# One call on a GPU machine (no network needed): install twinshard, then
-#   1. the conformance suite at world size 1 with NCCL,
-#   2. the accelerator checks: the reference, the optimized path and torch's fully_shard train
+# One call on a GPU machine (no network needed): install twinshard, then, most valuable first
+# (a loan is 15 minutes with start-up; the script must fit 8),
+#   1. the accelerator checks: the reference, the optimized path and torch's fully_shard train
 #      two steps on the GPU under torch.cuda.set_sync_debug_mode("error"), with the
 #      fake-accelerator run's checks on the real device (real tensors, PyTorch's fake process
 #      group registered for the GPU alone, so one GPU plays rank 0 of 8, of 64 and of HSDP 8x8;
 #      host syncs, host tensors in collectives, the collectives against the CPU run's, memory
 #      against the model), and the optimized path's order of waits and events on the real
 #      streams against the stand-in streams' log (benchmarks/stream_order.py),
-#   3. `twinshard bench` at world size 1 with NCCL: plain, DDP, reference, optimized and torch's
-#      fully_shard on a ~1B-parameter Llama in bf16,
-#   4. `twinshard bench` on the simulated network at world sizes 8 and 64 (the GPU stands in
-#      for rank 0; each collective keeps its stream busy for the NVLink time),
-#   5. the hook overhead (fake process group, 64 tiny blocks) with the GPU doing the compute.
-# Each command of steps 3 to 5 has a time limit of its own (LIMIT seconds, 150 by default),
-# so that a slow one leaves the others their turn. Results go to ${OUT:-benchmarks/results/gpu}. DEVICE=cpu SMOKE=1 runs the same commands on
-# the CPU with a tiny model (gloo instead of NCCL; step 2 on the fake accelerator), to check
-# the script without a GPU. The exit status is 1 if a check of step 2 failed (after every step
-# has run); it names them last.
+#   2. `twinshard bench` at world size 1 with NCCL: the optimized path against torch's
+#      fully_shard (and the plain model, the step with no FSDP) on a ~1B-parameter Llama in bf16,
+#   3. the hook overhead (fake process group, 64 tiny blocks) with the GPU doing the compute,
+#   4. the conformance suite at world size 1 with NCCL,
+#   5. `twinshard bench` on the simulated network at world sizes 8 and 64 (the GPU stands in
+#      for rank 0; each collective keeps its stream busy for the NVLink time).
+# Each command of steps 2 to 5 has a time limit of its own (LIMIT seconds, 150 by default),
+# so that a slow one leaves the others their turn. Results go to ${OUT:-benchmarks/results/gpu}.
+# DEVICE=cpu SMOKE=1 runs the same commands on the CPU with a tiny model (gloo instead of NCCL;
+# step 1 on the fake accelerator), to check the script without a GPU. The exit status is 1 if a
+# check of step 1 failed (after every step has run); it names them last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/gpu}
@@ -42,10 +43,7 @@ else
 fi
 [ "${SMOKE:-0}" = 1 ] && steps=(--warmup 1 --steps 2 --repeat 1)
 
-$py -m twinshard.cli conform twinshard.optimized --device "$device" --world-sizes 1 \
-    --report "$out/conform_optimized_$device.md" 2>&1 | tail -n 60 | tee "$out/conform.log" || true
-
-accel=fake  # step 2 on the CPU: the fake accelerator (twinshard.measure.fakeaccel)
+accel=fake  # step 1 on the CPU: the fake accelerator (twinshard.measure.fakeaccel)
 [ "$device" = cuda ] && accel=cuda
 failed=()
 stopped=()
@@ -61,8 +59,16 @@ $py benchmarks/stream_order.py --device "$accel" 2>&1 | tee "$out/stream-order.l
     || failed+=(stream-order)
 
 timeout "$limit" $py -m twinshard.cli bench --device "$device" --backend "$backend" --world 1 "${model[@]}" \
+    --impls plain,optimized,torch \
     "${steps[@]}" --json "$out/bench-ws1.json" --markdown "$out/bench-ws1.md" \
     --plot "$out/bench-ws1.png" 2>&1 | tee "$out/bench-ws1.log" || stopped+=(bench-ws1)
+
+timeout "$limit" $py -m twinshard.cli bench hooks --device "$device" "${steps[@]}" \
+    --json "$out/hooks.json" --markdown "$out/hooks.md" 2>&1 | tee "$out/hooks.log" \
+    || stopped+=(hooks)
+
+timeout "$limit" $py -m twinshard.cli conform twinshard.optimized --device "$device" --world-sizes 1 \
+    --report "$out/conform_optimized_$device.md" 2>&1 | tail -n 60 | tee "$out/conform.log" || stopped+=(conform)
 
 for world in 8 64; do
     timeout "$limit" $py -m twinshard.cli bench --device "$device" --backend simnet --world "$world" \
@@ -70,10 +76,6 @@ for world in 8 64; do
         --markdown "$out/simnet-ws$world.md" 2>&1 | tee "$out/simnet-ws$world.log" \
         || stopped+=("simnet-ws$world")
 done
-
-timeout "$limit" $py -m twinshard.cli bench hooks --device "$device" "${steps[@]}" \
-    --json "$out/hooks.json" --markdown "$out/hooks.md" 2>&1 | tee "$out/hooks.log" \
-    || stopped+=(hooks)
 
 if [ ${#stopped[@]} -gt 0 ]; then  # a measurement is missing: say which, without failing
     echo "benchmarks that failed or ran past ${limit} s: ${stopped[*]}" >&2
