@@ -103,3 +103,15 @@ def test_overhead_ratio_to_torch():
     assert rows["torch"]["vs_torch"]["fsdp_overhead"] == 1.0
     assert rows["optimized"]["vs_torch"]["fsdp_overhead"] == 0.5
     assert "fsdp_overhead" not in rows["mine"]["vs_torch"]
+
+
+def test_a_failed_ideal_is_said_and_the_plan_stands(plans):
+    from twinshard.measure.plan.table import format_plan
+
+    row = {**plans["torch"], "time": dict(plans["torch"]["time"])}
+    for key in ("ideal_s", "overhead_s"):
+        del row["time"][key]
+    row["time"]["ideal_error"] = "RuntimeError: boom"
+    text = format_plan({"torch": row})
+    assert "ideal step: failed: RuntimeError: boom" in text
+    assert "| ideal step (ms) | failed |" in text and "| **step time (ms)** |" in text

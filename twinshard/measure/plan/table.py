@@ -50,6 +50,8 @@ def format_plan(rows: dict) -> str:
             lines.append(f"{name}: failed\n{row['error']}")
     if not ok:
         return "\n".join(lines)
+    failed = {r["time"]["ideal_error"] for r in ok.values() if "ideal_error" in r["time"]}
+    lines += [f"ideal step: failed: {error}" for error in failed]
     first = next(iter(ok.values()))
     big = max(r["memory"]["peak_bytes"] for r in ok.values()) >= GiB
     unit, size = ("GiB", GiB) if big else ("MiB", MiB)
