@@ -10,7 +10,8 @@ A collective is issued on a side stream and described by a ``Pending``: on an ac
 with stand-in streams) the stream orders the collective, so it is issued blocking and an event
 recorded after it says when it is done; on the CPU, gloo runs it on its own threads, so it is
 issued with ``async_op=True`` and its work handle says when it is done. ``wait`` honours
-whichever the ``Pending`` carries. The schedule is the same in both cases.
+whichever the ``Pending`` carries, and ``after`` queues work behind a collective either way: on
+the collective's stream at once, or at the wait. The schedule is the same in both cases.
 
 [Note: memory that crosses streams]
 A buffer allocated on one stream and used by another must not be reused until the using
@@ -49,7 +50,8 @@ class Pending:
     """A collective in flight; see [Note: two ways to wait]."""
 
     work: Any  # torch.distributed.Work, or None when a stream orders it (or once waited on)
-    event: Any  # recorded after the collective on its stream, or None
+    event: Any  # recorded after the collective on its stream (and what follows it), or None
+    then: list = field(default_factory=list)  # ``CommContext.after``'s work, for the wait
 
 
 @dataclass
@@ -61,6 +63,7 @@ class CommContext:
     current_post_order: list = field(default_factory=list)  # likewise, as they finish
     pending_reduce: list = field(default_factory=list)  # (ReduceScatterResult, hook) in flight
     post_optim_event: Any = None  # set_post_optim_event: the next all-gather waits on it
+    copied_in: Any = None  # recorded on the copy-in stream right after the last copy-in
     backends: dict = field(default_factory=dict)  # process group -> its backend's name
 
     def __post_init__(self):
@@ -123,16 +126,35 @@ class CommContext:
         """Order the current stream after the copy-in queued so far: an all-gather issued
         early read the shards there, and the next work on the current stream may write them
         (see [Note: a prefetch reads the shards when it is issued] in ``flat_group.py``)."""
-        if self.streams.collectives_follow_streams:  # on the CPU the copy-in is done already
-            self.current_stream().wait_stream(self.copy_in_stream)
+        # on the CPU the copy-in is done already; on a device, the event right after it, not
+        # the whole stream: releases queue waits for later copy-outs there
+        if self.streams.collectives_follow_streams and self.copied_in is not None:
+            self.current_stream().wait_event(self.copied_in)
+
+    def after(self, pending: Pending, stream, work) -> None:
+        """Run ``work()`` on ``stream`` once the collective ``pending`` is done: queued there
+        now where a stream orders the collective (``pending`` then stands for both), at the
+        wait where a work handle does; see [Note: two ways to wait]."""
+        if pending.work is None:
+            with self.on(stream):
+                if pending.event is not None:
+                    stream.wait_event(pending.event)
+                work()
+                pending.event = stream.record_event()
+        else:
+            pending.then.append(work)
 
     def wait(self, pending: Pending, stream=None) -> None:
-        """Make ``stream`` (default: the current one) wait for ``pending``."""
+        """Make ``stream`` (default: the current one) wait for ``pending``, and what
+        ``after`` queued behind it."""
         if pending.work is not None:
             # Wait on a work handle once: gloo copies a reduce-scatter's result into its output
             # at every wait(), which would undo what was added to it since (HSDP partial sums).
             pending.work.wait()
             pending.work = None
+            for work in pending.then:
+                work()
+            pending.then = []
         if pending.event is not None:
             (stream or self.current_stream()).wait_event(pending.event)
 

@@ -58,7 +58,7 @@ class FlatParamGroup(ParamGroup):
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.reductions_in_flight = 1  # set_reduce_scatter_max_input_buffers
         self.comm_memory = None  # set_allocate_memory_from_process_group_for_comm, ...symm_mem
-        self.copy_out_views: dict = {}  # see [Note: the copy-out views are kept]
+        self.views: dict = {}  # see [Note: the copy-out views are kept]
         # see [Note: the group keeps its blocks padded]; False where a parameter cannot be kept
         # so, and for a group of mixed dtypes (a frozen float8 weight beside float32 ones): its
         # blocks are gathered as bytes, each from its own tensor
@@ -120,13 +120,14 @@ class FlatParamGroup(ParamGroup):
         ``edit_between_forwards``) is that such a write is seen from the next all-gather on,
         never half. On the CPU the copy-in runs at once, so that holds by itself; on an
         accelerator the copy-in is queued on its own stream, which the write on the current
-        stream could overtake. So the current stream waits for the copy-in before user code
-        runs again: at the end of the forward hook that issued it, after that hook's own
-        copy-out. The copy-in (1/S of the group) then runs beside the copy-out (all of the
-        previous group), which it waited for no longer than the compute before it, so the
-        wait costs nothing; waiting right at the issue stalled the compute stream for the
-        whole copy-in, 0.09 ms per block and pass in the plan of Llama-2-7B on 8 H100s (5.7 ms
-        of exposed time a step). In backward nothing of the user's runs between a prefetch
+        stream could overtake. So the current stream waits for the copy-in (an event right
+        after it) before such code runs: a block waits in its post-forward hook, after its own
+        forward, beside which the copy-in ran; the root, whose own forward code (the parent's)
+        runs right after its pre-forward, waits at the end of that hook. Waiting right at the
+        issue stalled the compute stream for the whole copy-in, 0.09 ms per block and pass in
+        the plan of Llama-2-7B on 8 H100s (5.7 ms of exposed time a step). A block's own
+        forward code is not expected to write another block's shards. In backward nothing of
+        the user's runs between a prefetch
         and the prefetched group's own wait for its all-gather that could write its shards
         (an optimizer stepped in backward writes a group's shards after the group's backward,
         never before it), so there is nothing to order. Stand-in streams report a write that
@@ -158,7 +159,7 @@ class FlatParamGroup(ParamGroup):
             dtypes = self.kept_dtypes if kept is not None else self.param_dtypes(params)
             comm, custom = self.own_comm(), self.comms.all_gather
             self.in_flight = all_gather(
-                params, dtypes, mesh, comm, custom, kept, written, self.comm_memory
+                params, dtypes, mesh, comm, custom, kept, written, self.comm_memory, self.views
             )
 
     def replaced_since_gather(self, params: list) -> bool:
@@ -288,7 +289,7 @@ class FlatParamGroup(ParamGroup):
         if result is not None:
             self.holds_unsharded = True  # before the copy-out: a failed one is freed too
             with profiled("twinshard::copy_out"):
-                copy_out(result, self.comm, self.copy_out_views)
+                copy_out(result, self.comm)
 
     def unshard(self) -> None:
         """Blocking unshard, as the reference's (used by the hooks and ``unshard()``)."""

@@ -19,12 +19,14 @@ by this forward; torch's explicit prefetch lists behave the same way, its defaul
 prefetch in forward (docs/concepts.md, the conformance case ``edit_between_forwards``).
 
 [Note: in forward, the next all-gather goes out before the copy-out]
-A block's pre-forward issues the next group's all-gather before it waits for its own and
-copies it out, so the link goes from one all-gather straight to the next instead of idling
-through the copy-out and the copy-in. That keeps two all-gather outputs alive during the
-copy-out, one more group's worth than backward, which copies out first: backward holds the
-unsharded gradients of at least one group on top, so with groups of equal size the step's
-peak does not grow. The root, whose pre-forward starts the step, keeps the plain order.
+A block's pre-forward issues the next group's all-gather before it waits for its own, so the
+link goes from one all-gather straight to the next instead of idling through the wait and the
+copy-in. On the CPU, where the copy-out runs at the wait, that keeps two all-gather outputs
+alive during the copy-out, one more group's worth than backward, which waits first: backward
+holds the unsharded gradients of at least one group on top, so with groups of equal size the
+step's peak does not grow. (On a device the copy-out follows each all-gather on its stream;
+[Note: the copy-out on the all-gather stream] in ``collectives.py``.) The root, whose
+pre-forward starts the step, keeps the plain order.
 """
 
 from __future__ import annotations
@@ -97,10 +99,16 @@ class FSDPState(ReferenceState):
                 self.comm.current_order.append(self.group)  # the order groups start forward
             if not early:
                 self.prefetch(self.forward_hint, self.comm.forward_order)
-        if self.prefetched:  # see [Note: a prefetch reads the shards when it is issued]
-            self.comm.after_copy_in()
-            self.prefetched = False
+        if self.prefetched and not early:  # the root's own forward code runs next
+            self.order_prefetch()
         return args, kwargs
+
+    def order_prefetch(self) -> None:
+        """Order the current stream after the copy-in of the forward prefetch this hook
+        issued; see [Note: a prefetch reads the shards when it is issued] in
+        ``flat_group.py``."""
+        self.comm.after_copy_in()
+        self.prefetched = False
 
     @torch.compiler.disable
     def post_forward(self, module, args, output):
@@ -108,6 +116,8 @@ class FSDPState(ReferenceState):
             finished = self.comm.current_post_order
             if self.group not in finished:
                 finished.append(self.group)  # the order groups finish forward
+        if self.prefetched:  # the next group's pre-hooks and the parent's code run next
+            self.order_prefetch()
         output = REFERENCE_POST_FORWARD(self, module, args, output)
         if self.is_root:
             self.comm.forward_order = self.comm.current_order

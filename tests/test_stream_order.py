@@ -130,9 +130,10 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
         else:
             assert first == ("wait_stream", "copy_in", "default"), (g, first)
     # 2. each release comes after the streams that allocated its buffers waited on an event
-    # recorded after the buffers' last use: on the compute stream for the all-gather's; on
-    # gloo's in-place path, the packed gradients' last use is the copy of this rank's block
-    # out of them, on the reduce-scatter stream, and the compute stream waits for that
+    # recorded after the buffers' last use: the all-gather's buffers after the copy out of
+    # them, on the all-gather stream; on gloo's in-place path, the packed gradients' after
+    # the copy of this rank's block out of them, on the reduce-scatter stream, and the
+    # compute stream (which allocated them) waits for that
     assert any("all_gather" in log[i][2] for i in releases)
     assert any("reduce_scatter input" in log[i][2] for i in releases)
     for i in releases:
@@ -143,9 +144,10 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
             assert log[i - 1][:2] == ("wait_event", "default"), log[i - 2 : i + 1]
             assert recorded_on[log[i - 1][2]] == "reduce_scatter", log[i - 2 : i + 1]
             continue
-        waits = [log[i - 1]] + ([log[i - 2]] if "all_gather" in log[i][2] else [])
-        for kind, _, event in waits:
-            assert kind == "wait_event" and recorded_on[event] == "default", (i, log[i - 2 : i + 1])
+        assert "all_gather" in log[i][2], log[i]
+        assert [entry[1] for entry in log[i - 2 : i]] == ["copy_in", "all_gather"], log[i - 2 : i]
+        for kind, _, event in log[i - 2 : i]:
+            assert kind == "wait_event" and recorded_on[event] == "all_gather", log[i - 2 : i + 1]
     # 3. the end of backward waits for the last reduction (reduce-scatter or all-reduce)
     for step in range(2):
         end = marks[f"after backward {step}"]

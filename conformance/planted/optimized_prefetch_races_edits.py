@@ -13,8 +13,9 @@ from ._optimized import optimized_fully_shard
 
 
 class RacesEdits(FlatParamGroup):
-    def prefetch(self):
+    def prefetch(self, order_now: bool = True) -> bool:
         self.unshard_async()  # no ordering of the current stream after the copy-in
+        return False  # so the hooks do not order it either
 
 
 fully_shard = plant(bug_group_class=RacesEdits, base=optimized_fully_shard)
