@@ -141,3 +141,31 @@ def test_symmetric_memory_comes_from_the_pool_and_is_made_known_before_each_coll
         ("rendezvous", 6, "g0"),
         ("rendezvous", 2, "g0"),
     ]
+
+
+def _symm_mem_after_custom_all_gather():
+    import pytest as pt
+
+    import twinshard.optimized as O
+    from twinshard.api import FSDPUsageError
+    from twinshard.models import MLPStack
+
+    model = MLPStack(dim=8, hidden=8, n_blocks=1)
+    O.fully_shard(model)
+
+    class Gather:
+        def allocate(self, size, *, dtype, device):
+            return None
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group)
+
+    model.set_custom_all_gather(Gather())
+    with pt.raises(FSDPUsageError, match="custom all-gather or reduce-scatter") as caught:
+        model.set_symm_mem_for_comm()
+    return str(caught.value)
+
+
+def test_symmetric_memory_is_refused_beside_a_custom_collective():
+    said = launch(_symm_mem_after_custom_all_gather, 1)[0]
+    assert said.startswith("set_symm_mem_for_comm")
