@@ -157,8 +157,6 @@ def all_gather(
                 stands_for="all_gather",
             )
         else:
-            if memory is not None and custom is None:
-                memory.before((recv,), mesh.shard_group)  # symmetric memory: a rendezvous
             pending = comm.issue(
                 custom or all_gather_into,
                 recv,

@@ -9,10 +9,12 @@ switches ask for memory the communication library can use without staging copies
   process group's backend for each buffer (``allocate_tensor``; NCCL registers it for
   zero-copy transfers) where the backend can allocate on that device;
 - ``set_symm_mem_for_comm()``: ``SymmetricMemory`` takes the buffers from the symmetric-memory
-  pool of the device (CUDA) and makes each collective's tensors known to every rank first
-  (``rendezvous``), so that NCCL may run its symmetric-memory kernels. The reduce-scatter
-  uses it only with ``set_force_sum_reduction_for_comms(True)``: NCCL's symmetric
-  reduce-scatter sums only.
+  pool of the device (CUDA) and makes each known to every rank (``rendezvous``) as it is
+  allocated: every rank allocates the same buffers in the same order, so the rendezvous match
+  (torch's ``fully_shard`` makes them before each collective, which its pool's reuse of
+  buffers needs). NCCL may then run its symmetric-memory kernels. The reduce-scatter uses it
+  only with ``set_force_sum_reduction_for_comms(True)``: NCCL's symmetric reduce-scatter sums
+  only.
 
 Where the backend or the device offers no such memory (gloo, the CPU), the buffers come from
 the caching allocator as without the switch, and a warning says so once per switch and
@@ -67,9 +69,6 @@ class ProcessGroupMemory:
             numel *= int(n)
         return backend.allocate_tensor(numel, dtype=dtype, device=device)
 
-    def before(self, tensors: tuple, group: dist.ProcessGroup) -> None:
-        """Nothing to do before a collective: the backend knows its own buffers."""
-
 
 class SymmetricMemory:
     """Buffers from the device's symmetric-memory pool (``set_symm_mem_for_comm``)."""
@@ -95,18 +94,13 @@ class SymmetricMemory:
         return self.ready[device]
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """A flat buffer of ``size`` from the pool, or None where there is none."""
+        """A flat buffer of ``size`` from the pool, known to every rank of the group; None
+        where there is no pool."""
         if not self.usable(device):
             return None
         import torch.distributed._symmetric_memory as symm_mem
 
         with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
-            return torch.empty(size, dtype=dtype, device=device)
-
-    def before(self, tensors: tuple, group: dist.ProcessGroup) -> None:
-        """Make ``tensors`` (from the pool) known to every rank of ``group``."""
-        if tensors and self.usable(tensors[0].device):
-            import torch.distributed._symmetric_memory as symm_mem
-
-            for t in tensors:
-                symm_mem.rendezvous(t, group=group.group_name)
+            buffer = torch.empty(size, dtype=dtype, device=device)
+        symm_mem.rendezvous(buffer, group=self.group.group_name)
+        return buffer

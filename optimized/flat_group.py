@@ -132,14 +132,13 @@ class FlatParamGroup(ParamGroup):
         (an optimizer stepped in backward writes a group's shards after the group's backward,
         never before it), so there is nothing to order. Stand-in streams report a write that
         overtakes a copy-in as a race."""
-        if self.in_flight is not None:
-            return False
-        self.unshard_async()
-        if self.in_flight is None:
-            return False
-        if order_now:
+        issued = self.in_flight is None
+        if issued:
+            self.unshard_async()
+            issued = self.in_flight is not None  # None: nothing to gather
+        if issued and order_now:
             self.own_comm().after_copy_in()
-        return True
+        return issued
 
     @without_grad
     def issue_all_gather(self) -> None:

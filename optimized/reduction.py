@@ -182,8 +182,6 @@ def reduce_scatter(
             size = (packed.numel() // S,)  # (per-rank numel,)
             out = memory.allocate(size, dtype=dtype, device=packed.device) if memory else None
             out = packed.new_empty(size) if out is None else out
-            if memory is not None and custom is None:
-                memory.before((packed, out), group)  # symmetric memory: a rendezvous
             pending = comm.issue(
                 custom or reduce_scatter_into,
                 out,

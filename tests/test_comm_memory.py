@@ -95,11 +95,11 @@ def test_a_backend_that_allocates_gives_every_buffer():
     assert group.backend.calls == [(12, torch.bfloat16)]
 
 
-def test_symmetric_memory_comes_from_the_pool_and_is_made_known_before_each_collective(
+def test_symmetric_memory_comes_from_the_pool_and_is_made_known_as_it_is_allocated(
     monkeypatch,
 ):
-    """The NCCL path, its calls recorded: the backend set and the communicator made once, the
-    buffers allocated inside the device's pool, each collective's tensors rendezvoused."""
+    """The NCCL path, its calls recorded: the backend set and the communicator made once, each
+    buffer allocated inside the device's pool and rendezvoused as it is."""
     import contextlib
 
     import torch.distributed as dist
@@ -132,13 +132,13 @@ def test_symmetric_memory_comes_from_the_pool_and_is_made_known_before_each_coll
 
     memory = OnThisMachine(Group())
     cpu = torch.device("cpu")
-    a = memory.allocate((6,), dtype=torch.float32, device=cpu)
-    b = memory.allocate((2,), dtype=torch.float32, device=cpu)
-    memory.before((a, b), Group())
+    memory.allocate((6,), dtype=torch.float32, device=cpu)
+    memory.allocate((2,), dtype=torch.float32, device=cpu)
     assert calls[:2] == [("backend", "NCCL"), ("barrier", memory.group)]
     pool = ("pool", "cpu")
-    assert calls[2:] == [("in", pool), ("out", pool)] * 2 + [
-        ("rendezvous", 6, "g0"),
+    assert calls[2:] == [("in", pool), ("out", pool), ("rendezvous", 6, "g0")] + [
+        ("in", pool),
+        ("out", pool),
         ("rendezvous", 2, "g0"),
     ]
 
