@@ -227,8 +227,9 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
     compute = comm.current_stream()
     comm.wait(result.pending)  # the collectives have read ``packed``: the current stream
     packed, out, result.packed, result.out = result.packed, result.out, None, None
-    if result.kept_partial or not result.out_in_packed:  # ``out`` lives on in the partial
-        comm.free_after_use("release of the reduce_scatter input", (packed,))  # sums
+    if result.kept_partial or not result.out_in_packed:
+        # the collectives were its last readers (kept partial sums are views of ``out``)
+        comm.free_after_use("release of the reduce_scatter input", (packed,))
         del packed
     if result.kept_partial:
         return
