@@ -33,7 +33,8 @@ class CommHooks:
     ``all_gather`` and ``reduce_scatter`` follow torch's ``AllGather`` / ``ReduceScatter``
     interface: ``allocate(size, dtype=, device=)`` and ``__call__(output, input, group,
     [op,] async_op=False)``. ``all_reduce_hook(reduced)`` runs on each reduced gradient (after
-    the HSDP all-reduce), in place, before the division by the world size."""
+    the HSDP all-reduce), in place: before the division by the world size where one follows the
+    sum, on the mean where the collectives take it (``set_all_reduce_hook``)."""
 
     all_gather: Any = None
     reduce_scatter: Any = None
