@@ -106,7 +106,7 @@ def all_gather(
     group's padded blocks, flat, kept ready (``FlatParamGroup.kept_shards``), concatenated as
     they are, and their total numel. ``after_current``: shards were written on the current
     stream since the optimizer step (``CommContext.before_all_gather``). ``memory``: where
-    the output comes from without a custom all-gather (``comm_memory.py``). ``views``: the
+    the output comes from without a custom all-gather (``twinshard/comm_memory.py``). ``views``: the
     group's cache for ``gathered_views``. The copy-out follows the all-gather on its stream
     ([Note: the copy-out on the all-gather stream]). Replaces the reference's
     ``ParamGroup.unshard_param`` loop, one blocking all-gather per parameter; see [Note: one
@@ -177,7 +177,8 @@ def queue_copy_out(result: AllGatherResult, comm: CommContext, views: dict) -> A
     with comm.on(comm.all_gather_stream):  # the parameters' memory, from that stream's pool
         outs, sizes = gathered_views(result, views)
     comm.after(result.pending, comm.all_gather_stream, CopyOut(result, outs, sizes, comm))
-    return result._replace(send=None, recv=None)
+    r = result  # the same record, without its buffers: they go with the copy-out
+    return AllGatherResult(r.pending, None, None, r.ranks, r.params, r.dtypes, r.as_bytes)
 
 
 class CopyOut:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.api import profiled, without_grad
+from twinshard.comm_memory import SymmetricMemory
 from twinshard.reference.more.kept_shards import keep_shard_in, shard_is_kept, shard_storage_shape
 from twinshard.reference.more.replaced import on_meta
 from twinshard.reference.param_group import ParamGroup
@@ -34,7 +35,6 @@ from twinshard.storages import memory_key
 
 from .collectives import AllGatherResult, all_gather, copy_out
 from .comm import CommContext
-from .comm_memory import SymmetricMemory
 from .reduction import accumulate, reduce_scatter
 
 # Separate reduce-scatter process groups, one per set of shard ranks.
@@ -308,7 +308,7 @@ class FlatParamGroup(ParamGroup):
 
     # --- reduce: one reduce-scatter, finished one group later ---------------------------------------
     def reduce_scatter_memory(self):
-        """Where the reduce-scatter's buffers come from (``comm_memory.py``): symmetric memory
+        """Where the reduce-scatter's buffers come from (``twinshard/comm_memory.py``): symmetric memory
         only for a reduce-scatter that sums (NCCL's symmetric reduce-scatter knows no mean)."""
         if isinstance(self.comm_memory, SymmetricMemory) and not self.force_sum_reduction:
             return None

@@ -135,7 +135,7 @@ def reduce_scatter(
     by after them (None: nothing; ``FlatParamGroup.reduce_ops``, see [Note: the mean on the
     wire]). ``group``: another process group over the shard ranks for the reduce-scatter
     (``set_separate_reduce_scatter_group``). ``memory``: where the buffers come from without
-    a custom reduce-scatter (``comm_memory.py``). ``blocks``: each parameter's block as (numel,
+    a custom reduce-scatter (``twinshard/comm_memory.py``). ``blocks``: each parameter's block as (numel,
     shape tuple), computed once by the group (``view(*shape)`` takes 0.9 us,
     ``view(torch.Size)`` 2.2 us: the group's blocks are viewed at every step)."""
     group = group or info.shard_group

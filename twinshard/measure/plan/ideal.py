@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 
 from twinshard.measure import step
+from twinshard.reference.collectives import padded_rows
 
 NAME = "plain"
 
@@ -42,7 +43,7 @@ def build(plan, device: torch.device, model: torch.nn.Module):
         model.to(plan.low_precision)
     group = plan.world // plan.replicas
     shards = torch.nn.ParameterList(
-        torch.empty(_shard_shape(p.shape, group), device=device) for p in model.parameters()
+        torch.empty(shard_shape(p.shape, group), device=device) for p in model.parameters()
     )
     opt = step.optimizer(shards, plan.optimizer, None if plan.cpu else True)
 
@@ -55,10 +56,9 @@ def build(plan, device: torch.device, model: torch.nn.Module):
     return model, opt
 
 
-def _shard_shape(shape: torch.Size, group: int) -> tuple[int, ...]:
-    if not shape:
-        return ()
-    return (-(-shape[0] // group), *shape[1:])
+def shard_shape(shape: torch.Size, group: int) -> tuple[int, ...]:
+    """A rank's block of a parameter of ``shape`` over a shard group of ``group`` ranks."""
+    return (padded_rows(shape[0], group), *shape[1:]) if shape else ()
 
 
 def seconds(summary: dict) -> float:

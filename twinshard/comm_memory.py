@@ -1,5 +1,10 @@
 """Where the collectives' buffers come from: torch's two switches for NCCL's own memory.
 
+Torch offers both only through private names (a process group's ``_get_backend``, the module
+``torch.distributed._symmetric_memory``), the ones its ``fully_shard`` uses; they are reached
+here, in one place outside the implementations, so an implementation (the optimized path)
+uses only these classes.
+
 A group's flat buffers (the all-gather's output, whose slot is its input; the packed gradients
 and the reduce-scatter's output) come from the caching allocator. Two of ``FSDPModule``'s
 switches ask for memory the communication library can use without staging copies, as torch's
@@ -23,6 +28,7 @@ backend. The values reduced and gathered are the same either way.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -64,9 +70,7 @@ class ProcessGroupMemory:
                 warn_once(self.switch, name, f"the {name} backend allocates no tensors")
         if not self.allocates[device]:
             return None
-        numel = 1
-        for n in size:
-            numel *= int(n)
+        numel = math.prod(int(n) for n in size)
         return backend.allocate_tensor(numel, dtype=dtype, device=device)
 
 
