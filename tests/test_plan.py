@@ -177,6 +177,17 @@ def test_replay_hides_only_what_the_waits_allow():
         op,
     ]
     assert replay(_step(events, []), Flat(), net, cpu=False)["step_s"] == 4.0
+    # an event recorded after a collective on its stream: the collective's kernel holds the
+    # stream, so the event (and the copy queued behind it) completes only when it ends
+    after = [
+        ("collective", "ag", 0),
+        ("op", "ag", "x", 1.0, 0, "torch.bfloat16", False),  # a copy-out behind it: 3 to 4 s
+        ("record_event", "ag", 7),
+        ("wait_event", "default", 7),
+        op,
+    ]
+    timed = replay(_step(after, info), Flat(), net, cpu=False)
+    assert (timed["step_s"], timed["exposed_s"]) == (6.0, 4.0)
 
 
 def test_command_writes_table_json_and_picture(tmp_path, capsys):

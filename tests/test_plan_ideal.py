@@ -51,6 +51,15 @@ def test_the_ideal_is_the_plain_models_step_doing_the_same_math(plans):
             assert plain["time"]["flops"][kind] == pytest.approx(row["time"]["flops"][kind])
 
 
+def test_the_optimizer_costs_what_the_ideals_costs(plans):
+    """Both step the rank's shards: FSDP's optimizer over ``DTensor`` parameters is priced by
+    their local tensors, not their global shape (8x as many bytes at 8 ranks)."""
+    plain = plans["plain"]["time"]["compute_by_label_s"]["optimizer step"]
+    for name in ("torch", "optimized", "reference"):
+        fsdp = plans[name]["time"]["compute_by_label_s"]["optimizer step"]
+        assert fsdp == pytest.approx(plain, rel=0.05), name
+
+
 def test_the_ideal_is_below_every_implementations_compute(plans):
     for name in ("torch", "optimized", "reference", "torch kept"):
         t = plans[name]["time"]

@@ -56,8 +56,8 @@ CALIBRATED_ON = {
     "a100": "torchtitan, Llama 3 8B, 64 A100, local batch 1, selective op AC: 2,973 tokens/s",
     "h100-500w": "torchtitan, Llama 3.1 8B, 8 H100, local batch 2, selective AC: 5,762 tokens/s",
 }
-A100_EFFICIENCY = 0.798
-H100_500W_EFFICIENCY = 0.696
+A100_EFFICIENCY = 0.816
+H100_500W_EFFICIENCY = 0.684
 
 
 def _gpu(name, bf16, fp32, bandwidth, efficiency, capacity, host_link, about) -> Device:

@@ -64,6 +64,8 @@ def replay(trace: dict, device, network, cpu: bool) -> dict:
             start = max(host if cpu else max(ready[stream], host), wires[info["group"]])
             seconds = network.seconds(info["op"], info["bytes"], info["ranks"])
             ends[entry[2]] = wires[info["group"]] = start + seconds
+            if not cpu:  # the collective's kernel holds its stream until it ends
+                ready[stream] = start + seconds
             comm[info["op"]] += seconds
         elif kind == "wait_work":
             wait("host" if cpu else entry[1], ends.get(entry[2], 0.0))
