@@ -24,18 +24,18 @@ under torch.
 
 [Note: the gradients are made on the reduce-scatter stream]
 A group's reduction is finished one group later (``accumulate``, from the next group's
-post-backward). The current stream waits for the collective there, so it can free the packed
-buffer it allocated; the rest (the user's all-reduce hook, a division the collective did not
-do, each block added to its parameter's gradient or made into it) is queued on the
-reduce-scatter stream, which allocated ``out``: new sharded gradients are views of ``out``, as
-torch's are of its reduce-scatter output, and what no gradient keeps is freed on the stream
-that allocated it. On the compute stream that work delayed the next block's backward. The
-compute stream waits for the reduce-scatter stream once, at the end of backward, before
-anything reads a gradient (``FSDPState.finish_groups``). Post-accumulate-grad hooks (an
-optimizer stepped in backward) run there too, as under torch. Where ``out`` is a block of
-``packed`` (gloo's in-place path below) the blocks are copied out of it first (the division,
-or a clone), so that a gradient does not keep all S blocks alive, and ``packed`` goes after
-that copy.
+post-backward). The current stream waits for the reduction there, so it can free the
+gradients autograd allocated on it, which the pack read; the rest (the user's all-reduce
+hook, a division the collective did not do, each block added to its parameter's gradient or
+made into it) is queued on the reduce-scatter stream, which allocated ``out``: new sharded
+gradients are views of ``out``, as torch's are of its reduce-scatter output, and what no
+gradient keeps is freed on the stream that allocated it. On the compute stream that work
+delayed the next block's backward. The compute stream waits for the reduce-scatter stream
+once, at the end of backward, before anything reads a gradient (``FSDPState.finish_groups``).
+Post-accumulate-grad hooks (an optimizer stepped in backward) run there too, as under torch.
+Where ``out`` is a block of ``packed`` (gloo's in-place path below) the blocks are copied out
+of it first (the division, or a clone), so that a gradient does not keep all S blocks alive,
+and ``packed`` goes after that copy.
 
 [Note: HSDP after the reduce-scatter]
 The partial sum of earlier backwards (``set_requires_all_reduce(False)``) is added on the
@@ -47,20 +47,32 @@ the reduce-scatter. On the CPU that addition needs the reduce-scatter's data, so
 for it there; without HSDP nothing waits before ``accumulate``.
 
 [Note: one shard]
-With a shard group of one rank there is no reduce-scatter: the packed gradients are the sum.
-They are copied once into the reduce-scatter stream's memory, as torch's ``fully_shard`` does,
-because what is made of ``out`` lives there: the sharded gradients are views of it, and HSDP
-keeps partial sums as views of it, adds to them on that stream and frees them there. As views
-of ``packed``, allocated on the compute stream, they would go back to the compute stream's
-pool while the reduce-scatter stream may still use them. The copy runs on the reduce-scatter
-stream, beside the compute.
+With a shard group of one rank there is no reduce-scatter: the packed gradients are the sum,
+and ``out`` is ``packed`` itself. What is made of ``out`` must live in the reduce-scatter
+stream's memory (the sharded gradients are views of it; HSDP keeps partial sums as views of
+it, adds to them on that stream and frees them there), and ``packed`` does, being allocated
+there ([Note: the gradients are packed on the reduce-scatter stream]). torch's
+``fully_shard`` packs on the compute stream and copies the whole sum into the reduce-scatter
+stream's memory; that copy, which the pack on the compute stream made necessary here too, is
+gone.
 
-[Note: the gradients go at the pack]
-The group's unsharded gradients are packed on the stream that autograd wrote them on (the
-current one), and dropped right there: nothing else reads them, so no other stream has to
-finish first, and a group's gradients never outlive its own post-backward. Only the packed
-buffer crosses to the reduce-scatter stream; it goes once the reduction has been waited for,
-like every buffer that crosses streams.
+[Note: the gradients are packed on the reduce-scatter stream]
+The pack (each gradient cast into its place in the group's flat buffer, a read of 2 and a
+write of 4 bytes per element in bf16 with fp32 reduction) runs on the reduce-scatter stream,
+after the compute stream's event that autograd wrote the gradients, not on the compute
+stream as torch's ``fully_shard`` runs it: in the plan of Llama-2-7B on 8 H100s that was
+0.5 ms of the compute stream per block and backward. The packed buffer is allocated on the
+reduce-scatter stream and read only there (the pack, then the collective), so it goes as soon
+as the reduce-scatter is queued; the next allocation of that stream comes after the
+collective in the stream's order. The gradients were allocated on the compute stream and are
+read on the reduce-scatter stream, so they stay until the compute stream waits for the
+reduction anyway, one group later (``accumulate``). What is alive between two groups'
+post-backwards is one group's gradients in the compute dtype, where torch keeps its packed
+buffer in the reduce dtype: half the bytes in bf16 with fp32 reduction. On the CPU the pack
+is done when ``_chunk_cat`` returns, so the gradients go right after it. Where the packed
+buffer comes from a custom reduce-scatter's or the process group's memory
+(``twinshard/comm_memory.py``), or the collective leaves ``out`` in it (gloo's in-place path),
+it stays until ``accumulate``, as before.
 
 [Note: the gradients are cast as they are packed]
 Autograd writes a group's gradients in the compute dtype (bf16 with mixed precision), and the
@@ -101,8 +113,9 @@ reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 @dataclass
 class ReduceScatterResult:
     pending: Pending  # the reduce-scatter, or the HSDP all-reduce after it
-    packed: torch.Tensor | None  # (S * per-rank numel,) the gradients, rank-major
+    packed: torch.Tensor | None  # (S * per-rank numel,) the gradients, rank-major; None: gone
     out: torch.Tensor | None  # (per-rank numel,) this rank's reduced block of every gradient
+    grads: list | None  # the unreduced gradients the pack reads, until it is waited for
     params: list  # the ShardedParams in ``out``, in order
     shapes: list  # per param: its block's shape, a tuple (chunk, *rest)
     sizes: list  # per param: its block's numel, so ``out`` splits into the blocks
@@ -149,24 +162,28 @@ def reduce_scatter(
     grads = [grads[i] for i in taken]
     sizes, shapes = [blocks[p][0] for p in params], [blocks[p][1] for p in params]
     S = info.shard_size
-    # see [Note: the gradients go at the pack] and [Note: the gradients are cast as they are packed]
+    memory = custom or memory
+    in_place = custom is None and info.replicate_group is None and comm.runs_on_gloo(group)
+    # see [Note: the gradients are cast as they are packed]
     if len({g.dtype for g in grads}) > 1:  # zeros of an unused parameter beside the others
         grads = [g.to(dtype) for g in grads]
-    memory = custom or memory
-    size = (S * sum(sizes),)
-    packed = memory.allocate(size, dtype=dtype, device=grads[0].device) if memory else None
-    packed = grads[0].new_empty(size, dtype=dtype) if packed is None else packed  # (S * per-rank,)
-    # rank-major: block r of every gradient, for r = 0 .. S-1 (one op instead of a view each)
-    torch._chunk_cat(grads, dim=0, num_chunks=S, out=packed.view(S, -1))
-    comm.streams.release(grads, "release of the unreduced gradients")
-    del grads
+    # see [Note: the gradients are packed on the reduce-scatter stream]: after autograd wrote them
     comm.reduce_scatter_stream.wait_stream(comm.current_stream())
-    in_place = custom is None and info.replicate_group is None and comm.runs_on_gloo(group)
     with comm.on(comm.reduce_scatter_stream):
+        size = (S * sum(sizes),)
+        packed = memory.allocate(size, dtype=dtype, device=grads[0].device) if memory else None
+        packed = (
+            grads[0].new_empty(size, dtype=dtype) if packed is None else packed
+        )  # (S * per-rank,)
+        # rank-major: block r of every gradient, for r = 0 .. S-1 (one op instead of a view each)
+        torch._chunk_cat(grads, dim=0, num_chunks=S, out=packed.view(S, -1))
+        if comm.async_op:  # on the CPU the pack is done: the gradients go now
+            comm.streams.release(grads, "release of the unreduced gradients")
+            grads = None
         if divide_before is not None:  # fp16: see ``ParamGroup.gradient_divisors``
             packed.div_(divide_before)
         if S == 1:  # one rank in the shard group: the sum is the input itself
-            out = packed.clone()  # see [Note: one shard]
+            out, packed = packed, None  # see [Note: one shard]
             pending = comm.done_on(comm.reduce_scatter_stream)
         elif in_place:  # see [Note: reduce-scatter on gloo]
             out = packed.view(S, -1)[info.shard_rank]  # (per-rank numel,) this rank's block
@@ -191,6 +208,9 @@ def reduce_scatter(
                 stream=comm.reduce_scatter_stream,
                 about=params,
             )
+            if memory is None:  # its stream's own memory, read only there: it goes now
+                comm.streams.release((packed,), "release of the reduce_scatter input")
+                packed = None
         kept = False
         if info.replicate_group is not None:  # see [Note: HSDP after the reduce-scatter]
             comm.wait(pending, comm.reduce_scatter_stream)
@@ -213,7 +233,7 @@ def reduce_scatter(
     add = [u or keep_unused for u in used]
     in_packed = in_place and S > 1
     return ReduceScatterResult(
-        pending, packed, out, params, shapes, sizes, used, add, divide_after, kept, in_packed
+        pending, packed, out, grads, params, shapes, sizes, used, add, divide_after, kept, in_packed
     )
 
 
@@ -224,12 +244,16 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
     and add each parameter's block to its sharded gradient (replaces the end of
     ``ParamGroup.reduce_param``); see [Note: the gradients are made on the reduce-scatter
     stream]."""
-    compute = comm.current_stream()
-    comm.wait(result.pending)  # the collectives have read ``packed``: the current stream
-    packed, out, result.packed, result.out = result.packed, result.out, None, None
-    if result.kept_partial or not result.out_in_packed:
-        # the collectives were its last readers (kept partial sums are views of ``out``)
-        comm.free_after_use("release of the reduce_scatter input", (packed,))
+    comm.wait(result.pending)  # the pack has read the gradients: the current stream
+    packed, out, grads = result.packed, result.out, result.grads
+    result.packed = result.out = result.grads = None
+    if grads is not None:  # allocated by autograd on the current stream, which has waited
+        comm.free_after_use("release of the unreduced gradients", tuple(grads))
+        del grads
+    if packed is not None and (result.kept_partial or not result.out_in_packed):
+        # the reduce-scatter stream allocated it and was its last reader (kept partial sums
+        # are views of ``out``)
+        comm.streams.release((packed,), "release of the reduce_scatter input")
         del packed
     if result.kept_partial:
         return
@@ -243,9 +267,8 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
             out = out / d if result.out_in_packed else out.div_(d)
         elif result.out_in_packed:
             out = out.clone()  # (per-rank numel,) so that the gradients do not keep ``packed``
-        if result.out_in_packed:  # after the copy out of it; the stream that allocated it waits
-            where = "release of the reduce_scatter input, its block copied out"
-            comm.free_after_use(where, (packed,), compute)
+        if result.out_in_packed:  # after the copy out of it, on the stream that allocated it
+            comm.streams.release((packed,), "release of the reduce_scatter input, block copied out")
             del packed
         blocks = torch.split_with_sizes(out, result.sizes)
         for p, block, shape, add in zip(result.params, blocks, result.shapes, result.add):

@@ -53,6 +53,7 @@ PLANTED = {
     "bf16_reduce": (["trace_bf16_fp32"], "2", PLAIN),
     "optimized_no_wait": (["per_block", "llama"], "2", STANDIN),
     "optimized_early_release": (["per_block", "llama"], "2", STANDIN),
+    "optimized_drops_grads_at_pack": (["per_block", "llama"], "2", STANDIN),
     "optimized_dropped_partial": (["no_all_reduce"], "2x2", PLAIN),
     "optimized_wrong_prefetch": (["per_block", "llama"], "2", PLAIN),
     "optimized_scaled_grads": (["per_block", "llama"], "2", PLAIN),

@@ -131,18 +131,22 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
             assert first == ("wait_stream", "copy_in", "default"), (g, first)
     # 2. each release comes after the streams that allocated its buffers waited on an event
     # recorded after the buffers' last use: the all-gather's buffers after the copy out of
-    # them, on the all-gather stream; on gloo's in-place path, the packed gradients' after
-    # the copy of this rank's block out of them, on the reduce-scatter stream, and the
-    # compute stream (which allocated them) waits for that
+    # them, on the all-gather stream; the unreduced gradients (autograd's, on the compute
+    # stream) once the compute stream waited for the reduction whose pack read them. The
+    # packed gradients are the reduce-scatter stream's own, allocated and read only there: on
+    # gloo's in-place path they go on that stream, after the copy of this rank's block
     assert any("all_gather" in log[i][2] for i in releases)
     assert any("reduce_scatter input" in log[i][2] for i in releases)
+    assert any("unreduced" in log[i][2] for i in releases)
     for i in releases:
         if "unreduced" in log[i][2]:
-            continue  # gradients live on the compute stream, which waited for the reduction
+            assert log[i][1] == "default", log[i]
+            assert log[i - 2][:2] == ("wait_event", "default"), log[i - 3 : i + 1]
+            assert recorded_on[log[i - 2][2]] == "reduce_scatter", log[i - 3 : i + 1]
+            continue
         if "reduce_scatter input" in log[i][2]:
             assert "copied out" in log[i][2], log[i]  # gloo, no HSDP: the in-place path
-            assert log[i - 1][:2] == ("wait_event", "default"), log[i - 2 : i + 1]
-            assert recorded_on[log[i - 1][2]] == "reduce_scatter", log[i - 2 : i + 1]
+            assert log[i][1] == "reduce_scatter", log[i - 2 : i + 1]
             continue
         assert "all_gather" in log[i][2], log[i]
         assert [entry[1] for entry in log[i - 2 : i]] == ["copy_in", "all_gather"], log[i - 2 : i]

@@ -25,6 +25,9 @@ suite and the fuzzer check the stream order: run them with ``--stand-in-streams`
     optimized_moves_shards_late  a shard moves into new memory at its first all-gather (and
                                after ``module.to``, ``assign=True`` loads): views and state
                                dicts taken earlier go stale, values stay right
+    optimized_drops_grads_at_pack  the unreduced gradients are released when their pack is
+                               queued on the reduce-scatter stream, before it read them
+                               (stand-in streams show it)
 
 Planted costs: the values stay right, only what is communicated or kept alive is not (the
 ``cost_*`` cases catch them, ``tests/test_cost_contract.py`` asserts it):
