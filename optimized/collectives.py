@@ -37,21 +37,24 @@ the all-gather: ``all_to_all_single`` takes one input split per peer, so it woul
 rank's slot once per peer, a copy of the whole group.
 
 [Note: the copy-out on the all-gather stream]
-The copy of each parameter out of the gathered buffer is queued on the all-gather stream right
-behind the all-gather (``CommContext.after``), into the parameters' memory allocated when the
-all-gather is issued, and the buffer goes right after it; the compute stream only waits for
-that, before the group computes. torch's ``fully_shard`` copies out on the compute stream, when
-the group is about to compute: a read and a write of the whole group in the compute dtype, in
-each forward and each backward. In the plan of Llama-2-7B on 8 H100s that was 0.35 ms of the
-compute stream per block and pass; here it runs beside the previous group's compute. On the
-CPU, where gloo's work handle says when the gather is done, the copy runs at the wait, as
-before. The memory held is the same: the parameters are allocated when their all-gather
-buffer is, and the buffer goes as soon as the copy out of it is queued. The parameters'
-memory comes from the all-gather stream's pool, so that stream writes memory of its own; the
-compute stream frees it at a reshard, after its last use there, and the all-gather stream
-allocates again only at a later all-gather, which is ordered after everything the compute
+The copy of each parameter out of the gathered buffer is queued on a stream of its own, the
+copy-out stream, right behind the all-gather (``CommContext.after``: that stream waits for the
+all-gather's event), into the parameters' memory allocated when the all-gather is issued; the
+compute stream only waits for that, before the group computes. torch's ``fully_shard`` copies
+out on the compute stream, when the group is about to compute: a read and a write of the whole
+group in the compute dtype, in each forward and each backward. In the plan of Llama-2-7B on 8
+H100s that was 0.35 ms of the compute stream per block and pass; here it runs beside the
+previous group's compute. Queued on the all-gather stream itself, the copy held that stream,
+so the next all-gather waited for it: where the link is the bottleneck (Llama 2 70B on 64
+A100s) the link idled 2.1 ms between two all-gathers of forward. On the CPU, where gloo's work
+handle says when the gather is done, the copy runs at the wait, as before. The parameters'
+memory comes from the copy-out stream's pool, so that stream writes memory of its own; the
+compute stream frees it at a reshard, after its last use there, and the copy-out stream
+writes it again only behind a later all-gather, which is ordered after everything the compute
 stream queued before it (``CommContext.before_all_gather``; with ``set_post_optim_event``,
-after that event, and every reshard of a step comes before its optimizer step).
+after that event, and every reshard of a step comes before its optimizer step). The gathered
+buffer goes after the copy out of it: see [Note: in forward, a gathered buffer goes one
+all-gather later] in ``comm.py``.
 
 [Note: mixed dtypes in one group]
 A group may hold parameters of several dtypes (a frozen float8 weight beside float32 ones), and
@@ -174,9 +177,9 @@ def queue_copy_out(result: AllGatherResult, comm: CommContext, views: dict) -> A
     its stream, and the buffer's release after it (replaces the reference's all-gather
     straight into each parameter's own buffer); see [Note: the copy-out on the all-gather
     stream]. Returns ``result`` without its buffers."""
-    with comm.on(comm.all_gather_stream):  # the parameters' memory, from that stream's pool
+    with comm.on(comm.copy_out_stream):  # the parameters' memory, from that stream's pool
         outs, sizes = gathered_views(result, views)
-    comm.after(result.pending, comm.all_gather_stream, CopyOut(result, outs, sizes, comm))
+    comm.after(result.pending, comm.copy_out_stream, CopyOut(result, outs, sizes, comm))
     r = result  # the same record, without its buffers: they go with the copy-out
     return AllGatherResult(r.pending, None, None, r.ranks, r.params, r.dtypes, r.as_bytes)
 
@@ -194,8 +197,7 @@ class CopyOut:
         torch.split_with_sizes_copy(gathered, self.sizes, dim=1, out=self.outs)
         comm, buffers = self.comm, (self.send, self.recv)
         self.send = self.recv = self.outs = None  # the buffers go with the release
-        where = "release of the all_gather buffers"
-        comm.free_after_use(where, buffers, comm.copy_in_stream, comm.all_gather_stream)
+        comm.release_gathered("release of the all_gather buffers", buffers)
 
 
 @without_grad

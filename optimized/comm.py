@@ -23,8 +23,21 @@ use is queued: the all-gather's buffers after the copy-out, the reduce-scatter's
 sum is added to the sharded gradients. The waits cost no overlap: the next collective of the
 same kind is issued after that point anyway, and its stream waits for the current one there.
 
+[Note: in forward, a gathered buffer goes one all-gather later]
+A gathered buffer's last use is the copy out of it, on the copy-out stream; the copy-in
+stream allocated it, so that stream waits for the copy-out before the buffer goes. Made at
+once, that wait orders the next group's copy-in, and so its all-gather, after this group's
+copy-out: the link idles through every copy-out. In forward (``hold_gathered``, set by the
+root's hooks) each buffer is therefore released at the next group's copy-out instead, when
+that group's copy-in is already queued: the copy-in two groups later waits for this copy-out,
+long done, and the link goes from one all-gather straight to the next. One more gathered
+buffer is alive in forward, as under torch's ``fully_shard``, which defers the same release
+in forward (its all-gather state); the end of forward releases the last one. In backward,
+where the unsharded gradients are alive too, each buffer goes at once. On the CPU the copy
+runs at the wait and the buffer goes right after it.
+
 [Note: stream priorities]
-The copy-in, all-gather and reduce-scatter streams are created with priority -1, above the
+The copy-in, all-gather, copy-out and reduce-scatter streams are created with priority -1, above the
 compute stream's 0, as in torch's FSDP2: when the device has a free slot, the small kernels
 that start a collective (the copy-in, the collective's own launch) go before the next compute
 kernel, so the collective starts as early as the schedule allows instead of waiting behind a
@@ -64,6 +77,8 @@ class CommContext:
     pending_reduce: list = field(default_factory=list)  # (ReduceScatterResult, hook) in flight
     post_optim_event: Any = None  # set_post_optim_event: the next all-gather waits on it
     copied_in: Any = None  # recorded on the copy-in stream right after the last copy-in
+    hold_gathered: bool = False  # forward on a device: see [Note: in forward, a gathered ...]
+    held_gathered: Any = None  # (where, buffers, event) released at the next copy-out
     backends: dict = field(default_factory=dict)  # process group -> its backend's name
 
     def __post_init__(self):
@@ -75,6 +90,8 @@ class CommContext:
         self.copy_in_stream = self.streams.new_stream("copy_in", priority=-1)
         # runs all-gathers beside compute
         self.all_gather_stream = self.streams.new_stream("all_gather", priority=-1)
+        # copies the parameters out of the gathered buffers, beside the next all-gather
+        self.copy_out_stream = self.streams.new_stream("copy_out", priority=-1)
         # runs reduce-scatters beside the backward of earlier layers
         self.reduce_scatter_stream = self.streams.new_stream("reduce_scatter", priority=-1)
         # HSDP: runs the all-reduce across replicas after the reduce-scatter
@@ -167,6 +184,31 @@ class CommContext:
         if event is not None:
             for stream in streams:
                 stream.wait_event(event)
+        self.streams.release(buffers, where)
+
+    def release_gathered(self, where: str, buffers: tuple) -> None:
+        """Let a gathered buffer go, its copy-out just queued on the current stream: now, or in
+        forward on a device at the next copy-out; see [Note: in forward, a gathered buffer goes
+        one all-gather later]."""
+        held, self.held_gathered = self.held_gathered, None
+        event = self.current_stream().record_event()
+        if held is not None:
+            self.release_held(held)
+        if self.hold_gathered and event is not None:
+            self.held_gathered = (where, buffers, event)
+        else:
+            self.release_held((where, buffers, event))
+
+    def release_held(self, held: tuple | None = None) -> None:
+        """Release ``held`` (where, buffers, event), default the buffer held back for the next
+        copy-out: the copy-in stream, which allocated it, waits for the event first."""
+        if held is None:
+            held, self.held_gathered = self.held_gathered, None
+            if held is None:
+                return
+        where, buffers, event = held
+        if event is not None:
+            self.copy_in_stream.wait_event(event)
         self.streams.release(buffers, where)
 
     def set_post_optim_event(self, event) -> None:

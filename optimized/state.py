@@ -24,8 +24,8 @@ link goes from one all-gather straight to the next instead of idling through the
 copy-in. On the CPU, where the copy-out runs at the wait, that keeps two all-gather outputs
 alive during the copy-out, one more group's worth than backward, which waits first: backward
 holds the unsharded gradients of at least one group on top, so with groups of equal size the
-step's peak does not grow. (On a device the copy-out follows each all-gather on its stream;
-[Note: the copy-out on the all-gather stream] in ``collectives.py``.) The root, whose
+step's peak does not grow. (On a device the copy-out follows each all-gather on a stream of
+its own; [Note: the copy-out on the all-gather stream] in ``collectives.py``.) The root, whose
 pre-forward starts the step, keeps the plain order.
 """
 
@@ -88,6 +88,8 @@ class FSDPState(ReferenceState):
         recompute = self.group is not None and self.group.state is TrainingState.PRE_BACKWARD
         if self.is_root and not recompute:
             self.comm.current_order, self.comm.current_post_order = [], []
+            # see [Note: in forward, a gathered buffer goes one all-gather later] in comm.py
+            self.comm.hold_gathered = not self.comm.async_op
         # see [Note: in forward, the next all-gather goes out before the copy-out]
         early = self.group is not None and not self.is_root and not recompute
         if early:
@@ -120,6 +122,8 @@ class FSDPState(ReferenceState):
             self.order_prefetch()
         output = REFERENCE_POST_FORWARD(self, module, args, output)
         if self.is_root:
+            self.comm.hold_gathered = False
+            self.comm.release_held()  # the last gathered buffer of forward
             self.comm.forward_order = self.comm.current_order
             self.comm.backward_order = self.comm.current_post_order[::-1]
             for state in self.all_states:  # a prefetch nobody used must not linger
@@ -139,6 +143,8 @@ class FSDPState(ReferenceState):
         super().reset()
         if self.is_root and self.comm is not None:
             self.comm.discard_pending()  # the failed iteration's reductions are dropped
+            self.comm.hold_gathered = False
+            self.comm.release_held()
 
     def finish_groups(self) -> list:
         """The reference's end of backward for every group, between the additions of the

@@ -98,7 +98,7 @@ def test_stream_bugs_name_the_streams(tmp_path):
         *STANDIN,
     )
     failure = json.loads(js.read_text())["rows"][0]["failures"][0]
-    assert "StreamOrderError" in failure and "stream 'all_gather'" in failure, failure[-800:]
+    assert "StreamOrderError" in failure and "stream 'copy_out'" in failure, failure[-800:]
 
 
 def test_trace_cases_want_no_all_reduce_from_a_single_replica(tmp_path):

@@ -11,7 +11,7 @@ Planted in the reference:
 Planted in the optimized path (the first three show only on stand-in streams, where the
 suite and the fuzzer check the stream order: run them with ``--stand-in-streams``):
 
-    optimized_no_wait          the copy-out reads the all-gather without waiting for it
+    optimized_no_wait          a group computes without waiting for its all-gather and copy-out
     optimized_early_release    the all-gather buffer is released before its copy-out
     optimized_event_only       the copy-in waits only on the post-optimizer event, though the
                                compute stream wrote shards after it (caught by the sanitized

@@ -1,7 +1,8 @@
-"""Planted bug (optimized): the copy-out reads the all-gather result without waiting for it.
+"""Planted bug (optimized): a group computes without waiting for its all-gather and the copy
+out of it (queued behind the all-gather on the copy-out stream).
 
-On an accelerator the copy-out would read the buffer before the all-gather stream has filled
-it; stand-in streams report the read as a race."""
+On an accelerator the forward would read parameters the copy-out stream has not filled yet;
+stand-in streams report the read as a race with the copy-out."""
 
 import dataclasses
 
