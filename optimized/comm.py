@@ -36,6 +36,21 @@ in forward (its all-gather state); the end of forward releases the last one. In 
 where the unsharded gradients are alive too, each buffer goes at once. On the CPU the copy
 runs at the wait and the buffer goes right after it.
 
+[Note: in backward, a copy-in waits for the last reshard]
+A copy-in waits for what the compute stream has queued when it is issued: the optimizer step
+wrote the shards it reads, and the parameters' memory, which the copy-out stream will write,
+may be memory the compute stream used and freed at a reshard. In backward nothing writes the
+shards of a group still to be gathered (an optimizer stepped in backward steps groups whose
+backward is done), so only the second reason holds, and only for what was freed: each
+reshard on a device records an event right after it (``after_reshard``), and a copy-in of
+backward waits for the latest one, not for all the compute queued. The first all-gather of
+backward (the last block's) is issued when backward starts; waiting for the compute stream,
+it started after the last block's forward, the output layer and the loss had run. In the plan
+of Llama 2 70B with 6 blocks on 64 A100s that left the link idle 46 ms where torch's
+``fully_shard``, which waits only for the event of the block's reshard after forward, idled
+8 ms. Shards written on the current stream since the last all-gather (``after_current``) are
+waited for as before.
+
 [Note: stream priorities]
 The copy-in, all-gather, copy-out and reduce-scatter streams are created with priority -1, above the
 compute stream's 0, as in torch's FSDP2: when the device has a free slot, the small kernels
@@ -78,6 +93,8 @@ class CommContext:
     post_optim_event: Any = None  # set_post_optim_event: the next all-gather waits on it
     copied_in: Any = None  # recorded on the copy-in stream right after the last copy-in
     hold_gathered: bool = False  # forward on a device: see [Note: in forward, a gathered ...]
+    in_backward: bool = False  # from the first pre-backward hook to the end of backward
+    resharded: Any = None  # recorded on the compute stream after the latest reshard
     held_gathered: Any = None  # (where, buffers, event) released at the next copy-out
     backends: dict = field(default_factory=dict)  # process group -> its backend's name
 
@@ -219,11 +236,20 @@ class CommContext:
     def before_all_gather(self, after_current: bool = False) -> None:
         """Order the copy-in stream after the compute that produced the shards: after all that
         the current stream has queued, or, when ``set_post_optim_event`` gave an event, only
-        after that event. ``after_current``: the current stream wrote shards after the event
+        after that event; in backward only after the last reshard. ``after_current``: the current stream wrote shards after the event
         (the group moved blocks into its storage, or the user gave parameters new memory), so
         the copy-in waits for it as well."""
         event, self.post_optim_event = self.post_optim_event, None
         if event is not None:
             self.copy_in_stream.wait_event(event)
-        if event is None or after_current:
+        if after_current or (event is None and not self.in_backward):
             self.copy_in_stream.wait_stream(self.current_stream())
+        elif event is None and self.resharded is not None:
+            # see [Note: in backward, a copy-in waits for the last reshard]
+            self.copy_in_stream.wait_event(self.resharded)
+
+    def after_reshard(self) -> None:
+        """Note where the current stream freed unsharded parameters; see [Note: in backward, a
+        copy-in waits for the last reshard]. Nothing to note where streams do nothing."""
+        if not self.async_op:
+            self.resharded = self.current_stream().record_event()

@@ -305,6 +305,7 @@ class FlatParamGroup(ParamGroup):
         if self.holds_unsharded:
             super().reshard(after_forward)
             self.holds_unsharded = False
+            self.own_comm().after_reshard()
 
     # --- reduce: one reduce-scatter, finished one group later ---------------------------------------
     def reduce_scatter_memory(self):

@@ -88,6 +88,7 @@ class FSDPState(ReferenceState):
         recompute = self.group is not None and self.group.state is TrainingState.PRE_BACKWARD
         if self.is_root and not recompute:
             self.comm.current_order, self.comm.current_post_order = [], []
+            self.comm.in_backward = False
             # see [Note: in forward, a gathered buffer goes one all-gather later] in comm.py
             self.comm.hold_gathered = not self.comm.async_op
         # see [Note: in forward, the next all-gather goes out before the copy-out]
@@ -136,6 +137,9 @@ class FSDPState(ReferenceState):
     @torch.compiler.disable
     def pre_backward(self, grad: torch.Tensor) -> None:
         REFERENCE_PRE_BACKWARD(self, grad)
+        self.comm.in_backward = (
+            True  # see [Note: in backward, a copy-in waits for the last reshard]
+        )
         if self.group is not None:
             self.prefetch(self.backward_hint, self.comm.backward_order, backward=True)
 
@@ -143,7 +147,7 @@ class FSDPState(ReferenceState):
         super().reset()
         if self.is_root and self.comm is not None:
             self.comm.discard_pending()  # the failed iteration's reductions are dropped
-            self.comm.hold_gathered = False
+            self.comm.hold_gathered = self.comm.in_backward = False
             self.comm.release_held()
 
     def finish_groups(self) -> list:
@@ -155,6 +159,7 @@ class FSDPState(ReferenceState):
         groups = super().finish_groups()
         finish_reduce(self.comm)
         self.comm.after_reductions()
+        self.comm.in_backward = False
         return groups
 
     # --- prefetch ---------------------------------------------------------------------------

@@ -91,7 +91,9 @@ def _two_steps(post_optim_event: bool):
     with streams.checking():
         for step in range(2):
             marks[f"step {step}"] = len(streams.log)
-            model(torch.randn(4, 15)).sum().backward()
+            out = model(torch.randn(4, 15))
+            marks[f"after forward {step}"] = len(streams.log)
+            out.sum().backward()
             marks[f"after backward {step}"] = len(streams.log)
             opt.step()
             opt.zero_grad()
@@ -111,7 +113,10 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
     log, marks = launch(_two_steps, 2, post_optim_event, env={"TWINSHARD_STANDIN_STREAMS": "1"})[0]
     recorded_on = _recorded_on(log)
     # 1. before every copy-in, the copy-in stream waits for the compute stream; in the step
-    # after set_post_optim_event, the first one waits for that event instead
+    # after set_post_optim_event, the first one waits for that event instead; in backward,
+    # each waits for the compute stream's event after its latest reshard (see [Note: in
+    # backward, a copy-in waits for the last reshard])
+    backward = [range(marks[f"after forward {s}"], marks[f"after backward {s}"]) for s in (0, 1)]
     gathers = [i for i, e in enumerate(log) if e == ("wait_stream", "all_gather", "copy_in")]
     assert len(gathers) >= 2 * 4, gathers  # every group in forward, two steps
     first_of_step_1 = min(g for g in gathers if g > marks["step 1"])
@@ -127,6 +132,9 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
         )
         if post_optim_event and g == first_of_step_1:
             assert first == ("wait_event", "copy_in", marks["post-optim event 0"]), first
+        elif any(g in steps for steps in backward):
+            assert first[:2] == ("wait_event", "copy_in"), (g, first)
+            assert recorded_on[first[2]] == "default", (g, first)
         else:
             assert first == ("wait_stream", "copy_in", "default"), (g, first)
     # 2. each release comes after the streams that allocated its buffers waited on an event
