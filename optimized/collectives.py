@@ -36,7 +36,7 @@ as the all-gather it is (``twinshard.c10d.gathered_in_place``). A larger group k
 the all-gather: ``all_to_all_single`` takes one input split per peer, so it would need this
 rank's slot once per peer, a copy of the whole group.
 
-[Note: the copy-out on the all-gather stream]
+[Note: the copy-out on a stream of its own]
 The copy of each parameter out of the gathered buffer is queued on a stream of its own, the
 copy-out stream, right behind the all-gather (``CommContext.after``: that stream waits for the
 all-gather's event), into the parameters' memory allocated when the all-gather is issued; the
@@ -111,7 +111,7 @@ def all_gather(
     stream since the optimizer step (``CommContext.before_all_gather``). ``memory``: where
     the output comes from without a custom all-gather (``twinshard/comm_memory.py``). ``views``: the
     group's cache for ``gathered_views``. The copy-out follows the all-gather on its stream
-    ([Note: the copy-out on the all-gather stream]). Replaces the reference's
+    ([Note: the copy-out on a stream of its own]). Replaces the reference's
     ``ParamGroup.unshard_param`` loop, one blocking all-gather per parameter; see [Note: one
     flat buffer per group]."""
     comm.before_all_gather(after_current)

@@ -25,7 +25,7 @@ copy-in. On the CPU, where the copy-out runs at the wait, that keeps two all-gat
 alive during the copy-out, one more group's worth than backward, which waits first: backward
 holds the unsharded gradients of at least one group on top, so with groups of equal size the
 step's peak does not grow. (On a device the copy-out follows each all-gather on a stream of
-its own; [Note: the copy-out on the all-gather stream] in ``collectives.py``.) The root, whose
+its own; [Note: the copy-out on a stream of its own] in ``collectives.py``.) The root, whose
 pre-forward starts the step, keeps the plain order.
 """
 
@@ -137,9 +137,8 @@ class FSDPState(ReferenceState):
     @torch.compiler.disable
     def pre_backward(self, grad: torch.Tensor) -> None:
         REFERENCE_PRE_BACKWARD(self, grad)
-        self.comm.in_backward = (
-            True  # see [Note: in backward, a copy-in waits for the last reshard]
-        )
+        # see [Note: in backward, a copy-in waits for the last reshard] in comm.py
+        self.comm.in_backward = True
         if self.group is not None:
             self.prefetch(self.backward_hint, self.comm.backward_order, backward=True)
 
