@@ -3,7 +3,8 @@
 One ``CommContext`` per root module, shared by all its parameter groups. It owns the side
 streams and the state that must outlive one group's hook: the reduce-scatter whose gradients
 are not yet added, the forward order of the groups (for implicit prefetch) and the
-post-optimizer event; ``free_after_use`` decides when a buffer that crossed streams goes.
+post-optimizer event. It also decides when a buffer that crossed streams may go ([Note:
+memory that crosses streams]).
 
 [Note: two ways to wait]
 A collective is issued on a side stream and described by a ``Pending``: on an accelerator (and
@@ -16,12 +17,17 @@ the collective's stream at once, or at the wait. The schedule is the same in bot
 [Note: memory that crosses streams]
 A buffer allocated on one stream and used by another must not be reused until the using
 stream is done with it, or the caching allocator may hand it out again too early. We never
-call ``record_stream``; instead ``free_after_use`` records an event on the current stream right
-after a buffer's last use there, makes the streams that allocated it wait on that event, and
-only then drops it. Every buffer goes at a fixed point of the schedule, as soon as its last
-use is queued: the all-gather's buffers after the copy-out, the reduce-scatter's after their
-sum is added to the sharded gradients. The waits cost no overlap: the next collective of the
-same kind is issued after that point anyway, and its stream waits for the current one there.
+call ``record_stream``; every buffer goes at a fixed point of the schedule instead, one of
+three kinds. A buffer that only the stream that allocated it used goes as soon as its last
+use is queued (the packed gradients, on the reduce-scatter stream). A buffer another stream
+read goes once its allocating stream has waited for that stream anyway (``free_after_wait``:
+the unreduced gradients, at the next group's post-backward, where the compute stream waits
+for the reduction). Otherwise the allocating stream is made to wait on an event recorded
+right after the last use, and then the buffer goes (the gathered buffers after their
+copy-out, ``release_gathered``). The first two cost no wait of their own. The third orders
+the copy-in stream's next work after the copy-out: in backward the next group's copy-in, as
+torch's ``fully_shard`` orders it too; in forward only the copy-in one group later ([Note: in
+forward, a gathered buffer goes one all-gather later]).
 
 [Note: in forward, a gathered buffer goes one all-gather later]
 A gathered buffer's last use is the copy out of it, on the copy-out stream; the copy-in
@@ -195,14 +201,10 @@ class CommContext:
             (stream or self.current_stream()).wait_event(pending.event)
 
     # --- memory that crosses streams -------------------------------------------------------------
-    def free_after_use(self, where: str, buffers: tuple, *streams) -> None:
-        """Let ``buffers`` go: their last use was just queued on the current stream, and
-        ``streams`` (those that allocated them) wait for it first. ``where`` names the release
-        for the stand-in streams' checks. See [Note: memory that crosses streams]."""
-        event = self.current_stream().record_event()
-        if event is not None:
-            for stream in streams:
-                stream.wait_event(event)
+    def free_after_wait(self, where: str, buffers: tuple) -> None:
+        """Let ``buffers`` go: the current stream allocated them, and has waited for the other
+        streams that used them. ``where`` names the release for the stand-in streams' checks.
+        See [Note: memory that crosses streams]."""
         self.streams.release(buffers, where)
 
     def release_gathered(self, where: str, buffers: tuple) -> None:
