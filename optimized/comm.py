@@ -20,8 +20,8 @@ stream is done with it, or the caching allocator may hand it out again too early
 call ``record_stream``; every buffer goes at a fixed point of the schedule instead, one of
 three kinds. A buffer that only the stream that allocated it used goes as soon as its last
 use is queued (the packed gradients, on the reduce-scatter stream). A buffer another stream
-read goes once its allocating stream has waited for that stream anyway (``free_after_wait``:
-the unreduced gradients, at the next group's post-backward, where the compute stream waits
+read goes once its allocating stream has waited for that stream anyway (the unreduced
+gradients, at the next group's post-backward, where the compute stream waits
 for the reduction). Otherwise the allocating stream is made to wait on an event recorded
 right after the last use, and then the buffer goes (the gathered buffers after their
 copy-out, ``release_gathered``). The first two cost no wait of their own. The third orders
@@ -201,12 +201,6 @@ class CommContext:
             (stream or self.current_stream()).wait_event(pending.event)
 
     # --- memory that crosses streams -------------------------------------------------------------
-    def free_after_wait(self, where: str, buffers: tuple) -> None:
-        """Let ``buffers`` go: the current stream allocated them, and has waited for the other
-        streams that used them. ``where`` names the release for the stand-in streams' checks.
-        See [Note: memory that crosses streams]."""
-        self.streams.release(buffers, where)
-
     def release_gathered(self, where: str, buffers: tuple) -> None:
         """Let a gathered buffer go, its copy-out just queued on the current stream: now, or in
         forward on a device at the next copy-out; see [Note: in forward, a gathered buffer goes

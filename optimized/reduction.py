@@ -249,7 +249,7 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
     packed, out, grads = result.packed, result.out, result.grads
     result.packed = result.out = result.grads = None
     if grads is not None:  # allocated by autograd on the current stream, which has waited
-        comm.free_after_wait("release of the unreduced gradients", tuple(grads))
+        comm.streams.release(grads, "release of the unreduced gradients")
         del grads
     if packed is not None and (result.kept_partial or not result.out_in_packed):
         # the reduce-scatter stream allocated it and was its last reader (kept partial sums
