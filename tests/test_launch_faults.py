@@ -38,6 +38,18 @@ def stop_rank_one_at_step_five():
     return "unreachable"
 
 
+def stop_rank_one_before_a_functional_all_reduce():
+    import torch.distributed._functional_collectives as funcol
+
+    for step in range(10**6):
+        watchdog.progress(f"step {step}")
+        if step == 5 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        summed = funcol.all_reduce(torch.ones(1), "sum", dist.group.WORLD)  # returns at once
+        summed.wait()  # rank 0 blocks here, in wait_tensor (as clip_grad_norm_ over DTensors)
+    return "unreachable"
+
+
 def spin_rank_one_outside_collectives():
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -77,6 +89,15 @@ def test_a_stopped_rank_is_named_with_every_stack():
     assert e.failures[0].startswith("waits in all_reduce #")
     for rank in (0, 1):  # each rank's Python stack, the stopped one's included
         assert "stop_rank_one_at_step_five" in e.failures[rank], e.failures[rank]
+
+
+def test_a_rank_blocked_in_a_functional_collectives_wait_is_inside_it():
+    with pytest.raises(HangError) as info:
+        launch(stop_rank_one_before_a_functional_all_reduce, 2, hang_timeout=3.0)
+    e = info.value
+    assert e.ranks == [1]
+    assert "the others wait in wait for functional all_reduce #" in e.headline, e.headline
+    assert e.failures[0].startswith("waits in wait for functional all_reduce #"), e.failures[0]
 
 
 def test_a_rank_busy_outside_collectives_is_named():

@@ -16,7 +16,8 @@ from the stuck thread) and the run is stopped: by the launcher (``twinshard.laun
 in ``supervise.py``), or, under ``torchrun``, by the ranks themselves (``start_torchrun``).
 
 [Note: how collectives are seen] ``install_hooks`` wraps the collectives of
-``torch.distributed`` (and its functional collectives, and ``Work.wait``) in place, and
+``torch.distributed`` (its functional collectives, ``Work.wait`` and the functional
+collectives' ``wait_tensor``) in place, and
 rebinds every module-level alias of them that an already imported module holds (such as
 ``_all_gather = dist.all_gather_into_tensor``); modules imported later bind the wrappers. A
 wrapper only counts and names the call, so one costs about a microsecond per collective.
@@ -118,7 +119,7 @@ def _tracked(name: str, fn):
     def collective(*args, **kwargs):
         _RECORD.issued += 1
         op = f"{name} #{_RECORD.issued}"
-        if kwargs.get("async_op"):
+        if kwargs.get("async_op") or name.startswith("functional "):  # funcol's never block
             _RECORD.last_async = op
         _enter(op)
         try:
@@ -166,6 +167,28 @@ def install_hooks() -> None:
 
     watched_wait.__twinshard_watched__ = wait
     Work.wait = watched_wait
+    _watch_functional_wait(funcol)
+
+
+def _watch_functional_wait(funcol) -> None:
+    """A functional collective returns at once; its rank blocks later, in ``wait_tensor``
+    (``AsyncCollectiveTensor`` calls it through the module, as DTensor's reductions and
+    ``clip_grad_norm_`` over DTensors do). That wait is a collective's as much as ``Work.wait``."""
+    wait_tensor = funcol.wait_tensor
+
+    @functools.wraps(wait_tensor)
+    def watched_wait_tensor(tensor):
+        _enter(f"wait for {_RECORD.last_async or 'a functional collective'}")
+        try:
+            return wait_tensor(tensor)
+        finally:
+            _leave()
+
+    watched_wait_tensor.__twinshard_watched__ = wait_tensor
+    for module in list(sys.modules.values()):  # funcol's own global, and any alias of it
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get("wait_tensor") is wait_tensor:
+            namespace["wait_tensor"] = watched_wait_tensor
 
 
 def _host_syncs() -> list[tuple[object, str, str]]:
