@@ -89,6 +89,7 @@ class AllGatherResult(NamedTuple):
     params: list  # the ShardedParams in ``send``, in order
     dtypes: list  # their all-gather (compute) dtypes
     as_bytes: bool  # mixed dtypes, gathered as uint8; see [Note: mixed dtypes in one group]
+    views: dict | None = None  # the group's view cache, where the copy-out is left to the wait
 
 
 @without_grad
@@ -114,7 +115,7 @@ def all_gather(
     ([Note: the copy-out on a stream of its own]). Replaces the reference's
     ``ParamGroup.unshard_param`` loop, one blocking all-gather per parameter; see [Note: one
     flat buffer per group]."""
-    comm.before_all_gather(after_current)
+    copy_out_at_wait = comm.before_all_gather(after_current)
     kept = None if is_float8(dtypes[0]) else kept  # float8 blocks go as bytes
     ranks = mesh.shard_size
     with comm.on(comm.copy_in_stream):
@@ -132,7 +133,7 @@ def all_gather(
             pending = comm.done_on(comm.copy_in_stream)
             comm.copied_in = pending.event
             result = AllGatherResult(pending, send, send, 1, params, dtypes, as_bytes)
-            return queue_copy_out(result, comm, views)
+            return queue_copy_out(result, comm, views, copy_out_at_wait)
         # see [Note: gathered in place]
         size = (ranks * numel,)
         memory = custom or memory
@@ -169,14 +170,20 @@ def all_gather(
                 about=params,
             )
     result = AllGatherResult(pending, send, recv, ranks, params, dtypes, as_bytes)
-    return queue_copy_out(result, comm, views)
+    return queue_copy_out(result, comm, views, copy_out_at_wait)
 
 
-def queue_copy_out(result: AllGatherResult, comm: CommContext, views: dict) -> AllGatherResult:
+def queue_copy_out(
+    result: AllGatherResult, comm: CommContext, views: dict, at_wait: bool = False
+) -> AllGatherResult:
     """Queue the copy of every parameter out of the gathered buffer behind the all-gather on
     its stream, and the buffer's release after it (replaces the reference's all-gather
-    straight into each parameter's own buffer); see [Note: the copy-out on the all-gather
-    stream]. Returns ``result`` without its buffers."""
+    straight into each parameter's own buffer); see [Note: the copy-out on a stream of its
+    own]. Returns ``result`` without its buffers. ``at_wait``: leave the copy to the stream
+    that waits for the all-gather instead (``copy_out``), see [Note: the first all-gather of
+    backward is copied out where it is used] in ``comm.py``; ``result`` keeps its buffers."""
+    if at_wait:
+        return result._replace(views=views)
     with comm.on(comm.copy_out_stream):  # the parameters' memory, from that stream's pool
         outs, sizes = gathered_views(result, views)
     comm.after(result.pending, comm.copy_out_stream, CopyOut(result, outs, sizes, comm))
@@ -188,22 +195,28 @@ class CopyOut:
     """One fused split-copy of every parameter out of the gathered buffer ``recv``, then its
     release: the work ``CommContext.after`` queues behind the all-gather."""
 
-    def __init__(self, result: AllGatherResult, outs: list, sizes: list, comm: CommContext):
+    def __init__(
+        self, result: AllGatherResult, outs: list, sizes: list, comm: CommContext, hold=False
+    ):
         self.send, self.recv, self.ranks = result.send, result.recv, result.ranks
-        self.outs, self.sizes, self.comm = outs, sizes, comm
+        self.outs, self.sizes, self.comm, self.hold = outs, sizes, comm, hold
 
     def __call__(self) -> None:
         gathered = self.recv.view(self.ranks, -1)  # (ranks, per-rank numel)
         torch.split_with_sizes_copy(gathered, self.sizes, dim=1, out=self.outs)
         comm, buffers = self.comm, (self.send, self.recv)
         self.send = self.recv = self.outs = None  # the buffers go with the release
-        comm.release_gathered("release of the all_gather buffers", buffers)
+        comm.release_gathered("release of the all_gather buffers", buffers, self.hold)
 
 
 @without_grad
 def copy_out(result: AllGatherResult, comm: CommContext) -> None:
-    """Wait for the all-gather and the copy out of it; the parameters are unsharded."""
+    """Wait for the all-gather and the copy out of it; the parameters are unsharded. A
+    result that still holds its gathered buffer is copied out here, on the current stream."""
     comm.wait(result.pending)
+    if result.views is not None:
+        outs, sizes = gathered_views(result, result.views)  # memory of the current stream
+        CopyOut(result, outs, sizes, comm, hold=True)()
     for p in result.params:
         p.finish_unshard()
 

@@ -54,6 +54,7 @@ class FlatParamGroup(ParamGroup):
         self.comm: CommContext | None = None  # the root's, shared; set at its first forward
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
         self.holds_unsharded = False  # copied out since the last reshard
+        self.wait_in_unshard = True  # False: ``unshard`` only issues (the root's pre-forward)
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.reductions_in_flight = 1  # set_reduce_scatter_max_input_buffers
@@ -291,9 +292,12 @@ class FlatParamGroup(ParamGroup):
                 copy_out(result, self.comm)
 
     def unshard(self) -> None:
-        """Blocking unshard, as the reference's (used by the hooks and ``unshard()``)."""
+        """Blocking unshard, as the reference's (used by the hooks and ``unshard()``); see
+        [Note: in forward, the next all-gather goes out before the copy-out] in ``state.py``
+        for the one place it does not wait."""
         self.unshard_async()
-        self.wait_for_unshard()
+        if self.wait_in_unshard:
+            self.wait_for_unshard()
 
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded parameters (the reference's ``reshard``), first finishing an

@@ -74,12 +74,13 @@ def _events(impl_name: str, n_blocks: int = 3) -> list[tuple[str, str]]:
 
 
 OPTIMIZED = [
-    # forward: the root starts first and prefetches the next group once its own is copied
-    # out; a block's pre-forward prefetches the next group before it waits for its own
+    # forward: every pre-forward, the root's too, issues its group's all-gather and
+    # prefetches the next group's before it waits for its own (the root's own all-gather
+    # inside the reference's pre-forward, which starts the step)
     ("pre_forward", "root"),
     ("all-gather", "root"),
-    ("wait", "root"),
     ("all-gather", "blocks.0"),
+    ("wait", "root"),
     ("all-gather", "blocks.1"),
     ("pre_forward", "blocks.0"),
     ("wait", "blocks.0"),

@@ -115,7 +115,9 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
     # 1. before every copy-in, the copy-in stream waits for the compute stream; in the step
     # after set_post_optim_event, the first one waits for that event instead; in backward,
     # each waits for the compute stream's event after its latest reshard (see [Note: in
-    # backward, a copy-in waits for the last reshard])
+    # backward, a copy-in waits for the last reshard]), but the first, which waits for
+    # nothing and is copied out on the compute stream (see [Note: the first all-gather of
+    # backward is copied out where it is used])
     backward = [range(marks[f"after forward {s}"], marks[f"after backward {s}"]) for s in (0, 1)]
     gathers = [i for i, e in enumerate(log) if e == ("wait_stream", "all_gather", "copy_in")]
     assert len(gathers) >= 2 * 4, gathers  # every group in forward, two steps
@@ -124,6 +126,7 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
     # the waits of a release (each copy-out releases its gather's buffers) are
     # about the buffers' last use, not about what the next copy-in reads
     release_waits = {i - 1 for i in releases if "all_gather" in log[i][2]}
+    firsts_of_backward = [min(g for g in gathers if g in steps) for steps in backward]
     for previous, g in zip([-1] + gathers, gathers):
         first = next(
             e
@@ -132,6 +135,8 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
         )
         if post_optim_event and g == first_of_step_1:
             assert first == ("wait_event", "copy_in", marks["post-optim event 0"]), first
+        elif g in firsts_of_backward:
+            assert first[0] != "wait_event" and first[0] != "wait_stream", (g, first)
         elif any(g in steps for steps in backward):
             assert first[:2] == ("wait_event", "copy_in"), (g, first)
             assert recorded_on[first[2]] == "default", (g, first)
@@ -146,6 +151,7 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
     assert any("all_gather" in log[i][2] for i in releases)
     assert any("reduce_scatter input" in log[i][2] for i in releases)
     assert any("unreduced" in log[i][2] for i in releases)
+    copied_out_on_compute = []
     for i in releases:
         if "unreduced" in log[i][2]:
             assert log[i][1] == "default", log[i]
@@ -158,7 +164,14 @@ def test_optimized_schedule_orders_its_streams(post_optim_event):
             continue
         assert "all_gather" in log[i][2], log[i]
         kind, stream, event = log[i - 1]  # the copy-in stream allocated them
+        # copied out on the copy-out stream, or, the first gather of backward, on the compute
+        if recorded_on.get(event) == "default":
+            assert (kind, stream) == ("wait_event", "copy_in"), log[i]
+            copied_out_on_compute.append(i)
+            continue
         assert (kind, stream, recorded_on[event]) == ("wait_event", "copy_in", "copy_out"), log[i]
+    # one gather a backward, the first, was copied out on the compute stream
+    assert [sum(i in steps for i in copied_out_on_compute) for steps in backward] == [1, 1]
     # in forward the wait is on an earlier copy-out than the one just queued, so that the next
     # copy-in is not ordered after this copy-out (see [Note: in forward, a gathered buffer goes
     # one all-gather later]); in backward on the one just queued
