@@ -6,8 +6,8 @@ the autograd graph during forward:
 
 - on the module's *outputs*, a tensor hook: autograd calls it when the gradient of an output
   arrives, i.e. just before backward runs through the module -> pre_backward (unshard);
-- around the module's *inputs*, an identity autograd function: its backward runs once the
-  gradients of the inputs exist, i.e. after backward left the module -> post_backward (reduce).
+- around the *inputs* of the group's first module to run, an identity autograd function: its
+  backward runs once their gradients exist, after the group's backward -> post_backward (reduce).
 
 If a module's inputs need no gradient (token ids, data) the second marker cannot be planted,
 so the root also queues a callback that autograd runs when the whole backward has finished;
@@ -111,8 +111,8 @@ class FSDPState:
         if not self.modules_to_run:  # the first of the group's modules to start forward
             self.modules_to_run = {id(m) for m in self.modules}
         if self.group is not None:
+            args, kwargs = self._plant_post_backward(args, kwargs)  # first: once a pass
             self.group.pre_forward()
-            args, kwargs = self._plant_post_backward(args, kwargs)
         return args, kwargs
 
     @torch.compiler.disable
@@ -163,8 +163,8 @@ class FSDPState:
         return output
 
     def _plant_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not torch.is_grad_enabled():
-            return args, kwargs
+        if not torch.is_grad_enabled() or self.group.state is TrainingState.FORWARD:
+            return args, kwargs  # [a, b]'s b: its post-backward would free what a still needs
         inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         if not inputs:
             return args, kwargs  # the root's final callback will do post_backward

@@ -1,0 +1,47 @@
+"""``fully_shard([norm, head])``: one group of two modules is gathered once per pass.
+
+The group's post-backward is planted on the inputs of its first module to run forward only,
+as torch 2.13 plants it, so that it runs once the whole group's backward is done. Planted on
+every module's inputs, the head's post-backward resharded the group before the norm's backward,
+which gathered it a second time. Counted here by the unshards of ``norm.weight`` in the
+reference and the optimized path; the values are the conformance case ``list_form``'s.
+"""
+
+import pytest
+import torch
+
+from twinshard.launch import launch
+
+
+def _unshards_per_pass(impl_name: str) -> list:
+    import importlib
+
+    from twinshard.models import MLPStack
+    from twinshard.reference.sharded_param import ShardedParam
+
+    impl = importlib.import_module(impl_name)
+    counts, finish = [], ShardedParam.finish_unshard
+
+    def counted(self):
+        if self.fqn == "norm.weight":
+            counts[-1] += 1
+        return finish(self)
+
+    ShardedParam.finish_unshard = counted
+    torch.manual_seed(0)
+    model = MLPStack(dim=15, hidden=37, n_blocks=2)
+    for block in model.blocks:
+        impl.fully_shard(block)
+    impl.fully_shard([model.norm, model.head])
+    impl.fully_shard(model)
+    for _ in range(2):
+        counts.append(0)
+        out = model(torch.randn(4, 15))
+        counts.append(0)
+        out.sum().backward()
+    return counts
+
+
+@pytest.mark.parametrize("impl", ["twinshard.reference", "twinshard.optimized"])
+def test_a_group_of_two_modules_is_gathered_once_per_pass(impl):
+    assert launch(_unshards_per_pass, 2, impl)[0] == [1, 1, 1, 1]  # forward, backward, twice
