@@ -90,6 +90,7 @@ class AllGatherResult(NamedTuple):
     dtypes: list  # their all-gather (compute) dtypes
     as_bytes: bool  # mixed dtypes, gathered as uint8; see [Note: mixed dtypes in one group]
     views: dict | None = None  # the group's view cache, where the copy-out is left to the wait
+    own: bool = False  # gathered into the parameter's own memory ([Note: one parameter, ...])
 
 
 @without_grad
@@ -138,6 +139,9 @@ def all_gather(
         size = (ranks * numel,)
         memory = custom or memory
         recv = memory.allocate(size, dtype=dtype, device=device) if memory else None
+        own = None
+        if recv is None and not copy_out_at_wait and not as_bytes and len(pieces) == 1:
+            own = recv = own_output(params, dtypes, size, dtype, comm)
         recv = torch.empty(size, dtype=dtype, device=device) if recv is None else recv
         send = recv.narrow(0, mesh.shard_rank * numel, numel)  # this rank's slot
         torch.cat(pieces, out=send)  # kept blocks are cast to the compute dtype on the way
@@ -169,8 +173,44 @@ def all_gather(
                 stream=comm.all_gather_stream,
                 about=params,
             )
+    if own is not None:  # the parameter's own memory: nothing to copy out, nothing to free
+        return AllGatherResult(pending, None, None, ranks, params, dtypes, as_bytes, own=True)
     result = AllGatherResult(pending, send, recv, ranks, params, dtypes, as_bytes)
     return queue_copy_out(result, comm, views, copy_out_at_wait)
+
+
+def own_output(params: list, dtypes: list, size: tuple, dtype, comm) -> torch.Tensor | None:
+    """For a group of one parameter that gathers one tensor: its all-gather output, flat, if
+    it is what the group's all-gather produces (``size`` elements of ``dtype``, contiguous);
+    else None. Allocated on the copy-in stream, which writes it first.
+
+    [Note: one parameter, no copy-out]
+    The all-gather lays the ranks' blocks one after another, and a parameter's blocks one
+    after another are the parameter, padded: its ``all_gather_output``. With one parameter in
+    the group the gathered buffer is therefore exactly that output, and the all-gather fills
+    it in place (this rank's block copied into its slot), as the reference gathers into each
+    parameter's own buffer: no gathered buffer, no copy-out. With several parameters a
+    parameter's rows are spread over the ranks' slots, and the copy-out gathers them. A
+    token embedding sharded alone (torchtitan's grouping) is such a group: Llama 3.1 8B's is
+    1.05 GB in bf16, a copy of it (and a buffer of its size) at each of its two all-gathers a
+    step. Not taken where the group's output comes from elsewhere (a custom all-gather, the
+    process group's memory), where the group is gathered as bytes, and for the first
+    all-gather of backward, which is copied out on the compute stream ([Note: the first
+    all-gather of backward is copied out where it is used] in ``comm.py``).
+
+    The memory is the copy-in stream's, which writes this rank's block into it; the
+    all-gather stream then fills the rest, and the compute stream reads it once it has waited
+    for the all-gather, as it reads any parameter. The reshard frees it into the copy-in
+    stream's pool, and every copy-in waits for that reshard before it allocates again (in
+    forward for all the compute queued, in backward for the latest reshard), but the first of
+    backward, which waits for nothing: so a reshard that freed such memory makes that one wait
+    too (``CommContext.after_reshard``)."""
+    if len(params) != 1:
+        return None
+    (out, *rest) = params[0].all_gather_outputs(dtypes[0])  # on the copy-in stream
+    if rest or out.dtype != dtype or out.numel() != size[0] or not out.is_contiguous():
+        return None
+    return out.view(-1)  # (ranks * per-rank numel,)
 
 
 def queue_copy_out(

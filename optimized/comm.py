@@ -118,6 +118,8 @@ class CommContext:
     in_backward: bool = False  # from the first pre-backward hook to the end of backward
     resharded: Any = None  # recorded on the compute stream after the latest reshard
     first_gather_of_backward: bool = False  # set as backward starts, until its first all-gather
+    freed_own: bool = False  # a reshard freed a parameter's own all-gather output since the
+    # copy-in stream last waited for the reshards (see [Note: one parameter, no copy-out])
     held_gathered: Any = None  # (where, buffers, event) released at the next copy-out
     backends: dict = field(default_factory=dict)  # process group -> its backend's name
 
@@ -260,15 +262,20 @@ class CommContext:
             self.copy_in_stream.wait_event(event)
         if after_current or (event is None and not self.in_backward):
             self.copy_in_stream.wait_stream(self.current_stream())
-        elif event is None and first:
+            self.freed_own = False
+        elif event is None and first and not self.freed_own:
             return True  # see [Note: the first all-gather of backward is copied out where ...]
         elif event is None and self.resharded is not None:
             # see [Note: in backward, a copy-in waits for the last reshard]
             self.copy_in_stream.wait_event(self.resharded)
+            self.freed_own = False
         return False
 
-    def after_reshard(self) -> None:
+    def after_reshard(self, own: bool = False) -> None:
         """Note where the current stream freed unsharded parameters; see [Note: in backward, a
-        copy-in waits for the last reshard]. Nothing to note where streams do nothing."""
+        copy-in waits for the last reshard]. ``own``: they were a parameter's own all-gather
+        output, memory of the copy-in stream ([Note: one parameter, no copy-out] in
+        ``collectives.py``). Nothing to note where streams do nothing."""
         if not self.async_op:
             self.resharded = self.current_stream().record_event()
+            self.freed_own = self.freed_own or own

@@ -55,6 +55,7 @@ class FlatParamGroup(ParamGroup):
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
         self.holds_unsharded = False  # copied out since the last reshard
         self.wait_in_unshard = True  # False: ``unshard`` only issues (the root's pre-forward)
+        self.holds_own = False  # the parameter is its all-gather's output, no copy-out made
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.reductions_in_flight = 1  # set_reduce_scatter_max_input_buffers
@@ -288,6 +289,7 @@ class FlatParamGroup(ParamGroup):
         result, self.in_flight = self.in_flight, None
         if result is not None:
             self.holds_unsharded = True  # before the copy-out: a failed one is freed too
+            self.holds_own = result.own
             with profiled("twinshard::copy_out"):
                 copy_out(result, self.comm)
 
@@ -309,7 +311,7 @@ class FlatParamGroup(ParamGroup):
         if self.holds_unsharded:
             super().reshard(after_forward)
             self.holds_unsharded = False
-            self.own_comm().after_reshard()
+            self.own_comm().after_reshard(self.holds_own)
 
     # --- reduce: one reduce-scatter, finished one group later ---------------------------------------
     def reduce_scatter_memory(self):

@@ -79,6 +79,21 @@ def case_list_form(ctx):
 
 
 @case("interface")
+def case_torchtitan_grouping(ctx):
+    """torchtitan's grouping of a Llama: the token embedding alone (a group of one parameter),
+    each block, [norm, output] together, then the root, which holds no parameter of its own."""
+
+    def wrap(impl, model, mesh):
+        impl.fully_shard(model.tok_embeddings, mesh=mesh)
+        for block in model.blocks:
+            impl.fully_shard(block, mesh=mesh)
+        impl.fully_shard([model.norm, model.output], mesh=mesh)
+        impl.fully_shard(model, mesh=mesh)
+
+    return train_case(ctx, M.llama_recipe(ctx.world, wrap=wrap))
+
+
+@case("interface")
 def case_module_list_with_forward(ctx):
     """A ModuleList subclass that defines forward is sharded as one group."""
 
