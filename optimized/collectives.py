@@ -90,7 +90,7 @@ class AllGatherResult(NamedTuple):
     dtypes: list  # their all-gather (compute) dtypes
     as_bytes: bool  # mixed dtypes, gathered as uint8; see [Note: mixed dtypes in one group]
     views: dict | None = None  # the group's view cache, where the copy-out is left to the wait
-    own: bool = False  # gathered into the parameter's own memory ([Note: one parameter, ...])
+    own: bool = False  # the parameter's memory is the copy-in stream's ([Note: one parameter...])
 
 
 @without_grad
@@ -139,9 +139,11 @@ def all_gather(
         size = (ranks * numel,)
         memory = custom or memory
         recv = memory.allocate(size, dtype=dtype, device=device) if memory else None
-        own = None
-        if recv is None and not copy_out_at_wait and not as_bytes and len(pieces) == 1:
-            own = recv = own_output(params, dtypes, size, dtype, comm)
+        own = None  # see [Note: one parameter, no copy-out]
+        tried_own = recv is None and not copy_out_at_wait and not as_bytes
+        tried_own = tried_own and len(params) == len(pieces) == 1
+        if tried_own:
+            own = recv = own_output(params[0], dtypes[0], size, dtype)
         recv = torch.empty(size, dtype=dtype, device=device) if recv is None else recv
         send = recv.narrow(0, mesh.shard_rank * numel, numel)  # this rank's slot
         torch.cat(pieces, out=send)  # kept blocks are cast to the compute dtype on the way
@@ -175,14 +177,16 @@ def all_gather(
             )
     if own is not None:  # the parameter's own memory: nothing to copy out, nothing to free
         return AllGatherResult(pending, None, None, ranks, params, dtypes, as_bytes, own=True)
-    result = AllGatherResult(pending, send, recv, ranks, params, dtypes, as_bytes)
+    # a parameter whose output was allocated above and then not taken: copy-in memory too
+    result = AllGatherResult(pending, send, recv, ranks, params, dtypes, as_bytes, own=tried_own)
     return queue_copy_out(result, comm, views, copy_out_at_wait)
 
 
-def own_output(params: list, dtypes: list, size: tuple, dtype, comm) -> torch.Tensor | None:
-    """For a group of one parameter that gathers one tensor: its all-gather output, flat, if
-    it is what the group's all-gather produces (``size`` elements of ``dtype``, contiguous);
-    else None. Allocated on the copy-in stream, which writes it first.
+def own_output(param, gather_dtype, size: tuple, dtype) -> torch.Tensor | None:
+    """For a group of one parameter that gathers one tensor: its all-gather output in
+    ``gather_dtype``, flat, if it is what the group's all-gather produces (``size`` elements of
+    ``dtype``, contiguous); else None (an output of another dtype, kept from an earlier step).
+    Allocated on the copy-in stream, which writes it first.
 
     [Note: one parameter, no copy-out]
     The all-gather lays the ranks' blocks one after another, and a parameter's blocks one
@@ -205,9 +209,7 @@ def own_output(params: list, dtypes: list, size: tuple, dtype, comm) -> torch.Te
     forward for all the compute queued, in backward for the latest reshard), but the first of
     backward, which waits for nothing: so a reshard that freed such memory makes that one wait
     too (``CommContext.after_reshard``)."""
-    if len(params) != 1:
-        return None
-    (out, *rest) = params[0].all_gather_outputs(dtypes[0])  # on the copy-in stream
+    (out, *rest) = param.all_gather_outputs(gather_dtype)  # on the copy-in stream
     if rest or out.dtype != dtype or out.numel() != size[0] or not out.is_contiguous():
         return None
     return out.view(-1)  # (ranks * per-rank numel,)
@@ -227,8 +229,7 @@ def queue_copy_out(
     with comm.on(comm.copy_out_stream):  # the parameters' memory, from that stream's pool
         outs, sizes = gathered_views(result, views)
     comm.after(result.pending, comm.copy_out_stream, CopyOut(result, outs, sizes, comm))
-    r = result  # the same record, without its buffers: they go with the copy-out
-    return AllGatherResult(r.pending, None, None, r.ranks, r.params, r.dtypes, r.as_bytes)
+    return result._replace(send=None, recv=None)  # its buffers go with the copy-out
 
 
 class CopyOut:

@@ -55,7 +55,7 @@ class FlatParamGroup(ParamGroup):
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
         self.holds_unsharded = False  # copied out since the last reshard
         self.wait_in_unshard = True  # False: ``unshard`` only issues (the root's pre-forward)
-        self.holds_own = False  # the parameter is its all-gather's output, no copy-out made
+        self.holds_own = False  # the parameter's memory is the copy-in stream's (one-parameter)
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.reductions_in_flight = 1  # set_reduce_scatter_max_input_buffers

@@ -10,7 +10,7 @@ parameter: one tensor for the whole run, its storage resized to nothing and back
 
 import torch
 
-from twinshard.optimized.collectives import AllGatherResult, gathered_views
+from twinshard.optimized.collectives import AllGatherResult, gathered_views, own_output
 
 
 class StandInParam:
@@ -65,3 +65,22 @@ def test_views_are_made_again_for_other_outputs_or_another_number_of_ranks():
     assert sizes == [24, 20]  # bytes per rank
     fewer, _ = gathered_views(_result(params[:1], 2), cache)
     assert len(fewer) == 1 and fewer[0].shape == (2, 6)
+
+
+def test_a_lone_parameter_is_gathered_into_its_output_only_where_it_fits():
+    """``own_output`` ([Note: one parameter, no copy-out]): the parameter's output, flat, where
+    it is the group's all-gather output; None where its dtype or size is not."""
+    param = StandInParam(4, 3)  # 2 ranks of 6 elements each
+    flat = own_output(param, torch.float32, (12,), torch.float32)
+    assert flat is not None and flat.data_ptr() == param.buffer.data_ptr()
+    assert flat.shape == (12,)
+    assert own_output(param, torch.float32, (12,), torch.bfloat16) is None  # kept in fp32
+    assert own_output(param, torch.float32, (18,), torch.float32) is None  # 3 ranks' worth
+
+
+def test_an_output_of_two_tensors_is_not_taken():
+    class TwoOutputs(StandInParam):
+        def all_gather_outputs(self, dtype):
+            return super().all_gather_outputs(dtype) + [torch.zeros(2)]
+
+    assert own_output(TwoOutputs(4, 3), torch.float32, (12,), torch.float32) is None
