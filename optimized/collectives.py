@@ -224,12 +224,17 @@ def queue_copy_out(
     own]. Returns ``result`` without its buffers. ``at_wait``: leave the copy to the stream
     that waits for the all-gather instead (``copy_out``), see [Note: the first all-gather of
     backward is copied out where it is used] in ``comm.py``; ``result`` keeps its buffers."""
-    if at_wait:
-        return result._replace(views=views)
+    r = result
+    if at_wait:  # the same record, with the view cache for the copy-out at the wait
+        fields = (r.pending, r.send, r.recv, r.ranks, r.params, r.dtypes, r.as_bytes)
+        return AllGatherResult(*fields, views=views, own=r.own)
     with comm.on(comm.copy_out_stream):  # the parameters' memory, from that stream's pool
         outs, sizes = gathered_views(result, views)
     comm.after(result.pending, comm.copy_out_stream, CopyOut(result, outs, sizes, comm))
-    return result._replace(send=None, recv=None)  # its buffers go with the copy-out
+    # the same record, without its buffers: they go with the copy-out
+    return AllGatherResult(
+        r.pending, None, None, r.ranks, r.params, r.dtypes, r.as_bytes, own=r.own
+    )
 
 
 class CopyOut:
