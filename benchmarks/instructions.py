@@ -4,6 +4,7 @@
     python benchmarks/instructions.py                       # plain, reference, optimized, torch
     python benchmarks/instructions.py --impls plain,optimized
     python benchmarks/instructions.py --foreach auto        # the CPU's loop over the parameters
+    python benchmarks/instructions.py --inside              # and the part inside the hooks
 
 CPU time on a shared 2-core VM moves by 5-10% from one process to the next, more than a change
 of a few percent in the hooks. The number of instructions the CPU executes for the same steps
@@ -15,6 +16,14 @@ steps after the same set-up; the difference divided by 8 steps and 65 groups is 
 and step, and the plain model's count subtracted from it is the implementation's overhead.
 Instructions are not time (a cache miss costs more than an add), so quote CPU time from
 ``twinshard bench hooks`` and use this to compare two versions of the code.
+
+``--inside`` counts a third time for each implementation, only the instructions inside its
+hooks (forward pre and post, backward pre and post, the end-of-backward callback, each with all
+it calls): each hook is called through ``functools.reduce``, a C function nothing else in a step
+calls, and valgrind collects only while inside it (``--toggle-collect``). What is left of the
+overhead is what the FSDP interface costs around the hooks, whoever implements them: the
+optimizer stepping ``DTensor`` parameters, the module calls with hooks, the autograd nodes that
+mark a module's backward.
 
 ``--run IMPL STEPS FOREACH`` is the part that runs under valgrind: it builds the model and
 takes the steps, nothing else. Needs ``valgrind`` (Debian: ``apt-get install valgrind``);
@@ -61,11 +70,74 @@ def take_steps(impl: str, steps: int, foreach: str) -> None:
         step.train_step(model, opt, tokens)
 
 
-def count(impl: str, steps: int, foreach: str) -> int:
-    """Instructions of a whole process that takes ``steps`` steps with ``impl``."""
+HOOKS = {  # module -> class -> the hooks a step runs, as each implementation names them
+    "optimized": {
+        "twinshard.optimized.state": {"FSDPState": ("pre_forward", "post_forward", "pre_backward")},
+        "twinshard.reference.state": {"FSDPState": ("post_backward", "final_callback")},
+    },
+    "reference": {
+        "twinshard.reference.state": {
+            "FSDPState": (
+                "pre_forward",
+                "post_forward",
+                "pre_backward",
+                "post_backward",
+                "final_callback",
+            ),
+        },
+    },
+    "torch": {
+        "torch.distributed.fsdp._fully_shard._fsdp_state": {
+            "FSDPState": (
+                "_pre_forward",
+                "_post_forward",
+                "_pre_backward",
+                "_root_post_backward_final_callback",
+            ),
+        },
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group": {
+            "FSDPParamGroup": ("post_backward",),
+        },
+    },
+}
+
+
+def through_reduce(impl: str) -> None:
+    """Call each hook of ``impl`` (``HOOKS``) through ``functools.reduce``, unless another hook
+    is running (valgrind's toggle would switch collection off inside it)."""
+    import functools
+    import importlib
+
+    depth = [0]
+
+    def wrap(hook):
+        def call(*args, **kwargs):
+            if depth[0]:
+                return hook(*args, **kwargs)
+            depth[0] += 1
+            try:
+                return functools.reduce(lambda _, __: hook(*args, **kwargs), [0], None)
+            finally:
+                depth[0] -= 1
+
+        return functools.wraps(hook)(call)
+
+    for module, classes in HOOKS[impl].items():
+        found = importlib.import_module(module)
+        for name, hooks in classes.items():
+            cls = getattr(found, name)
+            for hook in hooks:
+                setattr(cls, hook, wrap(getattr(cls, hook)))
+
+
+def count(impl: str, steps: int, foreach: str, inside: bool = False) -> int:
+    """Instructions of a whole process that takes ``steps`` steps with ``impl``; with
+    ``inside``, only those inside its hooks."""
+    toggle = ["--toggle-collect=functools_reduce"] if inside else []
     cmd = [
         "valgrind",
         "--tool=callgrind",
+        *toggle,
         "--callgrind-out-file=/dev/null",
         os.path.realpath(sys.executable),  # the interpreter itself, not a launcher script
         os.path.abspath(__file__),
@@ -73,6 +145,7 @@ def count(impl: str, steps: int, foreach: str) -> int:
         impl,
         str(steps),
         foreach,
+        *(["inside"] if inside else []),
     ]
     env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict and set orders every run
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stderr
@@ -82,10 +155,10 @@ def count(impl: str, steps: int, foreach: str) -> int:
     return int(found.group(1))
 
 
-def per_group_step(impl: str, foreach: str) -> int:
+def per_group_step(impl: str, foreach: str, inside: bool = False) -> int:
     groups = hooks_config(impl).llama().n_layers + 1  # the blocks and the root
     with ThreadPoolExecutor(2) as pool:  # the two runs side by side, one per core
-        few, many = pool.map(lambda n: count(impl, n, foreach), STEPS)
+        few, many = pool.map(lambda n: count(impl, n, foreach, inside), STEPS)
     return (many - few) // ((STEPS[1] - STEPS[0]) * groups)
 
 
@@ -98,11 +171,12 @@ def main() -> int:
         default="on",
         help="the optimizer's foreach, as in twinshard bench hooks (default: on, as there)",
     )
-    parser.add_argument(
-        "--run", nargs=3, metavar=("IMPL", "STEPS", "FOREACH"), help=argparse.SUPPRESS
-    )
+    parser.add_argument("--inside", action="store_true", help="also count inside the hooks")
+    parser.add_argument("--run", nargs="+", metavar="IMPL STEPS FOREACH", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
+        if args.run[3:] == ["inside"]:
+            through_reduce(args.run[0])
         take_steps(args.run[0], int(args.run[1]), args.run[2])
         return 0
     if shutil.which("valgrind") is None:
@@ -111,12 +185,16 @@ def main() -> int:
     counts = {impl: per_group_step(impl, args.foreach) for impl in impls}
     floor = counts.get("plain", 0)
     torch_over = counts["torch"] - floor if "torch" in counts else None
-    print("| impl | instructions per group and step | overhead over plain | vs torch |")
-    print("|---|---|---|---|")
+    inside = {i: per_group_step(i, args.foreach, True) for i in impls if args.inside and i in HOOKS}
+    print(
+        "| impl | instructions per group and step | overhead over plain | vs torch | inside hooks |"
+    )
+    print("|---|---|---|---|---|")
     for impl, n in counts.items():
         over = n - floor
         ratio = f"{over / torch_over:.3f}x" if torch_over and impl != "plain" else "-"
-        print(f"| {impl} | {n:,} | {over:,} | {ratio} |")
+        hooks = f"{inside[impl]:,}" if impl in inside else "-"
+        print(f"| {impl} | {n:,} | {over:,} | {ratio} | {hooks} |")
     return 0
 
 

@@ -1,0 +1,204 @@
+"""How low each of issue 33's missed targets can go: a floor under the quantity the target
+bounds, measured from what any FSDP step of that job must do, beside the bound.
+
+    python benchmarks/floors.py                    # both parts, about 3 minutes
+    python benchmarks/floors.py --only overhead    # the 70B plan's floor, about 20 seconds
+    python benchmarks/floors.py --only gloo        # the gloo step's floor, about 2.5 minutes
+
+``overhead``: the FSDP overhead of ``targets.py``'s 70B job (Llama 3 70B, 8 of its 80 blocks,
+1,024 H100s, 4 sequences of 8,192 per rank) is its planned step minus the ideal step (the
+compute alone). No block can compute before its parameters and the root's are gathered, and
+the step is not over before the gradients of the root and of the first block, made last in
+backward, are reduced. With one all-gather and one reduce-scatter per group and one link, the
+step is therefore at least [the first two all-gathers] + compute + [the last two
+reduce-scatters], and the overhead at least the four collectives' time. They are read from the
+optimized path's recorded step (their sizes, dtypes and ranks) and timed with the planner's
+network, as the plan times them.
+
+``gloo``: the gloo step at 2 ranks of ``targets.py`` (the ``small`` model, 4 x 128 tokens per
+rank). Both ranks compute on the machine's 2 cores, and gloo moves bytes over loopback with the
+same cores, so the communication adds to the compute unless it waits on something other than
+a core. The floor is the plain model's step (``twinshard bench --impls plain``) plus the
+collectives of one step alone, with no model: every group all-gathered in forward and again in
+backward, and reduced once, each by the cheapest exchange gloo has at 2 ranks (an all-to-all
+of the halves; the reduction's all-to-all moves half of what an all-reduce moves).
+
+Each part prints a Markdown table and, with ``--out DIR``, writes it to
+``DIR/<date>-floors-<part>.md``; the exit status is 1 when a floor is above its target's bound
+(the bound cannot be met by a schedule of that kind on that machine), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import targets  # noqa: E402  (the jobs and bounds of issue 33's targets)
+
+GLOO_STEPS = 15  # comm-only steps per rank; the first 3 are warm-up
+
+
+def overhead_floor(blocks: int) -> tuple[list[str], bool]:
+    """The 70B job's overhead floor beside torch's planned overhead and the 0.5x bound."""
+    from twinshard.measure.plan import cli, runner
+
+    job = replace(targets.seventy_b(blocks), impl="optimized")
+    recorded = runner.record(job, progress=lambda *a: None)
+    _, network = cli.device_and_network(job, None)
+    calls = [recorded["collectives"][e[2]] for e in recorded["entries"] if e[0] == "collective"]
+    gathers = [c for c in calls if c["op"] == "all_gather"][:2]
+    reductions = [c for c in calls if c["op"] == "reduce_scatter"][-2:]
+    rows, floor = [], 0.0
+    for c in gathers + reductions:
+        seconds = network.seconds(c["op"], c["bytes"], c["ranks"])
+        floor += seconds
+        rows.append(f"| {c['op']} | {c['label']} | {c['bytes'] / 1e9:.3f} | {seconds * 1e3:.1f} |")
+    plans = cli.plan([replace(job, impl=i) for i in targets.IMPLS], progress=False)
+    by_impl = {i: row["time"]["overhead_s"] for i, row in zip(targets.IMPLS, plans)}
+    bound = targets.BOUNDS["overhead"] * by_impl["torch"]
+    lines = [
+        f"## FSDP overhead floor: Llama 3 70B, {blocks} of 80 blocks, 1,024 H100s, bs4",
+        "",
+        "| collective | issued at | GB | ms |",
+        "|---|---|---:|---:|",
+        *rows,
+        "",
+        f"- floor (the four collectives): **{floor * 1e3:.1f} ms**",
+        f"- planned overhead: optimized {by_impl['optimized'] * 1e3:.1f} ms, torch "
+        f"{by_impl['torch'] * 1e3:.1f} ms",
+        f"- bound {targets.BOUNDS['overhead']}x torch's: {bound * 1e3:.1f} ms; floor / torch = "
+        f"{floor / by_impl['torch']:.3f}x",
+    ]
+    return lines, floor > bound
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_sizes() -> list[int]:
+    """Elements of each group of the gloo target's job: every block, then the root."""
+    from twinshard.models import Llama
+
+    model = Llama(gloo_job().llama())
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    return blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]
+
+
+def gloo_job():
+    from twinshard.measure.bench.cli import add_arguments
+    from twinshard.measure.bench.compare import job_of
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    job, _ = job_of(parser.parse_args(targets.CPU_BENCH.split()))
+    return job
+
+
+def comm_only(rank: int, port: int, sizes: list[int], out: str) -> None:
+    """One rank of the comm-only step: ``GLOO_STEPS`` steps of the step's collectives alone."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    peer = 1 - rank
+    splits = [0, 0]
+    splits[peer] = 1  # scaled below: this rank sends its half to the peer and takes the peer's
+    gathered = [torch.zeros(2, n // 2) for n in sizes]  # (ranks, per-rank) each group's buffer
+    grads = [torch.zeros(2, n // 2) for n in sizes]  # (ranks, per-rank) its packed gradients
+
+    def exchange(into: torch.Tensor, send: torch.Tensor) -> None:
+        n = send.numel()
+        sizes_ = [s * n for s in splits]
+        dist.all_to_all_single(into, send, output_split_sizes=sizes_, input_split_sizes=sizes_)
+
+    times = []
+    for _ in range(GLOO_STEPS):
+        dist.barrier()
+        started = time.perf_counter()
+        for g in gathered:  # forward
+            exchange(g[peer], g[rank])
+        for g, grad in zip(reversed(gathered), reversed(grads)):  # backward
+            exchange(g[peer], g[rank])
+            incoming = torch.empty_like(grad[rank])
+            exchange(incoming, grad[peer])
+            grad[rank].add_(incoming)
+        times.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times[3:], f)
+
+
+def gloo_floor() -> tuple[list[str], bool]:
+    """The gloo step's floor beside the measured steps and the 0.75x bound."""
+    import torch.multiprocessing as mp
+
+    sizes = group_sizes()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "comm.json")
+        mp.spawn(comm_only, args=(free_port(), sizes, path), nprocs=2)
+        with open(path) as f:
+            comm = statistics.median(json.load(f))
+        bench = os.path.join(scratch, "bench.json")
+        args = targets.CPU_BENCH.replace("--impls optimized,torch", "--impls plain,optimized,torch")
+        cmd = [sys.executable, "-m", "twinshard.cli", "bench", *args.split(), "--json", bench]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        with open(bench) as f:
+            steps = {i: r["step_s"] for i, r in json.load(f)["summary"].items()}
+    floor = steps["plain"] + comm
+    bound = targets.BOUNDS["cpu"] * steps["torch"]
+    lines = [
+        "## gloo step floor: 2 ranks, the `small` model, 4 x 128 tokens per rank",
+        "",
+        f"- groups: {len(sizes)} ({sizes[0]:,} elements per block, {sizes[-1]:,} the root)",
+        f"- plain step {steps['plain'] * 1e3:.1f} ms + the collectives alone "
+        f"{comm * 1e3:.1f} ms = floor **{floor * 1e3:.1f} ms**",
+        f"- measured steps: optimized {steps['optimized'] * 1e3:.1f} ms, torch "
+        f"{steps['torch'] * 1e3:.1f} ms",
+        f"- bound {targets.BOUNDS['cpu']}x torch's: {bound * 1e3:.1f} ms; floor / torch = "
+        f"{floor / steps['torch']:.3f}x",
+        f"- `twinshard bench {args}`",
+    ]
+    return lines, floor > bound
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="overhead,gloo", help="overhead, gloo or both")
+    parser.add_argument("--blocks", type=int, default=8, help="blocks of the 70B job")
+    parser.add_argument("--out", help="a folder for the results")
+    args = parser.parse_args()
+    above = False
+    for part in [p for p in args.only.split(",") if p]:
+        if part not in ("overhead", "gloo"):
+            sys.exit(f"benchmarks/floors.py: unknown part {part!r}; choose overhead or gloo")
+        lines, over = overhead_floor(args.blocks) if part == "overhead" else gloo_floor()
+        above = above or over
+        text = "\n".join(lines) + "\n"
+        print(text, flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            name = f"{datetime.date.today()}-floors-{part}.md"
+            with open(os.path.join(args.out, name), "w") as f:
+                f.write(f"# {name[:-3]}\n\n`python benchmarks/floors.py --only {part}`\n\n{text}")
+    return 1 if above else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
