@@ -117,5 +117,5 @@ def post_forward_mesh_info(reshard_after_forward, info: MeshInfo) -> MeshInfo | 
     if n == info.shard_size:
         return info
     # Rows of n consecutive ranks: rank r all-gathers with the others in its row in backward.
-    small = DeviceMesh(info.mesh.device_type, info.mesh.mesh.reshape(-1, n))
+    small = more.rows_mesh(info.mesh, n)  # (S / n, n) ranks, built on the host
     return MeshInfo(small, small.get_group(1), n, small.get_local_rank(1), None, 1)

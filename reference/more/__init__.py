@@ -17,7 +17,8 @@ The core (the modules of ``twinshard.reference`` itself) reads without any of th
 feature here is reached from the core at the lines that name it, through the seams below, and
 the core imports nothing else of this package (``tests/test_reference_rules.py`` checks it):
 
-    default_device_type   devices.py          the device of the mesh fully_shard builds itself
+    default_device_type,  devices.py          the device of the mesh fully_shard builds itself,
+    rows_mesh                                 and rows of N ranks (reshard_after_forward=N)
     tp_layout             tensor_parallel.py  a DTensor parameter's TP layout (ShardedParam)
     data_parallel_mesh,   tensor_parallel.py  dp_mesh_dims: the data-parallel part of an SPMD
     check_spmd_params                         mesh, every parameter a DTensor on it (fully_shard)
@@ -39,7 +40,7 @@ path alone (a shard in storage of its own); the reference does not call it.
 """
 
 from .comm_hooks import user_all_gather, user_reduce_scatter
-from .devices import default_device_type
+from .devices import default_device_type, rows_mesh
 from .extension import Extension, gathers_itself
 from .offload import grad_to_host, wait_for_grad_copies
 from .partial_sum import combine_partial_sum
@@ -49,5 +50,5 @@ from .usage import check_usage
 
 __all__ = ["Extension", "adopt_replaced", "check_materialized", "check_spmd_params",
            "check_usage", "combine_partial_sum", "default_device_type", "data_parallel_mesh", "gathers_itself",
-           "grad_to_host", "tp_layout", "user_all_gather", "user_reduce_scatter",
+           "grad_to_host", "rows_mesh", "tp_layout", "user_all_gather", "user_reduce_scatter",
            "wait_for_grad_copies"]  # fmt: skip

@@ -4,12 +4,19 @@ Without a mesh, ``fully_shard`` builds a 1D one over every rank (``mesh.default_
 device type this rank computes on. As in PyTorch's FSDP2, the accelerator API says which: the
 backend's name does not, since a group made with no backend, or with ``"cpu:gloo,cuda:nccl"``,
 reaches the GPU as well as one made with ``"nccl"``.
+
+An int ``reshard_after_forward`` of N needs a mesh of the same ranks in rows of N
+(``rows_mesh``), built from the mesh's rank tensor on the host even under a ``FakeTensorMode``
+(torch's fake process group with a memory estimator's fake mode), where that tensor's values
+could not be read.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def backends_by_device(group=None) -> dict[str, str]:
@@ -37,3 +44,9 @@ def default_device_type() -> str:
     if accelerator is not None and accelerator.type in backends_by_device():
         return accelerator.type
     return "cpu"
+
+
+def rows_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
+    """``mesh``'s ranks as rows of ``n`` consecutive ranks, (size / n, n), a new mesh."""
+    with unset_fake_temporarily():  # the rank tensor's values, on the host
+        return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, n))

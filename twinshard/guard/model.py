@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from . import channel
 from .channel import PREFIX, GuardError
+from .usage import mesh_ranks
 
 
 def fingerprint(module: torch.nn.Module, states=()) -> list[str]:
@@ -61,7 +62,7 @@ def _ranks_of(module: torch.nn.Module, states) -> tuple:
     meshes += [p.device_mesh for p in module.parameters() if hasattr(p, "device_mesh")][:1]
     if not meshes:
         return tuple(range(dist.get_world_size()))
-    return tuple(sorted({r for mesh in meshes for r in mesh.mesh.flatten().tolist()}))
+    return tuple(sorted({r for mesh in meshes for r in mesh_ranks(mesh)}))
 
 
 def check_model(module: torch.nn.Module, states=()) -> None:

@@ -35,6 +35,7 @@ import os
 import weakref
 
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from twinshard.c10d import exchanges_values
 
@@ -106,10 +107,13 @@ _ranks_of: dict[int, tuple] = {}  # id(mesh) -> (mesh, its ranks in order)
 
 
 def mesh_ranks(mesh) -> tuple:
-    """The global ranks of a ``DeviceMesh``, in order (read once per mesh)."""
+    """The global ranks of a ``DeviceMesh``, in order (read once per mesh). Read on the host
+    with any ``FakeTensorMode`` set aside: under one (torch's fake process group and a memory
+    estimator's fake mode) the mesh's rank tensor would come out fake, its values unreadable."""
     hit = _ranks_of.get(id(mesh))
     if hit is None or hit[0] is not mesh:
-        hit = _ranks_of[id(mesh)] = (mesh, tuple(mesh.mesh.flatten().tolist()))
+        with unset_fake_temporarily():
+            hit = _ranks_of[id(mesh)] = (mesh, tuple(mesh.mesh.flatten().tolist()))
     return hit[1]
 
 
