@@ -55,7 +55,9 @@ def overhead_floor(blocks: int) -> tuple[list[str], bool]:
     from twinshard.measure.plan import cli, runner
 
     job = replace(targets.seventy_b(blocks), impl="optimized")
-    recorded = runner.record(job, progress=lambda *a: None)
+    # in a fresh process, as ``twinshard plan`` records: recording registers the fake
+    # accelerator, which would then be this process's accelerator
+    (recorded,) = runner.record_many([job], progress=False)
     _, network = cli.device_and_network(job, None)
     calls = [recorded["collectives"][e[2]] for e in recorded["entries"] if e[0] == "collective"]
     gathers = [c for c in calls if c["op"] == "all_gather"][:2]

@@ -1,18 +1,59 @@
-"""Run conformance cases inside a process group and merge the verdicts of all ranks."""
+"""Run conformance cases inside a process group and merge the verdicts of all ranks.
+
+A case that raises on some ranks only leaves the others inside its collectives, waiting for
+ranks that have moved on; merging the verdicts would then wait with them until the launcher's
+timeout (ten minutes by default), and every case of the mesh would read as failed. So each rank
+posts to the job's store when it has finished a case, and a rank whose case raised waits there
+for the others (``grace``), not in a collective. If one is missing, it is still inside the
+case: the rank writes the rows so far, with this case's traceback, for ``run_suite``
+(``partial_rows_path``) and stops the mesh (``CaseAbandoned``); the cases after it on that mesh
+are reported as not run.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
 import importlib
+import json
 import os
 import time
 import traceback
 
 import torch.distributed as dist
 
+from twinshard.guard import channel
+
 from .cases import CASES, Context
 from .driver import set_device
+
+
+def grace(elapsed: float) -> float:
+    """How long a rank whose case raised waits for the others to finish it: twice the time the
+    case ran here, and at least half the guard's timeout. Shorter than that timeout, so that a
+    peer held in one of the guard's checks (the model check at the first forward) is found
+    missing here before the check gives up: a guard error it raised would stay in the store
+    and fail the next cases too."""
+    return max(channel.timeout / 2, 2 * elapsed)
+
+
+class CaseAbandoned(RuntimeError):
+    """A case failed on this rank while other ranks are still inside it: the mesh stops."""
+
+
+def partial_rows_path(tmpdir: str, mesh_shape: tuple[int, ...]) -> str:
+    """Where a rank that stopped its mesh leaves the rows of the cases run so far."""
+    return os.path.join(tmpdir, f"conform-partial-{'x'.join(map(str, mesh_shape))}.json")
+
+
+def others_finished(store, index: int, started: float) -> list[int]:
+    """Post that this rank has finished case ``index`` (of this launch); the ranks that have
+    not posted the same within the grace (empty: every other rank has)."""
+    topic = f"twinshard-conform/finished/{index}"
+    ranks = tuple(range(dist.get_world_size()))
+    deadline = time.monotonic() + grace(time.monotonic() - started)
+    _, missing = channel.exchange(store, topic, ranks, "1", deadline, errors=False)
+    return missing
 
 
 def select(patterns: list[str] | None) -> list[str]:
@@ -66,16 +107,19 @@ def run_cases(
     ctx = Context(impl, label, oracle, tuple(mesh_shape), tmpdir, reference, device_choice=device)
     set_device(ctx.device)
     results = []
-    for name in select(patterns):
+    store = channel.connection()  # None: one rank, or one process playing every rank
+    for index, name in enumerate(select(patterns)):
         case = CASES[name]
         if (reason := case.skip_reason(ctx)) is not None:
             results.append(skip_row(name, mesh_shape, reason))
             continue
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.monotonic()
+        raised = False
         try:
             with stream_checks():
                 summary = case.fn(ctx).summary()
         except Exception:  # reported as a failure of this case; the next case still runs
+            raised = True
             summary = {
                 "ok": False,
                 "failures": [traceback.format_exc()],
@@ -86,12 +130,31 @@ def run_cases(
                 "tolerance": "-",
             }
         summary.update(case=name, group=case.group, seconds=time.perf_counter() - start)
+        if store is not None and not raised:
+            store.set(f"twinshard-conform/finished/{index}/{dist.get_rank()}", "1")
+        elif store is not None and (missing := others_finished(store, index, started)):
+            abandon(results, summary, mesh_shape, tmpdir, missing)
         merged = _merge_ranks(summary)
         merged.update(
             mesh="x".join(map(str, mesh_shape)), status="PASS" if merged["ok"] else "FAIL"
         )
         results.append(merged)
     return results
+
+
+def abandon(results: list, summary: dict, mesh_shape, tmpdir: str, missing: list) -> None:
+    """Leave the rows so far and this rank's failed case for ``run_suite``, and stop the mesh:
+    ranks ``missing`` are still inside the case."""
+    rank = dist.get_rank()
+    why = (
+        f"case {summary['case']} failed on rank {rank}, and rank(s) {missing} did not finish it "
+        "within the grace: they are waiting inside it, so the mesh stops here"
+    )
+    row = dict(summary, failures=[f"rank {rank}: {f}" for f in summary["failures"]] + [why])
+    row.update(mesh="x".join(map(str, mesh_shape)), status="FAIL")
+    with open(partial_rows_path(tmpdir, mesh_shape), "w") as f:
+        json.dump(results + [row], f)
+    raise CaseAbandoned(f"{why}\n{summary['failures'][0]}")
 
 
 def skip_row(

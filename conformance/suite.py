@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from twinshard.optimized.streams import STANDIN_ENV
 
 from .cases import CASES, Context
-from .runner import oracle_names, run_cases, select, skip_row
+from .runner import oracle_names, partial_rows_path, run_cases, select, skip_row
 
 DEFAULT_MESHES = "1,2,3,2x2"
 XFAIL_DIR = pathlib.Path(__file__).with_name("xfail")
@@ -105,13 +105,28 @@ def run_suite(
                     env=env,
                 )[0]
             except LaunchError as error:  # a crash or a hang: every case of this mesh fails
-                rows += [
-                    skip_row(n, shape, "", status="FAIL", failures=[str(error)[-4000:]])
-                    for n in names
-                ]
+                rows += stopped_mesh(tmp, shape, names, str(error)[-4000:])
             if progress:
                 progress(shape, [r for r in rows if r["mesh"] == mesh_name(shape)])
     return rows
+
+
+def stopped_mesh(tmp: str, shape: tuple[int, ...], names: list[str], error: str) -> list[dict]:
+    """The rows of a mesh whose launch failed: where a rank stopped it after a case failed
+    there alone (``runner.abandon``), the cases run until then as they ended and the rest as
+    not run; else (a crash, a hang) every case failed with ``error``."""
+    path = partial_rows_path(tmp, shape)
+    if not os.path.exists(path):
+        return [skip_row(n, shape, "", status="FAIL", failures=[error]) for n in names]
+    with open(path) as f:
+        done = json.load(f)
+    os.remove(path)
+    stopped = done[-1]["case"]
+    why = f"not run: the mesh stopped after case {stopped} failed on some ranks only"
+    ran = {row["case"] for row in done}
+    return done + [
+        skip_row(n, shape, "", status="FAIL", failures=[why]) for n in names if n not in ran
+    ]
 
 
 @dataclass
