@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -86,12 +85,6 @@ def overhead_floor(blocks: int) -> tuple[list[str], bool]:
     return lines, floor > bound
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def group_sizes() -> list[int]:
     """Elements of each group of the gloo target's job: every block, then the root."""
     from twinshard.models import Llama
@@ -111,13 +104,14 @@ def gloo_job():
     return job
 
 
-def comm_only(rank: int, port: int, sizes: list[int], out: str) -> None:
-    """One rank of the comm-only step: ``GLOO_STEPS`` steps of the step's collectives alone."""
+def comm_only(sizes: list[int]) -> list[float]:
+    """One rank of the comm-only step (``twinshard.launch``, 2 gloo ranks): the seconds of
+    ``GLOO_STEPS`` steps of the step's collectives alone, after 3 of warm-up."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rank = dist.get_rank()
     peer = 1 - rank
     splits = [0, 0]
     splits[peer] = 1  # scaled below: this rank sends its half to the peer and takes the peer's
@@ -141,22 +135,16 @@ def comm_only(rank: int, port: int, sizes: list[int], out: str) -> None:
             exchange(incoming, grad[peer])
             grad[rank].add_(incoming)
         times.append(time.perf_counter() - started)
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times[3:], f)
+    return times[3:]
 
 
 def gloo_floor() -> tuple[list[str], bool]:
     """The gloo step's floor beside the measured steps and the 0.75x bound."""
-    import torch.multiprocessing as mp
+    from twinshard.launch import launch
 
     sizes = group_sizes()
+    comm = statistics.median(launch(comm_only, 2, sizes, backend="gloo")[0])
     with tempfile.TemporaryDirectory() as scratch:
-        path = os.path.join(scratch, "comm.json")
-        mp.spawn(comm_only, args=(free_port(), sizes, path), nprocs=2)
-        with open(path) as f:
-            comm = statistics.median(json.load(f))
         bench = os.path.join(scratch, "bench.json")
         args = targets.CPU_BENCH.replace("--impls optimized,torch", "--impls plain,optimized,torch")
         cmd = [sys.executable, "-m", "twinshard.cli", "bench", *args.split(), "--json", bench]

@@ -46,12 +46,17 @@ def partial_rows_path(tmpdir: str, mesh_shape: tuple[int, ...]) -> str:
     return os.path.join(tmpdir, f"conform-partial-{'x'.join(map(str, mesh_shape))}.json")
 
 
+def finished_topic(index: int) -> str:
+    """The store topic under which each rank posts that it has finished case ``index``."""
+    return f"twinshard-conform/finished/{index}"
+
+
 def others_finished(store, index: int, started: float) -> list[int]:
     """Post that this rank has finished case ``index`` (of this launch); the ranks that have
     not posted the same within the grace (empty: every other rank has)."""
-    topic = f"twinshard-conform/finished/{index}"
     ranks = tuple(range(dist.get_world_size()))
     deadline = time.monotonic() + grace(time.monotonic() - started)
+    topic = finished_topic(index)
     _, missing = channel.exchange(store, topic, ranks, "1", deadline, errors=False)
     return missing
 
@@ -131,7 +136,7 @@ def run_cases(
             }
         summary.update(case=name, group=case.group, seconds=time.perf_counter() - start)
         if store is not None and not raised:
-            store.set(f"twinshard-conform/finished/{index}/{dist.get_rank()}", "1")
+            store.set(f"{finished_topic(index)}/{dist.get_rank()}", "1")  # as ``exchange`` posts
         elif store is not None and (missing := others_finished(store, index, started)):
             abandon(results, summary, mesh_shape, tmpdir, missing)
         merged = _merge_ranks(summary)
