@@ -12,8 +12,9 @@
 #      fully_shard (and the plain model, the step with no FSDP) on a ~1B-parameter Llama in bf16,
 #   3. the hook overhead (fake process group, 64 tiny blocks) with the GPU doing the compute,
 #   4. the conformance suite at world size 1 with NCCL,
-#   5. `twinshard bench` on the simulated network at world sizes 8 and 64 (the GPU stands in
-#      for rank 0; each collective keeps its stream busy for the NVLink time).
+#   5. `twinshard bench` on the simulated network at world sizes 8 and 64, the optimized path
+#      against torch's (the GPU stands in for rank 0; each collective keeps its stream busy for
+#      the NVLink time).
 # Each command of steps 2 to 5 has a time limit of its own (LIMIT seconds, 150 by default),
 # so that a slow one leaves the others their turn. Results go to ${OUT:-benchmarks/results/gpu}.
 # DEVICE=cpu SMOKE=1 runs the same commands on the CPU with a tiny model (gloo instead of NCCL;
@@ -30,8 +31,10 @@ if [ "$device" = cuda ]; then
     backend=nccl
     model=(--model 1b --dtype bf16 --seq 2048 --per-rank 4)
     small=(--model small --dtype bf16 --seq 1024 --per-rank 4)
-    # One repetition: each run of the 1B bench takes about 30 s on an H200 (most of it building
-    # the model), so the whole script fits the 8 minutes of a loan (measured 2026-11-26).
+    # One repetition: each run of the 1B bench takes about 30 s on an H200 or an H100 (most of
+    # it building the model), so the whole script fits the 8 minutes of a loan (measured
+    # 2026-11-26 and 2026-11-27: step 1 took 75 s on the H100, step 2 85 s, step 3 about 110 s,
+    # step 4 60 s; step 5 runs two implementations only, since five ran past 125 s).
     steps=(--warmup 3 --steps 10 --repeat 1)
     $py -m pip install -q --no-deps --no-build-isolation -e .
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" || true
@@ -72,8 +75,8 @@ timeout "$limit" $py -m twinshard.cli conform twinshard.optimized --device "$dev
 
 for world in 8 64; do
     timeout "$limit" $py -m twinshard.cli bench --device "$device" --backend simnet --world "$world" \
-        --link nvlink "${small[@]}" "${steps[@]}" --json "$out/simnet-ws$world.json" \
-        --markdown "$out/simnet-ws$world.md" 2>&1 | tee "$out/simnet-ws$world.log" \
+        --link nvlink --impls optimized,torch "${small[@]}" "${steps[@]}" \
+        --json "$out/simnet-ws$world.json" --markdown "$out/simnet-ws$world.md" 2>&1 | tee "$out/simnet-ws$world.log" \
         || stopped+=("simnet-ws$world")
 done
 

@@ -9,6 +9,7 @@ implementations in a fresh interpreter whose torch has the name removed, as 2.11
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -61,3 +62,37 @@ def test_where_torch_has_the_class_twinshard_exports_torchs():
     import twinshard.reference
 
     assert twinshard.reference.DataParallelMeshDims is TorchDims
+
+
+OLD_COLLECTIVE_NAMES = """
+import json, torch
+from twinshard.measure import simnet
+simnet.init(4, simnet.parse_link("nvlink"))
+group = simnet.SimProcessGroup(0, 4, "old-names")
+x = torch.arange(6.0)
+gathered, coalesced = torch.empty(24), [torch.empty(24), torch.empty(24)]
+group._allgather_base(gathered, x).wait()
+group.allgather_into_tensor_coalesced(coalesced, [x, 2 * x]).wait()
+reduced, pair = torch.empty(6), [torch.empty(6), torch.empty(6)]
+group._reduce_scatter_base(reduced, torch.arange(24.0)).wait()
+group.reduce_scatter_tensor_coalesced(pair, [torch.arange(24.0), -torch.arange(24.0)]).wait()
+print(json.dumps([gathered.tolist(), [c.tolist() for c in coalesced], reduced.tolist(),
+                  [p.tolist() for p in pair], [c.op for c in simnet.network().calls]]))
+"""
+
+
+def test_the_simulated_network_answers_the_collective_names_of_older_torch():
+    # torch 2.11 calls a Python process group's single-tensor collectives by their names before
+    # 2.13's rename; the first H100 run found `bench --backend simnet --device cuda` failing
+    # there with "No backend type associated with device type cuda"
+    done = subprocess.run(
+        [sys.executable, "-c", OLD_COLLECTIVE_NAMES], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    gathered, coalesced, reduced, pair, ops = json.loads(done.stdout)
+    rows = list(range(6))
+    assert gathered == rows * 4
+    assert coalesced == [rows * 4, [2 * r for r in rows] * 4]
+    assert reduced == [4 * r for r in rows]  # rank 0's block, summed over 4 equal ranks
+    assert pair == [[4 * r for r in rows], [-4 * r for r in rows]]
+    assert ops == ["all_gather"] * 3 + ["reduce_scatter"] * 3

@@ -259,6 +259,13 @@ class SimProcessGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._issue("barrier", [torch.zeros(1)], None, [])
 
+    # torch before 2.13 calls a Python group's single-tensor collectives by their old names (the
+    # GPU image's torch 2.11 does): without these it looks for a C++ backend and finds none
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
 
 _CYCLES_PER_S: float | None = None
 
