@@ -104,6 +104,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.api import without_grad
+from twinshard.guard import unused_grads
 
 from .comm import CommContext, Pending
 
@@ -121,7 +122,7 @@ class ReduceScatterResult:
     shapes: list  # per param: its block's shape, a tuple (chunk, *rest)
     sizes: list  # per param: its block's numel, so ``out`` splits into the blocks
     used: list  # per param: whether this rank had a gradient (else it sent zeros)
-    add: list  # per param: whether to add its block to the sharded gradient
+    declared: list  # per param: used here, or unused by the user's word (keep_unused)
     divide_after: float | None  # what the sum is divided by, if the collective did not
     kept_partial: bool  # HSDP without all-reduce: the sums wait in the params; add nothing
     out_in_packed: bool  # ``out`` is a block of ``packed`` (see [Note: reduce-scatter on gloo])
@@ -231,10 +232,21 @@ def reduce_scatter(
             stream=comm.all_reduce_stream,
             about=params,
         )
-    add = [u or keep_unused for u in used]
+    declared = [u or keep_unused for u in used]
     in_packed = in_place and S > 1
     return ReduceScatterResult(
-        pending, packed, out, grads, params, shapes, sizes, used, add, divide_after, kept, in_packed
+        pending,
+        packed,
+        out,
+        grads,
+        params,
+        shapes,
+        sizes,
+        used,
+        declared,
+        divide_after,
+        kept,
+        in_packed,
     )
 
 
@@ -272,6 +284,8 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
             comm.streams.release((packed,), "release of the reduce_scatter input, block copied out")
             del packed
         blocks = torch.split_with_sizes(out, result.sizes)
-        for p, block, shape, add in zip(result.params, blocks, result.shapes, result.add):
-            if add:
-                p.accumulate_grad(block.view(*shape))
+        for p, block, shape, declared in zip(
+            result.params, blocks, result.shapes, result.declared
+        ):  # every rank keeps every sum: see twinshard/guard/unused_grads.py
+            unused_grads.note_reduced(p, declared)
+            p.accumulate_grad(block.view(*shape))

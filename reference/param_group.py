@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from twinshard.api import CommHooks, MixedPrecisionPolicy, profiled, without_grad
+from twinshard.guard import unused_grads
 
 from .collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
 from .mesh import MeshInfo
@@ -43,8 +44,7 @@ class ParamGroup:
         mp: MixedPrecisionPolicy,
         device: torch.device,
     ):
-        self.params = params
-        self.info = info
+        self.params, self.info = params, info
         self.post_forward_info = post_forward  # None: keep unsharded after forward
         self.mp = mp
         self.device = device
@@ -146,7 +146,7 @@ class ParamGroup:
     def reduce_grads_now(self) -> None:
         """Reduce each waiting gradient, one by one. Every trainable parameter takes part, with
         zeros where this rank computed no gradient, so that all ranks issue the same
-        collectives (second reading: ``more/usage.py``)."""
+        collectives and keep the same sums (second reading: ``more/usage.py``)."""
         for p, dtype in zip(self.params, self.reduce_dtypes(self.params)):
             used = self.reduce_param(p, dtype)
             if used is not None:
@@ -174,8 +174,8 @@ class ParamGroup:
             all_reduce_sum(block, self.info.replicate_group, p.fqn)
         if self.comms.all_reduce_hook is not None:
             self.comms.all_reduce_hook(block)  # the user's hook, in place, once per parameter
-        if used or self.reduce_unused:
-            p.accumulate_grad(block / after)  # (chunk, *rest): the sum becomes the mean
+        unused_grads.note_reduced(p, used or self.reduce_unused)  # kept if some rank used it
+        p.accumulate_grad(block / after)  # (chunk, *rest): the sum becomes the mean
         return used
 
     def reset(self) -> None:

@@ -186,8 +186,8 @@ def case_unused_on_some_ranks(ctx):
 @case("interface", needs=lambda ctx: ctx.world > 1, why="one rank uses every parameter it has")
 def case_unused_reported(ctx):
     """Without set_reduce_scatter_unused_params, a parameter used on some ranks only is named
-    in a clear error at the end of the next backward (twinshard tallies over the store, one
-    backward late; torch aborts inside gloo instead)."""
+    in a clear error at the next optimizer step (twinshard tallies over the store; torch
+    aborts inside gloo instead)."""
     checker = Checker("fp32")
     if not _is_twinshard(ctx):
         checker.notes.append("skipped: the error is twinshard's behaviour, torch aborts")
@@ -198,6 +198,37 @@ def case_unused_reported(ctx):
         checker, "unused on some ranks", "experts.", "set_reduce_scatter_unused_params"
     ):
         run_sharded(recipe, ctx.impl, ctx.mesh)
+    return checker
+
+
+@case("interface", needs=lambda ctx: ctx.world > 1, why="one rank uses every parameter it has")
+def case_unused_consistent(ctx):
+    """Without set_reduce_scatter_unused_params, after the backward every rank still holds the
+    exact gradient of each expert (the plain model's on the global batch), so a clipping norm
+    over the gradients completes; the optimizer step then names the experts."""
+    import torch.distributed as dist
+
+    checker = Checker("fp32")
+    if not _is_twinshard(ctx):
+        checker.notes.append("skipped: torch's reductions do not match across ranks here")
+        checker.count += 1
+        return checker
+    grads = {}
+
+    def capture(model):  # after the backward, before the clipping norm and the step
+        has = {n: p.grad is not None for n, p in model.named_parameters()}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, has)
+        if any(h != has for h in every):
+            raise AssertionError(f"ranks hold gradients of different parameters: {every}")
+        grads.update({n: p.grad.full_tensor() for n, p in model.named_parameters() if has[n]})
+
+    recipe = M.routed_recipe(ctx.world, steps=1, clip=1e6, before_step=capture)
+    truth = run_plain(recipe).grads[0]
+    with expect_error(checker, "the step after routing", "experts.", "1 of"):
+        run_sharded(recipe, ctx.impl, ctx.mesh)
+    for name, expected in truth.items():  # None where no rank made one, as the plain model
+        checker.close(f"grad '{name}' after the backward", grads.get(name), expected)
     return checker
 
 

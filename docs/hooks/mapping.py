@@ -62,8 +62,9 @@ NOTES: dict[tuple[str, str | None], str] = {
     "reduced buffer: the mean where the collectives take it (ReduceOp.AVG, as torch's), else "
     "the sum, before the division",
     ("FSDPModule.set_reduce_scatter_unused_params", None): "without it, twinshard names the "
-    "parameters used on some ranks only at the end of the next backward, tallied over the store "
-    "(the same backward with TWINSHARD_DEBUG=1; torch aborts inside the backend)",
+    "parameters used on some ranks only at the next optimizer step or forward, tallied over the "
+    "store, after giving every rank their exact gradients (at the end of the backward with "
+    "TWINSHARD_DEBUG=1; torch aborts inside the backend)",
     ("FSDPModule.set_separate_reduce_scatter_group", "twinshard.reference"): "accepted; one stream",
     ("FSDPModule.set_symm_mem_for_comm", "twinshard.reference"): "checked and accepted",
     ("FSDPModule.set_symm_mem_for_comm", "twinshard.optimized"): "buffers from the symmetric-"

@@ -40,7 +40,9 @@ waits elsewhere, and is named by the ranks that wait for it.
 
 - **Parameters used on some ranks only** (always on, for twinshard's roots). After each
   backward every rank posts the names of the trainable parameters it had no gradient for, and
-  reads the tally of the backward before (``usage.py``): no collective, no device value read.
+  reads the tally at the end of the backward if its gradients depend on it, else at the root's
+  next forward or optimizer step, where an undeclared one is named (``usage.py``,
+  ``unused_grads.py``): no collective, no device value read.
 
 Cost. Debug off: one test of a module-level boolean per collective, and one fingerprint
 exchange per root (a few store round trips, once). Debug on: per collective a ``set``, a
@@ -50,10 +52,11 @@ peer, which the collective would have waited for anyway (``benchmarks/guard_cost
 
 from __future__ import annotations
 
+from . import unused_grads
 from .channel import ENV, TIMEOUT_ENV, GuardError, refresh, set_debug
 from .collectives import check_collective, forward_started, watch
 from .model import check_model, fingerprint
-from .usage import mesh_ranks, tally_unused
+from .usage import mesh_ranks, post_unused
 
 __all__ = [
     "ENV",
@@ -65,9 +68,10 @@ __all__ = [
     "fingerprint",
     "forward_started",
     "mesh_ranks",
+    "post_unused",
     "refresh",
     "set_debug",
-    "tally_unused",
+    "unused_grads",
     "watch",
 ]
 

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from twinshard import c10d
 
-from . import channel
+from . import channel, unused_grads
 from .channel import ENV, PREFIX, TIMEOUT_ENV
 
 CHECKED = ("all_gather", "reduce_scatter", "all_reduce")  # what ``watch`` checks of c10d.OPS
@@ -31,8 +31,10 @@ _last: dict[tuple, str] = {}  # ranks of a group -> the last collective all of t
 
 
 def forward_started(state) -> None:
-    """A root's forward begins: the collectives from here on belong to its next step."""
+    """A root's forward begins: the collectives from here on belong to its next step, and its
+    last backward, if not settled yet, is now (``unused_grads``)."""
     global _step
+    unused_grads.settle(state)
     if channel.debug and getattr(state, "is_root", True):
         _step = _forwards[state] = _forwards.get(state, -1) + 1
 

@@ -1,12 +1,11 @@
-"""Which ranks used which parameters, tallied over the job's store one backward late.
+"""Which ranks used which parameters, tallied over the job's store.
 
 After a backward that reduced gradients every rank knows, on its own, which trainable parameters
 it had no gradient for (``reference/more/usage.py`` says why that matters). Telling the others must
 cost no collective and read no device value: an all-reduce of host counts fails outright where
 the process group has no host backend (``init_process_group("nccl")``), and one of device counts
 would need a host read of the result, a synchronization in every step. So the ranks tally over
-the key-value store that every ``torch.distributed`` job has, and read the tally one backward
-late, when every rank has long posted its part:
+the key-value store that every ``torch.distributed`` job has:
 
 - at the end of backward n each rank adds ``1 + K * has_unused`` to the counter of backward n
   (``K`` is one more than the number of ranks, so the sum holds both counts), after writing
@@ -15,16 +14,18 @@ late, when every rank has long posted its part:
   the ``FileStore`` of ``init_method="file://"``, and two ranks appending at once lose one
   list); the rank whose addition completes the count writes the tally, how many ranks had
   unused parameters;
-- before that, it reads the tally of backward n - 1 (a parameter unused everywhere is fine;
-  unused on some ranks only is reported) and the lowest rank deletes the keys of backward n - 2,
-  which every rank has read by then.
+- every rank reads the tally of backward n before it posts backward n + 1 (``Posted.read``;
+  ``unused_grads`` says when: at the end of backward n on a rank that needs it for its
+  gradients, else at the root's next forward or optimizer step), and the lowest rank, reading
+  it, deletes the keys of backward n - 1, which every rank has read by then.
 
 One store round trip to post, one to read; a list is fetched only when some rank had unused
-parameters. In debug mode (``TWINSHARD_DEBUG=1``) the tally of backward n is read right after
-posting it, so the error comes in the same backward; every rank then waits for the slowest, as
-the debug checks of every collective do anyway. A run's last backward is read only in debug
-mode. Nothing is tallied without a store to share (one process playing every rank, as with
-PyTorch's fake process group) or with one rank.
+parameters. A rank that reads at the end of its backward waits there for the slowest rank to
+post; one that reads at the next forward has almost always no wait. In debug mode
+(``TWINSHARD_DEBUG=1``) every rank reads at the end of the backward, so the error comes there;
+every rank then waits for the slowest, as the debug checks of every collective do anyway.
+Nothing is tallied without a store to share (one process playing every rank, as with PyTorch's
+fake process group) or with one rank.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ class _Ranks:
         self.posted += 1
         return n
 
-    def read(self, n: int) -> list[tuple[str, int]]:
+    def read(self, n: int) -> tuple[list[tuple[str, int]], set[str]]:
         """The parameters of backward ``n`` that some ranks used and others did not, with the
-        number of ranks that used them; waits (up to the store's timeout) for every rank."""
+        number of ranks that used them, and those that no rank used; waits (up to the store's
+        timeout) for every rank to post."""
         world = len(self.ranks)
         try:
             ranks_with_unused = int(self.store.get(self.key(n, "tally")))
@@ -94,7 +96,8 @@ class _Ranks:
         for names in lists:
             for name in json.loads(names):
                 unused_on[name] = unused_on.get(name, 0) + 1
-        return [(name, world - k) for name, k in unused_on.items() if k < world]
+        partly = [(name, world - k) for name, k in unused_on.items() if k < world]
+        return partly, {name for name, k in unused_on.items() if k == world}
 
 
 # per root (an object the caller keeps, such as its FSDP state): its number, the same on every
@@ -117,15 +120,29 @@ def mesh_ranks(mesh) -> tuple:
     return hit[1]
 
 
-def tally_unused(root, mesh, unused: list[str]) -> tuple[int, list[tuple[str, int]]]:
+class Posted:
+    """One rank's post of one backward on one set of ranks; ``read`` fetches that backward's
+    tally once (waiting for every rank to post) and keeps it."""
+
+    def __init__(self, tally: _Ranks, n: int):
+        self.tally, self.n, self.result = tally, n, None
+
+    def read(self) -> tuple[list[tuple[str, int]], set[str]]:
+        """(the parameters some ranks used and others did not, each with the number that used
+        it; the names no rank used)."""
+        if self.result is None:
+            self.result = self.tally.read(self.n)
+        return self.result
+
+
+def post_unused(root, mesh, unused: list[str]) -> Posted | None:
     """Post the names of this rank's trainable parameters that got no gradient in this
-    backward of ``root`` on ``mesh`` (a ``DeviceMesh``), and read a tally: the root's previous
-    backward's on those ranks, or in debug mode this one's. Returns (the number of the backward
-    read, its parameters used on some ranks only, each with the number of ranks that used it);
-    (-1, []) when there is nothing to read or nobody to tally with."""
+    backward of ``root`` on ``mesh`` (a ``DeviceMesh``). Returns the post, whose ``read`` gives
+    the backward's tally, or None where there is nobody to tally with (one rank, or no store
+    to share: one process playing every rank, where what one rank left unused all did)."""
     store = tally_connection()
     if store is None or mesh.size() == 1 or not exchanges_values(mesh.get_group(0)):
-        return -1, []
+        return None
     ranks = mesh_ranks(mesh)
     if root not in _roots:
         _roots[root] = (next(_root_count), {})
@@ -133,13 +150,7 @@ def tally_unused(root, mesh, unused: list[str]) -> tuple[int, list[tuple[str, in
     tally = tallies.get(ranks)
     if tally is None or tally.store is not store:
         tally = tallies[ranks] = _Ranks(store, ranks, number)
-    if channel.debug:
-        n = tally.post(unused)
-        return n, tally.read(n)
-    previous = tally.posted - 1
-    partly = tally.read(previous) if previous >= 0 else []
-    tally.post(unused)
-    return previous, partly
+    return Posted(tally, tally.post(unused))
 
 
 _connection: tuple | None = None  # (the guard's connection, the tally's own)
