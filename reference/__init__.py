@@ -27,7 +27,7 @@ core through a named seam (``more/__init__.py`` lists them):
     more/usage.py            parameters used on some ranks only
     more/comm_hooks.py       the user's own all-gather and reduce-scatter
     more/offload.py          shards and gradients in host memory
-    more/tensor_parallel.py  FSDP over tensor parallelism, and dp_mesh_dims
+    more/tensor_parallel.py  FSDP over tensor parallelism, then more/spmd_dims.py: dp_mesh_dims
     more/extension.py        parameters that gather themselves (float8 weights)
     more/kept_shards.py      a shard in storage the optimized path owns (not called here)
 """

@@ -73,10 +73,21 @@ def _full_dtensor(impl, mesh, dims) -> dict:
 
     model.w1.register_forward_pre_hook(first_forward)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+    # the batch is cut over the data-parallel dims (all of them without dims) and replicated
+    # over the others: ranks that differ only there see the same rows
+    dp = (
+        set()
+        if dims is None
+        else {n for k in dims.values() for n in ((k,) if isinstance(k, str) else k)}
+    )
+    names = mesh.mesh_dim_names
+    on_dp = [dims is None or n in dp for n in names]
+    coords = [c for c, keep in zip(mesh.get_coordinate(), on_dp) if keep]
+    generator = torch.Generator().manual_seed(int("".join(map(str, coords)) or "0"))
+    inputs = [Shard(0) if keep else Replicate() for keep in on_dp]
     losses = []
     for _ in range(3):
-        x = DTensor.from_local(torch.randn(4, 8, generator=generator), mesh, [Shard(0)] * mesh.ndim)
+        x = DTensor.from_local(torch.randn(4, 8, generator=generator), mesh, inputs)
         loss = model(x).pow(2).sum()
         loss.backward()
         forms["grad"] = {n: _placed(p.grad) for n, p in model.named_parameters()}
@@ -167,3 +178,83 @@ def test_plain_parameters_with_dp_mesh_dims_are_refused_as_torch(name, case):
         classes, is_value_error, message = mine
         assert is_value_error and "ValueError" in classes, classes  # pytest.raises(ValueError)
         assert message.startswith(theirs[2]) and len(message) > len(theirs[2]), message
+
+
+# Issue 34, item 3: dp_mesh_dims in full, on 4 ranks. Several dims of a kind flattened into one
+# (torchtitan's dp_shard x cp), HSDP with either kind flattened, and replicate alone (DDP: the
+# parameters stay whole, gradients all-reduced), with and without a dim that is not data parallel.
+MESHES4 = {
+    "flat_shard": ((2, 2), ("dp_shard", "cp"), {"shard": ("dp_shard", "cp")}),
+    "flat_shard_tp": ((2, 1, 2), ("dp_shard", "cp", "tp"), {"shard": ("dp_shard", "cp")}),
+    "hsdp_flat_shard": ((2, 1, 2), ("dp_replicate", "dp_shard", "cp"),
+                        {"replicate": "dp_replicate", "shard": ("dp_shard", "cp")}),
+    "hsdp_flat_replicate": ((1, 2, 2), ("pp_free", "dp_replicate", "dp_shard"),
+                            {"replicate": ("pp_free", "dp_replicate"), "shard": "dp_shard"}),
+    "ddp": ((4,), ("dp_replicate",), {"replicate": "dp_replicate"}),
+    "ddp_flat": ((2, 2), ("dp_replicate", "cp"), {"replicate": ("dp_replicate", "cp")}),
+    "ddp_tp": ((2, 2), ("dp_replicate", "tp"), {"replicate": "dp_replicate"}),
+}  # fmt: skip
+
+
+def _run4() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    for case, (shape, names, dims) in MESHES4.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for name in IMPLS:
+            try:
+                out[case, name] = _full_dtensor(importlib.import_module(name), mesh, dims)
+            except Exception as error:  # noqa: BLE001 - reported by the test that reads it
+                out[case, name] = {"crashed": f"{type(error).__name__}: {error}"}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    for name in TWINSHARD:  # a dim the mesh lacks
+        impl = importlib.import_module(name)
+        dims = impl.DataParallelMeshDims(shard=("dp_shard", "context"))
+        try:
+            impl.fully_shard(MLP(), mesh=mesh, dp_mesh_dims=dims)
+            out["unknown_dim", name] = None
+        except ValueError as error:
+            out["unknown_dim", name] = str(error)
+    return out
+
+
+_results4: list = []
+
+
+def _launch4() -> list:
+    if not _results4:
+        _results4.extend(launch(_run4, 4))
+    return _results4
+
+
+@pytest.mark.parametrize("name", TWINSHARD)
+def test_a_dim_the_mesh_lacks_is_named(name):
+    for out in _launch4():
+        message = out["unknown_dim", name]
+        assert message is not None and "['context']" in message and "cp" in message, message
+
+
+@pytest.mark.parametrize("case", MESHES4)
+@pytest.mark.parametrize("name", TWINSHARD)
+def test_several_dims_flattened_and_replicate_only_train_as_torch(name, case):
+    # The reference all-reduces each parameter over 4 replicas alone, torch (and the optimized
+    # path) a group's flat buffer: gloo's ring sums each chunk in another order, so the two
+    # agree to rounding only there (bitwise wherever a collective spans 2 ranks)
+    exact = not (name == "twinshard.reference" and case in ("ddp", "ddp_flat"))
+    for out in _launch4():
+        mine, theirs = out[case, name], out[case, TORCH]
+        assert "crashed" not in theirs, theirs
+        assert "crashed" not in mine, f"{name}: {mine}"
+        for form in ("sharded", "unsharded", "grad"):
+            assert mine[form] == theirs[form], (form, mine[form], theirs[form])
+        for param, value in theirs["local"].items():
+            if exact:
+                assert torch.equal(mine["local"][param], value), param
+            else:
+                torch.testing.assert_close(mine["local"][param], value)
+        if exact:
+            assert mine["losses"] == theirs["losses"]
+        else:
+            fp32 = (torch.tensor(mine["losses"]), torch.tensor(theirs["losses"]))  # float32
+            torch.testing.assert_close(*fp32)

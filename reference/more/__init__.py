@@ -9,7 +9,8 @@ Read it after the core, in this order:
     usage.py            parameters used on some ranks only
     comm_hooks.py       the user's own all-gather and reduce-scatter
     offload.py          shards and gradients in host memory
-    tensor_parallel.py  FSDP over tensor parallelism, and dp_mesh_dims
+    tensor_parallel.py  FSDP over tensor parallelism
+    spmd_dims.py        dp_mesh_dims: flattened dims, HSDP and DDP on a whole SPMD mesh
     extension.py        parameters that gather themselves (float8 weights)
     kept_shards.py      a shard in storage the optimized path owns
 
@@ -20,7 +21,7 @@ the core imports nothing else of this package (``tests/test_reference_rules.py``
     default_device_type,  devices.py          the device of the mesh fully_shard builds itself,
     rows_mesh                                 and rows of N ranks (reshard_after_forward=N)
     tp_layout             tensor_parallel.py  a DTensor parameter's TP layout (ShardedParam)
-    data_parallel_mesh,   tensor_parallel.py  dp_mesh_dims: the data-parallel part of an SPMD
+    data_parallel_mesh,   spmd_dims.py        dp_mesh_dims: the data-parallel part of an SPMD
     check_spmd_params                         mesh, every parameter a DTensor on it (fully_shard)
     gathers_itself,       extension.py        the all-gather extension: a shard that gathers
     Extension                                 itself (ShardedParam's unshard and reshard)
@@ -45,7 +46,8 @@ from .extension import Extension, gathers_itself
 from .offload import grad_to_host, wait_for_grad_copies
 from .partial_sum import combine_partial_sum
 from .replaced import adopt_replaced, check_materialized
-from .tensor_parallel import check_spmd_params, data_parallel_mesh, tp_layout
+from .spmd_dims import check_spmd_params, data_parallel_mesh
+from .tensor_parallel import tp_layout
 from .usage import check_usage
 
 __all__ = ["Extension", "adopt_replaced", "check_materialized", "check_spmd_params",

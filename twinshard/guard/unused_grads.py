@@ -30,6 +30,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+from twinshard.api import FSDPUsageError
+
+from . import channel
+from .usage import mesh_ranks, post_unused
+
 _made_of_others: weakref.WeakSet = weakref.WeakSet()  # ShardedParams: see ``note_reduced``
 _unsettled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> its settling
 _optimizer_hook = None
@@ -81,3 +86,46 @@ def settle_all() -> None:
     """Run every root's deferred settling (an optimizer is about to step)."""
     for root in list(_unsettled.keys()):
         settle(root)
+
+
+def end_of_backward(root, groups: list) -> None:
+    """End of ``root``'s backward (``groups``: its parameter groups, each with the ``usage`` of
+    this backward, ``reduce_unused``, ``params`` and ``info.mesh``): post which parameters this
+    rank used, settle the gradients made of other ranks' sums alone, and leave the report of
+    parameters used on some ranks only for the next forward or optimizer step."""
+    settle(root)  # a backward before this one with no forward since
+    by_mesh: dict[tuple, list] = {}  # groups on the same ranks share one tally
+    for group in groups:
+        if group.usage and not group.reduce_unused:
+            by_mesh.setdefault(mesh_ranks(group.info.mesh), []).append(group)
+    posts = []
+    for mesh_groups in by_mesh.values():
+        unused = [p.fqn for g in mesh_groups for p, used in g.usage.items() if not used]
+        posted = post_unused(root, mesh_groups[0].info.mesh, unused)
+        others = made_of_others(p for g in mesh_groups for p in g.params)
+        if posted is None:  # nobody to ask: what this rank left unused, every rank did
+            drop(others, set(unused))
+            continue
+        if others or channel.debug:
+            drop(others, posted.read()[1])
+        posts.append((posted, mesh_groups[0].info.mesh.size()))
+    for group in groups:
+        group.usage.clear()
+    if posts:
+        defer(root, lambda: report_partly_used(posts))
+        if channel.debug:
+            settle(root)
+
+
+def report_partly_used(posts: list) -> None:
+    """Raise on every rank if a tally (``posts``: each backward's post and its number of ranks)
+    names a parameter that had a gradient on some ranks but not all."""
+    partly = [(name, n, world, post.n) for post, world in posts for name, n in post.read()[0]]
+    if partly:
+        names = ", ".join(f"'{name}' ({n} of {w} ranks)" for name, n, w, _ in partly[:5])
+        raise FSDPUsageError(
+            f"parameters used on some ranks only (backward {partly[0][3]} of these ranks): "
+            f"{names}; every rank has their exact gradients, summed with zeros from the ranks "
+            "that did not use them; if that is expected (routing, branches), call "
+            "set_reduce_scatter_unused_params(True) on the module, else make every rank use them"
+        )
