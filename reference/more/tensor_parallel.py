@@ -42,7 +42,7 @@ class TPLayout:
     spmd_mesh: DeviceMesh  # (dp..., tp...): where the sharded parameter lives
     shape: torch.Size  # the whole (global) parameter
     stride: tuple
-    whole: tuple | None = None  # replicate-only dp_mesh_dims: the layout it keeps (mesh, places)
+    keeps_layout: bool = False  # replicate-only dp_mesh_dims: sharded is its own layout
 
     def sharded_placements(self, info, dim: int) -> tuple:
         """Placements of the sharded parameter on the spmd mesh, FSDP cutting ``dim``."""
@@ -56,8 +56,8 @@ class TPLayout:
     def sharded_spec(self, info, dim: int) -> tuple:
         """Where the sharded parameter lives: the spmd mesh, its placements there (FSDP cutting
         ``dim`` over the ranks of ``info``, a ``MeshInfo``), the whole parameter's stride."""
-        if self.whole is not None:  # nothing sharded: the parameter's own layout
-            return (*self.whole, self.stride)
+        if self.keeps_layout:  # nothing sharded: the parameter's own layout
+            return self.mesh, self.placements, self.stride
         return self.spmd_mesh, self.sharded_placements(info, dim), self.stride
 
     def unsharded(self, piece: torch.Tensor) -> DTensor:
@@ -82,15 +82,15 @@ def tp_layout(param: DTensor, info, where: str) -> TPLayout:
         mesh = mesh[tuple(names[i] for i in keep)] if keep else None  # None: dp dims only
     if any(not isinstance(p, (Shard, Replicate)) for p in placements):
         raise FSDPUsageError(f"parameter '{where}': TP placements {placements} unsupported")
-    whole = own if replicate_only else None  # DDP: kept as it is
-    spmd = param.device_mesh if whole is not None else spmd_mesh(info.mesh, mesh, dp_names)
+    # DDP: the parameter keeps its layout
+    spmd = param.device_mesh if replicate_only else spmd_mesh(info.mesh, mesh, dp_names)
     if spmd is None:
         raise FSDPUsageError(
             f"parameter '{where}' is a DTensor on a mesh not cut from the fully_shard mesh's "
             f"parent after its dims {dp_names}; build one named mesh (dp, tp or pp, dp, tp, say), "
             "pass mesh['tp'] to parallelize_module and mesh['dp'] to fully_shard"
         )
-    return TPLayout(*own, placements, spmd, param.shape, param.stride(), whole)
+    return TPLayout(*own, placements, spmd, param.shape, param.stride(), replicate_only)
 
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, dp_names: tuple):
