@@ -91,6 +91,7 @@ class AllGatherResult(NamedTuple):
     as_bytes: bool  # mixed dtypes, gathered as uint8; see [Note: mixed dtypes in one group]
     views: dict | None = None  # the group's view cache, where the copy-out is left to the wait
     own: bool = False  # the parameter's memory is the copy-in stream's ([Note: one parameter...])
+    then: AllGatherResult | None = None  # the group's next mesh's ([optimized/meshes.py])
 
 
 @without_grad
@@ -265,6 +266,8 @@ def copy_out(result: AllGatherResult, comm: CommContext) -> None:
         CopyOut(result, outs, sizes, comm, hold=True)()
     for p in result.params:
         p.finish_unshard()
+    if result.then is not None:  # a group on several meshes (``meshes.py``)
+        copy_out(result.then, comm)
 
 
 def gathered_views(result: AllGatherResult, cache: dict) -> tuple[list, list]:

@@ -35,6 +35,7 @@ from twinshard.storages import memory_key
 
 from .collectives import AllGatherResult, all_gather, copy_out
 from .comm import CommContext
+from .meshes import gather_each_mesh, mesh_parts
 from .reduction import accumulate, reduce_scatter
 
 # Separate reduce-scatter process groups, one per set of shard ranks.
@@ -68,6 +69,8 @@ class FlatParamGroup(ParamGroup):
         self.can_keep_shards = dtypes.count(dtypes[0]) == len(dtypes) and all(
             shard_storage_shape(p) is not None for p in self.params
         )
+        self.one_mesh = len(mesh_parts(self.params)) == 1  # else see ``meshes.py``
+        self.can_keep_shards = self.can_keep_shards and self.one_mesh
         # per parameter: its padded block, flat, (chunk * rest,); None until it moves in
         self.kept_blocks: list = [None] * len(self.params)
         self.kept_dtypes: list = []  # their compute dtypes; set when they move in
@@ -147,7 +150,8 @@ class FlatParamGroup(ParamGroup):
         params = [p for p in self.params if p.state is not UNSHARDED]
         if not params:
             return
-        # A group's parameters change state together, so they all gather over the same mesh.
+        # A group's parameters change state together, so they all gather over the same mesh
+        # (but for a group on several meshes: ``meshes.py``).
         mesh = params[0].all_gather_mesh(self.post_forward_info)
         with profiled("twinshard::unshard"):
             kept = self.kept_shards(params)
@@ -159,6 +163,9 @@ class FlatParamGroup(ParamGroup):
             # kept blocks keep the dtype they were moved in with (``keep_shards``)
             dtypes = self.kept_dtypes if kept is not None else self.param_dtypes(params)
             comm, custom = self.own_comm(), self.comms.all_gather
+            if not self.one_mesh:
+                self.in_flight = gather_each_mesh(self, params, written)
+                return
             self.in_flight = all_gather(
                 params, dtypes, mesh, comm, custom, kept, written, self.comm_memory, self.views
             )
@@ -321,13 +328,14 @@ class FlatParamGroup(ParamGroup):
             return None
         return self.comm_memory
 
-    def reduce_ops(self, dtype: torch.dtype) -> tuple:
-        """What gradients reduced in ``dtype`` are divided by before the collectives (None:
+    def reduce_ops(self, dtype: torch.dtype, info) -> tuple:
+        """What gradients reduced in ``dtype`` over ``info``'s ranks (a ``MeshInfo``) are
+        divided by before the collectives (None:
         nothing), the collectives' reduce op, and what their result is divided by (None:
         nothing): the reference's ``gradient_divisors`` around a SUM, or a mean taken by the
         collectives themselves; see [Note: the mean on the wire] in ``reduction.py``."""
-        before, after = self.gradient_divisors(dtype)
-        ranks = self.info.shard_size * self.info.replicate_size  # data-parallel
+        before, after = self.gradient_divisors(dtype, info)
+        ranks = info.shard_size * info.replicate_size  # data-parallel
         if before is None and after == ranks > 1 and not self.force_sum_reduction:
             return None, dist.ReduceOp.AVG, None
         return before, dist.ReduceOp.SUM, None if after == 1 else after
@@ -340,22 +348,24 @@ class FlatParamGroup(ParamGroup):
         # the previous groups' gradients are added, their buffers freed, but for the newest
         # reductions_in_flight - 1 (see [Note: reductions in flight])
         finish_reduce(comm, keep=self.reductions_in_flight - 1)
-        by_dtype: dict[torch.dtype, list] = {}
+        by_kind: dict[tuple, list] = {}  # per reduce dtype and mesh (several: ``meshes.py``)
         for p, dtype in zip(self.params, self.reduce_dtypes(self.params)):
-            by_dtype.setdefault(dtype, []).append(p)
-        for dtype, params in by_dtype.items():
+            by_kind.setdefault((dtype, id(p.info)), []).append(p)
+        for (dtype, _), params in by_kind.items():
+            info = params[0].info
+            own = info is self.info  # the group's mesh, which the settings below are for
             result = reduce_scatter(
                 params,
                 dtype,
-                self.info,
+                info,
                 self.all_reduce_grads,
-                self.reduce_ops(dtype),
+                self.reduce_ops(dtype, info),
                 comm,
                 self.blocks,
                 self.comms.reduce_scatter,
                 self.reduce_unused,
-                self.reduce_scatter_group,
-                self.reduce_scatter_memory(),
+                self.reduce_scatter_group if own else None,
+                self.reduce_scatter_memory() if own else None,
             )
             if result is not None:
                 self.usage.update(zip(result.params, result.used))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
-from torch.distributed.tensor import Shard
 
 from twinshard.api import (
     CPUOffloadPolicy,
@@ -27,6 +26,7 @@ from twinshard.api import (
     as_mp_policy,
     as_offload_policy,
     is_container_without_forward,
+    shard_placement,
 )
 
 from . import more
@@ -95,12 +95,11 @@ def shard_module(
     if dp_mesh_dims is not None:
         more.check_spmd_params(owners)  # each a DTensor of the whole SPMD mesh
     cpu_offload = offload if isinstance(offload, CPUOffloadPolicy) else None
-    params = [
-        ShardedParam(
-            p, where, info, info.device, cpu_offload, shard_dim(shard_placement_fn, p, where), mp
-        )
-        for p, where in owners.items()
-    ]
+    params, meshes = [], {mesh: info}  # a parameter may have a mesh of its own (experts')
+    for p, where in owners.items():
+        dim, own = shard_placement(shard_placement_fn, p, where)  # Shard(dim), and its mesh
+        p_info = meshes.setdefault(own, mesh_info(own)) if own is not None else info
+        params.append(ShardedParam(p, where, p_info, info.device, cpu_offload, dim, mp))
     for p in owners:  # the original tensor: a tie elsewhere still holds it (_collect_params)
         p._twinshard_sharded_by = id(modules[0])  # an int: the tensor stays picklable
     for m in modules:
@@ -121,26 +120,6 @@ def shard_module(
         m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()  # for replicate()
         m.__class__ = fsdp_class(impl.module_type, type(m))
     return module
-
-
-def shard_dim(shard_placement_fn, p: nn.Parameter, where: list) -> int:
-    """The dim to cut ``p`` along: what ``shard_placement_fn(p)`` says (``Shard(dim)``, or None
-    for dim 0)."""
-    placement = shard_placement_fn(p) if shard_placement_fn is not None else None
-    if placement is None and p.dim() == 0:
-        raise FSDPUsageError(
-            f"fully_shard cannot shard the 0-dim parameter of {type(where[0][0]).__name__}. "
-            f"Change {where[0][1]} to a 1D tensor with numel equal to 1 or ignore it"
-        )
-    if placement is None:
-        return 0
-    if isinstance(placement, Shard) and -p.dim() <= placement.dim < p.dim():
-        return placement.dim
-    raise FSDPUsageError(  # the first words are torch's
-        f"Shard dim {getattr(placement, 'dim', placement)} is invalid for {p.dim()}D tensor: "
-        f"shard_placement_fn returned {placement!r} for parameter '{where[0][1]}' of "
-        f"{type(where[0][0]).__name__} (shape {tuple(p.shape)}); return Shard(dim) or None"
-    )
 
 
 def _check_module(module: nn.Module) -> None:

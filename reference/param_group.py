@@ -70,13 +70,14 @@ class ParamGroup:
             return [self.mp.reduce_dtype] * len(params)
         return self.param_dtypes(params)
 
-    def gradient_divisors(self, dtype: torch.dtype) -> tuple[float | None, float]:
-        """What gradients reduced in ``dtype`` are divided by before the sum and after it: in all
-        ``set_gradient_divide_factor``'s factor, else the number of ranks (the sum becomes a mean).
+    def gradient_divisors(self, dtype: torch.dtype, info: MeshInfo) -> tuple[float | None, float]:
+        """What gradients reduced in ``dtype`` over ``info``'s ranks are divided by before the sum
+        and after it: in all ``set_gradient_divide_factor``'s factor, else the number of those
+        ranks (the sum becomes a mean).
         In fp16 a sum of N gradients can overflow where their mean would not, so each is first
         divided by the smallest power of two whose square reaches the factor (exact), the sum by
         the rest, as torch's ``fully_shard`` splits it; fp32 and bf16 divide the sum once."""
-        factor = self.divide_factor or self.info.shard_size * self.info.replicate_size
+        factor = self.divide_factor or info.shard_size * info.replicate_size
         if dtype in (torch.float32, torch.bfloat16):
             return None, factor
         before = 1
@@ -107,8 +108,8 @@ class ParamGroup:
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded parameters; after forward, an int setting keeps a 1/N piece."""
         with profiled("twinshard::reshard"):
-            for p in self.params:
-                p.reshard(self.post_forward_info if after_forward else None)
+            for p in self.params:  # one on a mesh of its own (shard_placement_fn) reshards fully
+                p.reshard(self.post_forward_info if after_forward and p.info is self.info else None)
 
     # --- forward: unshard before, reshard after ---------------------------------------------------
     def pre_forward(self) -> None:
@@ -157,7 +158,7 @@ class ParamGroup:
         (for HSDP, all-reduce it across the replicas), then add this rank's block, divided into
         the mean, to the sharded gradient. Returns whether this rank had a gradient (None for a
         frozen parameter, which takes no part)."""
-        before, after = self.gradient_divisors(dtype)
+        before, after = self.gradient_divisors(dtype, p.info)
         used = p.has_grad_to_reduce
         grad = p.reduce_scatter_input(dtype)  # (S * chunk, *rest), zeros if unused here
         if grad is None:
@@ -165,13 +166,13 @@ class ParamGroup:
         grad = grad.to(dtype)  # reduced in the reduce dtype
         if before is not None:
             grad.div_(before)  # fp16: a sum of N gradients must not overflow
-        group, comm = self.info.shard_group, self.comms.reduce_scatter
+        group, comm = p.info.shard_group, self.comms.reduce_scatter  # p's mesh, as each one
         block = reduce_scatter_rows(grad, group, comm, p.fqn)  # (chunk, *rest) summed
-        if self.info.replicate_group is not None:
+        if p.info.replicate_group is not None:
             block = p.combine_partial_sum(block, self.all_reduce_grads)
             if block is None:
                 return used  # summed over the shard group only, for now
-            all_reduce_sum(block, self.info.replicate_group, p.fqn)
+            all_reduce_sum(block, p.info.replicate_group, p.fqn)
         if self.comms.all_reduce_hook is not None:
             self.comms.all_reduce_hook(block)  # the user's hook, in place, once per parameter
         unused_grads.note_reduced(p, used or self.reduce_unused)  # kept if some rank used it

@@ -72,7 +72,7 @@ class ShardedParam:
     ):
         self.owners = owners  # every (module, attribute) that holds it: tied weights share one
         self.fqn = owners[0][1]  # replaced by the full name at the root's first forward
-        self.info = info
+        self.info = info  # its mesh: the group's, or its own (a ShardPlacementResult)
         self.device = device  # where compute happens
         self.shard_device = torch.device("cpu") if offload is not None else device
         # Pinned host memory lets the copy to an accelerator run without staging.

@@ -80,9 +80,9 @@ def test_divisors_split_a_power_of_two_before_the_sum():
 
     group = ParamGroup.__new__(ParamGroup)
     group.info, group.divide_factor = Info(), None
-    assert group.gradient_divisors(torch.float32) == (None, 8)
-    assert group.gradient_divisors(torch.bfloat16) == (None, 8)
-    assert group.gradient_divisors(torch.float16) == (4.0, 2.0)  # 4 * 4 >= 8 > 2 * 2
+    assert group.gradient_divisors(torch.float32, group.info) == (None, 8)
+    assert group.gradient_divisors(torch.bfloat16, group.info) == (None, 8)
+    assert group.gradient_divisors(torch.float16, group.info) == (4.0, 2.0)  # 4 * 4 >= 8 > 2 * 2
     group.divide_factor = 6.0
-    before, after = group.gradient_divisors(torch.float16)
+    before, after = group.gradient_divisors(torch.float16, group.info)
     assert (before, before * after) == (4.0, 6.0)

@@ -1,14 +1,15 @@
-"""``DataParallelMeshDims`` for torch releases before 2.13, which lack it.
+"""``DataParallelMeshDims`` and ``ShardPlacementResult`` for torch releases before 2.13.
 
 torch 2.13 added ``DataParallelMeshDims`` (which dims of a whole SPMD mesh are data parallel)
-and twinshard re-exports torch's own class where it exists, so that an object made from either
-name works with every implementation. On torch 2.11 and 2.12 this class stands in with the same
-fields and properties, so twinshard still imports there (the package declares ``torch>=2.11``).
-"""
+and ``ShardPlacementResult`` (a parameter's placement and a mesh of its own), and twinshard
+re-exports torch's own classes where they exist, so that an object made from either name works
+with every implementation. On torch 2.11 and 2.12 the classes here stand in with the same
+fields, so twinshard still imports there (the package declares ``torch>=2.11``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -46,3 +47,12 @@ class DataParallelMeshDims:
     def replicate_names(self) -> tuple[str, ...]:
         """The replicate dims' names, a tuple even for one name."""
         return _names(self.replicate)
+
+
+@dataclass
+class ShardPlacementResult:
+    """A parameter's shard placement (``Shard(dim)``, or None for dim 0) and the mesh it is
+    sharded over (``mesh_info``: ``mesh``, ``shard_mesh_dim``, ``replicate_mesh_dim``)."""
+
+    placement: Any
+    mesh_info: Any

@@ -90,25 +90,26 @@ def settle_all() -> None:
 
 def end_of_backward(root, groups: list) -> None:
     """End of ``root``'s backward (``groups``: its parameter groups, each with the ``usage`` of
-    this backward, ``reduce_unused``, ``params`` and ``info.mesh``): post which parameters this
-    rank used, settle the gradients made of other ranks' sums alone, and leave the report of
+    this backward, ``reduce_unused`` and ``params``, each on its ``info.mesh``): post which
+    parameters this rank used, settle the gradients made of other ranks' sums alone, and leave the report of
     parameters used on some ranks only for the next forward or optimizer step."""
     settle(root)  # a backward before this one with no forward since
-    by_mesh: dict[tuple, list] = {}  # groups on the same ranks share one tally
-    for group in groups:
-        if group.usage and not group.reduce_unused:
-            by_mesh.setdefault(mesh_ranks(group.info.mesh), []).append(group)
+    by_mesh: dict[tuple, tuple] = {}  # parameters on the same ranks share one tally
+    for group in groups:  # (a parameter may have a mesh of its own: ShardPlacementResult)
+        for p in group.params if group.usage and not group.reduce_unused else ():
+            mesh = p.info.mesh
+            by_mesh.setdefault(mesh_ranks(mesh), (mesh, []))[1].append((p, group.usage.get(p)))
     posts = []
-    for mesh_groups in by_mesh.values():
-        unused = [p.fqn for g in mesh_groups for p, used in g.usage.items() if not used]
-        posted = post_unused(root, mesh_groups[0].info.mesh, unused)
-        others = made_of_others(p for g in mesh_groups for p in g.params)
+    for mesh, params in by_mesh.values():
+        unused = [p.fqn for p, used in params if used is False]
+        posted = post_unused(root, mesh, unused)
+        others = made_of_others(p for p, _ in params)
         if posted is None:  # nobody to ask: what this rank left unused, every rank did
             drop(others, set(unused))
             continue
         if others or channel.debug:
             drop(others, posted.read()[1])
-        posts.append((posted, mesh_groups[0].info.mesh.size()))
+        posts.append((posted, mesh.size()))
     for group in groups:
         group.usage.clear()
     if posts:
