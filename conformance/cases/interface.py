@@ -312,3 +312,47 @@ def case_tensor_parallel(ctx):
             "a tensor-parallel weight is not a DTensor on the (dp, tp) mesh after fully_shard"
         )
     return checker
+
+
+@case(
+    "interface",
+    needs=lambda ctx: ctx.hsdp or (ctx.world > 1 and ctx.world % 2 == 0),
+    why="a mesh of its own for some parameters needs an even number of ranks (HSDP 2 x W/2)",
+)
+def case_per_param_mesh(ctx):
+    """shard_placement_fn answers ShardPlacementResult for each block's w1 (torch 2.13's
+    per-parameter mesh, as experts get theirs): on a 1D mesh of W ranks, w1 goes on an HSDP
+    (2, W/2) mesh of the same ranks; on an HSDP mesh, on a 1D mesh of all of them. Each is the
+    mean over every rank, so training equals the plain model's; w1's shards are DTensors on its
+    own mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    if ctx.hsdp:
+        own = init_device_mesh(ctx.device_type, (ctx.world,), mesh_dim_names=("dp",))
+        info = FSDPMeshInfo(mesh=own, shard_mesh_dim=0)
+    else:
+        shape, names = (2, ctx.world // 2), ("replicate", "shard")
+        own = init_device_mesh(ctx.device_type, shape, mesh_dim_names=names)
+        info = HSDPMeshInfo(mesh=own, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def wrap(impl, model, mesh):
+        first = {p for block in model.blocks for p in block.w1.parameters()}
+
+        def placement(p):
+            return ShardPlacementResult(placement=None, mesh_info=info) if p in first else None
+
+        M.shard_blocks(impl, model, mesh, shard_placement_fn=placement)
+
+    recipe = M.mlp_recipe(ctx.world, wrap=wrap)
+    checker = train_case(ctx, recipe)
+    _, model = run_sharded(replace(recipe, steps=1), ctx.impl, ctx.mesh)
+    checker.count += 1
+    meshes = {n: p.device_mesh for n, p in model.named_parameters()}
+    if meshes["blocks.0.w1.weight"] != own or meshes["blocks.0.w2.weight"] != ctx.mesh:
+        checker.fail(f"the parameters are not on the meshes shard_placement_fn gave: {meshes}")
+    return checker

@@ -25,9 +25,12 @@ IMPLS = ("twinshard.reference", "twinshard.optimized")
 # (name, implementation or None for both) -> what a user should know beyond the signature.
 NOTES: dict[tuple[str, str | None], str] = {
     ("fully_shard", None): "also takes a list of modules (one group); `shard_placement_fn` may "
-    "return `Shard(dim)` or None (one mesh per call); tensor-parallel DTensor parameters are "
-    "sharded over a 1-D dp mesh (FSDP + TP); `dp_mesh_dims` takes one shard dim name and at most "
-    "one replicate dim name",
+    "return `Shard(dim)`, None or `ShardPlacementResult` (a mesh of the parameter's own, as "
+    "experts get theirs: one group, each parameter's collectives on its own mesh); "
+    "tensor-parallel DTensor parameters are sharded over a 1-D dp mesh (FSDP + TP); "
+    "`dp_mesh_dims` flattens several dims of a kind and takes replicate dims alone (DDP); an int "
+    "`reshard_after_forward` keeps 1/N of the parameters on the call's mesh only (those on a "
+    "mesh of their own reshard fully)",
     ("FSDPModule", None): "a sharded module is an instance of `twinshard.api.FSDPModule` and of "
     "torch's `FSDPModule`",
     ("MixedPrecisionPolicy", None): "twinshard's own dataclass; torch's policy objects are "
