@@ -86,7 +86,7 @@ def shard_module(
         _check_module(m)
     mesh = mesh if mesh is not None else default_mesh()
     if dp_mesh_dims is not None:  # ``mesh`` is the whole SPMD mesh: take its data-parallel part
-        mesh = more.data_parallel_mesh(mesh, dp_mesh_dims)
+        mesh = more.data_parallel_mesh(mesh, dp_mesh_dims, reshard_after_forward)
     info = mesh_info(mesh)
     auto = reshard_after_forward is None
     post_forward = post_forward_mesh_info(True if auto else reshard_after_forward, info)

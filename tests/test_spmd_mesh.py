@@ -108,6 +108,23 @@ def _plain_with_dp_mesh_dims(impl, mesh, dims):
     return None
 
 
+def _int_reshard_with_dp_mesh_dims(impl, mesh, dims):
+    """``reshard_after_forward=2`` with ``dp_mesh_dims``: the exception's classes and message,
+    or None. (With a tensor-parallel dim on 8 ranks twinshard hung here: rows of 2 ranks of a
+    mesh that is part of the world, built differently on each rank.)"""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    model = MLP()
+    for name, p in list(model.w1.named_parameters()):
+        setattr(model.w1, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
+    dp = impl.DataParallelMeshDims(**dims)
+    try:
+        impl.fully_shard(model.w1, mesh=mesh, dp_mesh_dims=dp, reshard_after_forward=2)
+    except Exception as error:  # noqa: BLE001 - the type is what is compared
+        return [c.__name__ for c in type(error).__mro__], str(error)
+    return None
+
+
 def _run() -> dict:
     """Each check under each implementation, on one mesh per shape: torch's SPMD path wants
     the parameters' mesh to be the very object passed to fully_shard."""
@@ -120,6 +137,7 @@ def _run() -> dict:
     checks[NO_DIMS, "train"] = (_full_dtensor, meshes["fsdp"], None)
     for case in ("fsdp", "hsdp_1x2"):
         checks[case, "plain"] = (_plain_with_dp_mesh_dims, meshes[case], MESHES[case][2])
+    checks["fsdp", "int"] = (_int_reshard_with_dp_mesh_dims, meshes["fsdp"], MESHES["fsdp"][2])
     out = {}
     for (case, check), (fn, mesh, dims) in checks.items():
         for name in IMPLS:
@@ -178,6 +196,16 @@ def test_plain_parameters_with_dp_mesh_dims_are_refused_as_torch(name, case):
         classes, is_value_error, message = mine
         assert is_value_error and "ValueError" in classes, classes  # pytest.raises(ValueError)
         assert message.startswith(theirs[2]) and len(message) > len(theirs[2]), message
+
+
+@pytest.mark.parametrize("name", TWINSHARD)
+def test_an_int_reshard_after_forward_with_dp_mesh_dims_is_refused_as_torch(name):
+    for out in results():
+        theirs, mine = out["fsdp", "int", TORCH], out["fsdp", "int", name]
+        assert theirs is not None and "NotImplementedError" in theirs[0], theirs  # the control
+        assert mine is not None, f"{name} accepts it"
+        assert "NotImplementedError" in mine[0] and "FSDPUsageError" in mine[0], mine
+        assert mine[1].startswith(theirs[1]) and "pass True or False" in mine[1], mine
 
 
 # Issue 34, item 3: dp_mesh_dims in full, on 4 ranks. Several dims of a kind flattened into one

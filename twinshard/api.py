@@ -47,6 +47,7 @@ __all__ = [
     "ShardPlacementResult",
     "UnshardHandle",
     "FSDPUsageError",
+    "FSDPNotSupportedError",
     "as_mp_policy",
     "as_offload_policy",
 ]
@@ -60,6 +61,11 @@ class FSDPUsageError(ValueError, RuntimeError, AssertionError):
     for a 2D mesh without dim names or a ``Shard`` dim the parameter does not have); code
     written against torch keeps catching it.
     """
+
+
+class FSDPNotSupportedError(FSDPUsageError, NotImplementedError):
+    """A combination that torch's FSDP2 refuses with ``NotImplementedError`` (not supported yet);
+    an ``FSDPUsageError`` too."""
 
 
 @dataclass(frozen=True)

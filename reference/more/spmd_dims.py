@@ -15,14 +15,21 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from twinshard.api import FSDPUsageError
+from twinshard.api import FSDPNotSupportedError, FSDPUsageError
 
 _made: dict[int, tuple] = {}  # id(data-parallel mesh) -> (it, replicate names, shard names)
 
 
-def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims) -> DeviceMesh:
+def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims, reshard_after_forward) -> DeviceMesh:
     """The data-parallel mesh of a whole SPMD ``mesh``: (shard), (replicate, shard) or
-    (replicate, 1), each of the dims ``dp_mesh_dims`` names of a kind flattened into one."""
+    (replicate, 1), each of the dims ``dp_mesh_dims`` names of a kind flattened into one. An int
+    ``reshard_after_forward`` is refused, as torch's FSDP2 refuses it (rows of N ranks of a mesh
+    that is a part of the world are not built alike on every rank)."""
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise FSDPNotSupportedError(
+            f"reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims): "
+            f"fully_shard got {reshard_after_forward}; pass True or False"
+        )
     shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
     missing = [n for n in (*shard, *replicate) if n not in (mesh.mesh_dim_names or ())]
     if missing:
