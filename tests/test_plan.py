@@ -200,6 +200,14 @@ def test_command_writes_table_json_and_picture(tmp_path, capsys):
     assert "| ideal step (ms) |" in text and "| FSDP overhead / torch's | 1.000 |" in text
     row = json.loads(out.read_text())["plans"][0]
     assert row["config"]["world"] == 4 and row["memory"]["fits"]["h100"]
+    # the caching allocator's model over the recorded requests (tests/test_allocator_model.py)
+    assert "| **reserved peak (MiB)** |" in text and "| fits b200 (167 GiB) | yes |" in text
+    mem, model = row["memory"], row["memory"]["allocator"]["segments"]
+    assert model["reserved_peak"] >= model["allocated_peak"] >= model["requested_peak"]
+    assert model["requested_peak"] >= mem["peak_bytes"] > 0  # every step's, the measured one's
+    assert (
+        model["reserved_peak"] % (2 << 20) == 0 and mem["reserved_bytes"] == model["reserved_peak"]
+    )
     t = row["time"]  # the ideal step (tests/test_plan_ideal.py) and the overhead over it
     assert t["overhead_s"] == pytest.approx(t["step_s"] - t["ideal_s"]) and t["overhead_s"] > 0
     assert picture.stat().st_size > 10_000

@@ -81,6 +81,10 @@ class Monitor(TorchDispatchMode):
         self.phases: list[Phase] = []
         self.storages: dict[int, tuple] = {}  # key -> (the storage, held; its device type)
         self.pinned: set[int] = set()  # keys of host storages pinned (the module docstring)
+        # the device's allocations and frees, in order, for the caching allocator's model
+        # (``measure.allocator``); None: not kept. See ``live_bytes``.
+        self.alloc_log: list | None = None
+        self._sizes: dict[int, int] = {}  # key -> bytes last logged
         self.begin("setup")
 
     # --- phases ---------------------------------------------------------------------------------
@@ -122,18 +126,40 @@ class Monitor(TorchDispatchMode):
         return True
 
     def live_bytes(self) -> dict[str, int]:
-        """Bytes per device type of the storages in use (held by more than this monitor)."""
+        """Bytes per device type of the storages in use (held by more than this monitor).
+
+        With an ``alloc_log``, also log the device's storages that died ("free"), changed size
+        ("free", then "alloc": a ``resize_``, FSDP's way of freeing and regrowing a buffer) or
+        appeared ("alloc", with the current stream) since the last look: the caching allocator
+        serves the same requests, frees first, as they are seen here, at each new storage."""
         out: dict[str, int] = {}
-        gone = []
+        gone, changed, log, device = [], [], self.alloc_log, self.accelerator
         for key, (storage, kind) in self.storages.items():
             if torch._C._storage_Use_Count(key) <= 1:
                 gone.append(key)
                 continue
-            out[kind] = out.get(kind, 0) + storage.nbytes()
+            n = storage.nbytes()
+            out[kind] = out.get(kind, 0) + n
+            if log is not None and kind == device and self._sizes.get(key, 0) != n:
+                changed.append((key, n))
         for key in gone:
             del self.storages[key]
             self.pinned.discard(key)
+            if log is not None and self._sizes.pop(key, 0):
+                log.append(("free", key))
+        if changed:
+            self._log_changed(changed)
         return out
+
+    def _log_changed(self, changed: list) -> None:
+        stream = fakecuda.current_stream().name
+        for key, _ in changed:
+            if self._sizes.pop(key, 0):
+                self.alloc_log.append(("free", key))
+        for key, n in changed:
+            if n:
+                self._sizes[key] = n
+                self.alloc_log.append(("alloc", key, n, stream))
 
     def _count(self) -> None:
         live = self.live_bytes()

@@ -96,6 +96,31 @@ DEVICES["h100-500w"] = replace(  # the same peaks, host link and efficiency as t
     capacity=96 * GiB,
     about="torchtitan's H100s: 2.4 TB/s, 96 GB, 500 W; SXM's peak, as torchtitan's MFU uses",
 )
+# Two more, from their datasheets: no published FSDP run on them is known to fit an efficiency
+# on, so each takes the H100's (the same tensor cores for the H200; an assumption for the B200,
+# said in every plan of it). Capacity: the datasheet's GB (10^9 bytes).
+DEVICES["h200"] = _gpu(
+    "H200 SXM 141GB",
+    989.4e12,
+    66.9e12,
+    4.8e12,
+    H100_500W_EFFICIENCY,
+    141 * 10**9,
+    55e9,
+    "NVIDIA H200 datasheet (SXM, 700 W): the H100's peaks, 141 GB HBM3e at 4.8 TB/s; PCIe 5.0 "
+    "x16; efficiency of the H100 500 W part",
+)
+DEVICES["b200"] = _gpu(
+    "B200 (HGX, 1000 W)",
+    2.25e15,
+    80e12,
+    8.0e12,
+    H100_500W_EFFICIENCY,
+    180 * 10**9,
+    55e9,
+    "NVIDIA HGX B200 datasheet, per GPU: 2.25 PFLOP/s dense bf16, 80 TFLOP/s fp32, 180 GB "
+    "HBM3e at 8 TB/s; PCIe 5.0 x16 host link; the H100's efficiency, not fitted (assumed)",
+)
 
 
 @dataclass(frozen=True)
@@ -121,6 +146,9 @@ NVLINK_STEP_S = 5.7e-6
 NET_STEP_S = 6.6e-6
 NVLINK_H100 = Link("NVLink (H100)", simnet.LINKS["nvlink"].bandwidth, NCCL_BASE_S, NVLINK_STEP_S)
 NVLINK_A100 = Link("NVLink (A100)", 230e9, NCCL_BASE_S, NVLINK_STEP_S)
+# NVLink 5 moves twice NVLink 4's bytes per GPU (1.8 against 0.9 TB/s both ways): twice the
+# H100's bus bandwidth, an estimate until a measured nccl-tests figure is published
+NVLINK_B200 = Link("NVLink 5 (B200)", 2 * NVLINK_H100.bandwidth, NCCL_BASE_S, NVLINK_STEP_S)
 NIC_400 = Link("400 Gb/s per GPU", simnet.LINKS["ib"].bandwidth, NCCL_BASE_S, NET_STEP_S)
 NIC_200 = Link("200 Gb/s per GPU", 22.5e9, NCCL_BASE_S, NET_STEP_S)
 
@@ -139,8 +167,16 @@ NETWORKS = {
     # docs/plan.md); a100-hdr is the 200 Gb/s (HDR InfiniBand per GPU) cluster
     "a100-ib": _nodes_of_8("A100", NVLINK_A100, NIC_400, "400 Gb/s InfiniBand"),
     "a100-hdr": _nodes_of_8("A100", NVLINK_A100, NIC_200, "200 Gb/s HDR InfiniBand"),
+    "h200-ib": _nodes_of_8("H200", NVLINK_H100, NIC_400, "400 Gb/s InfiniBand"),
+    "b200-ib": _nodes_of_8("B200", NVLINK_B200, NIC_400, "400 Gb/s InfiniBand"),
 }
-DEFAULT_NETWORK = {"a100": "a100-ib", "h100": "h100-ib", "h100-500w": "h100-roce"}
+DEFAULT_NETWORK = {
+    "a100": "a100-ib",
+    "h100": "h100-ib",
+    "h100-500w": "h100-roce",
+    "h200": "h200-ib",
+    "b200": "b200-ib",
+}
 
 
 def simulated_network(link_text: str, world: int) -> Network:

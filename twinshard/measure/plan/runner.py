@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 
 from twinshard import fresh_process
-from twinshard.measure import step, world
+from twinshard.measure import allocator, step, world
 from twinshard.measure.probe import Probe, sharded_modules
 from twinshard.models import Llama
 
 from . import checkpointing, ideal
 from .labels import Labels
+from .profiles import DEVICES
 from .trace import StepTrace
 
 aten = torch.ops.aten
@@ -90,6 +91,8 @@ def record(config, progress=print) -> dict:
                 step.train_step(model, opt, tokens, lambda phase: labels.set(*MARKS[phase]))
         _release_last_graph(device)
     phases = trace.finish()
+    limits = {name: d.capacity for name, d in DEVICES.items() if name != "cpu"}
+    reserved = allocator.summary(trace.alloc_log, limits) if trace.alloc_log is not None else None
     labels.remove()
     dist.destroy_process_group()
     recorded = phases[STEPS]
@@ -109,6 +112,8 @@ def record(config, progress=print) -> dict:
         "start_bytes": recorded.start_bytes,
         "peak_host_bytes": recorded.peak_host_bytes,
         "parts": trace.parts_at_peak(),
+        "allocator": reserved,  # the caching allocator's model over every step (None: CPU)
+        "alloc_log": trace.alloc_log,  # what it replayed, to replay again (``published --fit``)
         "peak_label": getattr(trace, "peak_label", ""),
         "parts_step_bytes": trace.snapshot_bytes,  # the next step's at the same point
         "probe": dict(recorded.categories),

@@ -1,7 +1,8 @@
 """A recorded step as the plan's answer: memory, communication and time, per rank.
 
 ``summarize(recorded, device, network)`` turns one ``runner.record`` result into plain data:
-memory from ``trace.StepTrace.parts_at_peak`` and ``profiles.DEVICES`` (whether it fits),
+memory from ``trace.StepTrace.parts_at_peak``, the caching allocator's model
+(``measure.allocator``: reserved bytes) and ``profiles.DEVICES`` (whether it fits),
 communication from ``replay.per_link``, time and MFU from ``replay.replay``.
 ``add_ideal(row, ideal_s)`` adds the job's ideal step (``ideal.py``) and the FSDP overhead,
 the planned step minus the ideal; ``add_ratios(rows)`` adds each implementation's step time,
@@ -27,6 +28,12 @@ def summarize(recorded: dict, device, network) -> dict:
     dtype = BF16 if config["dtype"] == "bf16" else FP32
     step = timed["step_s"]
     peak = recorded["peak_bytes"]
+    allocator = recorded.get("allocator")  # the caching allocator's model; None on the CPU
+    fits = {name: peak <= d.capacity for name, d in DEVICES.items()}
+    if allocator is not None:  # by reserved bytes, as an out-of-memory error decides
+        fits = {
+            name: allocator["fits"].get(name, {"fits": ok})["fits"] for name, ok in fits.items()
+        }
     return {
         "config": config,
         "model": recorded["model"],
@@ -35,7 +42,9 @@ def summarize(recorded: dict, device, network) -> dict:
             "parts": recorded["parts"],
             "peak_at": recorded["peak_label"],
             "host_peak_bytes": recorded["peak_host_bytes"],
-            "fits": {name: peak <= d.capacity for name, d in DEVICES.items()},
+            "reserved_bytes": allocator["segments"]["reserved_peak"] if allocator else None,
+            "allocator": allocator,
+            "fits": fits,
             "probe": recorded["probe"],
         },
         "communication": per_link(recorded, network),

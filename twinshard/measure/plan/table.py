@@ -66,8 +66,12 @@ def format_plan(rows: dict) -> str:
         if any(r["memory"]["parts"].get(part) for r in ok.values()):
             add(f"  {PART_NAMES[part]}", lambda r, p=part: f"{r['memory']['parts'][p] / size:.2f}")
     add("peak reached at", lambda r: r["memory"]["peak_at"])
+    if all(r["memory"].get("allocator") for r in ok.values()):  # see measure/allocator.py
+        add(f"**reserved peak ({unit})**", lambda r: f"**{_reserved(r, 'segments') / size:.2f}**")
+        add(f"  with expandable segments ({unit})", lambda r: f"{_reserved(r) / size:.2f}")
+        add("  reserved / allocated", lambda r: f"{_ratio(r):.3f}")
     for name, device in DEVICES.items():
-        add(f"fits {name} ({device.capacity // GiB} GiB)", lambda r, n=name: _yes(r, n))
+        add(f"fits {name} ({device.capacity // GiB} GiB)", lambda r, n=name: _yes(r, n))  # reserved
     add(f"host peak ({unit})", lambda r: f"{r['memory']['host_peak_bytes'] / size:.2f}")
     add("**step time (ms)**", lambda r: f"**{ms(r['time']['step_s'])}**")
     add("  compute (ms)", lambda r: ms(r["time"]["compute_s"]))
@@ -101,6 +105,14 @@ def _in_ms(row: dict, key: str) -> str:
 def _ratio_of(row: dict, key: str) -> str:
     value = row["vs_torch"].get(key)
     return "-" if value is None else f"{value:.3f}"
+
+
+def _reserved(row: dict, mode: str = "expandable") -> int:
+    return row["memory"]["allocator"][mode]["reserved_peak"]
+
+
+def _ratio(row: dict) -> float:
+    return row["memory"]["allocator"]["segments"]["reserved_per_allocated"]
 
 
 def _yes(row: dict, name: str) -> str:

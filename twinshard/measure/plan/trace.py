@@ -138,6 +138,7 @@ class StepTrace(Monitor):
         self.issued = None  # the collective the operator dispatched now issued
         self.flops = Counter()  # by label kind: forward, backward, recompute, optimizer
         self._count_serial = itertools.count()
+        self.alloc_log = [] if accelerator != "cpu" else None  # see Monitor.live_bytes
         self._log_mark = len(fakecuda.LOG)
         self._sync_mark = len(fakecuda.SYNCS)
 

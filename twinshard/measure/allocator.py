@@ -1,0 +1,330 @@
+"""A model of PyTorch's CUDA caching allocator: the memory a step reserves, not only allocates.
+
+What decides an out-of-memory error on a GPU, and what training logs publish
+(``torch.cuda.max_memory_reserved``), is the caching allocator's reserved memory: the segments it
+took from the driver, whose free parts it keeps for later requests of the same stream. A plan
+records the step's allocations and frees (``trace.StepTrace.alloc_log``); ``CachingAllocator``
+replays them and reports the allocated, requested and reserved peaks. The rules, as
+``c10/cuda/CUDACachingAllocator.cpp`` has them (read there; written here anew):
+
+- **sizes**: a request is rounded up to a multiple of 512 bytes (at least 512);
+- **pools**: requests of at most 1 MiB come from the small pool, the rest from the large one;
+  each stream has its own of each, and a freed block serves only its own stream again;
+- **best fit**: the smallest free block of the pool that holds the request;
+- **segments**: when none does, a new segment is taken: 2 MiB for a small request, 20 MiB for
+  one under 10 MiB, else the request rounded up to 2 MiB;
+- **splitting**: the rest of a block stays free behind the request if it is at least 512 bytes
+  (small pool) or more than 1 MiB (large pool); otherwise the request takes the whole block,
+  and counts as allocated with it;
+- **freeing** merges a block with free neighbours of its segment; a segment is given back to the
+  driver only when a new one would not fit under the device's limit: first whole free segments
+  of the request's pool, then every whole free segment; only then is it out of memory;
+- **expandable segments** (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): one segment per
+  stream and pool that grows at its end in pages (2 MiB small, 20 MiB large), any split of 512
+  bytes or more is kept, and pages of a free tail are unmapped when memory runs short.
+
+Left out: the delay of a free until the events of other streams that used the block
+(``record_stream``; here a free is at once), ``max_split_size_mb``, power-of-two rounding and
+garbage collection (off by default), CUDA graph pools, and unmapping free pages inside an
+expandable segment rather than at its end. Each makes reserved memory higher or equal in the real
+allocator; the first is what ``active`` memory adds to allocated there.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+MiB = 1 << 20
+MIN_BLOCK = 512  # every size is a multiple of this
+SMALL_SIZE = 1 * MiB  # the largest request of the small pool
+SMALL_SEGMENT = 2 * MiB  # a small pool's segment (and its page, expandable)
+LARGE_SEGMENT = 20 * MiB  # the segment of a request under MIN_LARGE_ALLOC (and a large page)
+MIN_LARGE_ALLOC = 10 * MiB
+ROUND_LARGE = 2 * MiB
+
+
+def round_size(nbytes: int) -> int:
+    """A request's size in the allocator: a multiple of 512 bytes, at least 512."""
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    """The segment taken from the driver for a (rounded) request no free block holds."""
+    if size <= SMALL_SIZE:
+        return SMALL_SEGMENT
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_SEGMENT
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass(eq=False)
+class Block:
+    """A piece of a segment, free or given to a request."""
+
+    segment: Segment
+    offset: int
+    size: int
+    free: bool = True
+    prev: Block | None = None
+    next: Block | None = None
+
+    def key(self) -> tuple:  # the pool's order: best fit, then the lowest address
+        return (self.size, self.segment.serial, self.offset)
+
+
+@dataclass(eq=False)
+class Segment:
+    """Memory taken from the driver: ``size`` bytes (mapped bytes of an expandable one)."""
+
+    serial: int
+    pool: tuple  # (stream, small)
+    size: int
+    first: Block | None = None
+    expandable: bool = False
+
+    def whole_free_block(self) -> Block | None:
+        """Its one block, if that block is free (the segment can be given back)."""
+        b = self.first
+        return b if b is not None and b.free and b.next is None else None
+
+
+@dataclass
+class Stats:
+    allocated: int = 0  # block bytes given to requests (rounded, with unsplit rests)
+    requested: int = 0  # bytes the requests asked for
+    reserved: int = 0  # segment bytes taken from the driver
+    peak_allocated: int = 0
+    peak_requested: int = 0
+    peak_reserved: int = 0
+    segments: int = 0
+    driver_allocs: int = 0  # segments (or pages) taken
+    releases: int = 0  # times cached memory was given back to fit a request
+    oom: list = field(default_factory=list)  # (request bytes, reserved then) that did not fit
+
+
+class CachingAllocator:
+    """Replays allocations and frees as the caching allocator serves them; ``limit``: the device's
+    usable bytes (None: no limit), ``expandable``: expandable segments."""
+
+    def __init__(self, limit: int | None = None, expandable: bool = False):
+        self.limit, self.expandable = limit, expandable
+        self.pools: dict[tuple, list] = {}  # (stream, small) -> free blocks, sorted by key()
+        self.segments: list[Segment] = []
+        self.grown: dict[tuple, Segment] = {}  # expandable: the one segment of each pool
+        self.live: dict = {}  # request key -> (its block, bytes asked)
+        self.stats = Stats()
+        self._serial = itertools.count()
+
+    # --- requests ---------------------------------------------------------------------------------
+    def malloc(self, key, nbytes: int, stream: str = "default") -> None:
+        """Serve a request of ``nbytes`` for ``key`` (freed later by ``free(key)``) on ``stream``."""
+        size = round_size(nbytes)
+        pool = (stream, size <= SMALL_SIZE)
+        block = self._best_fit(pool, size)
+        if block is None:
+            block = self._grow(pool, size) if self.expandable else self._new_segment(pool, size)
+        self._take(block, size)
+        self.live[key] = (block, nbytes)
+        s = self.stats
+        s.allocated += block.size
+        s.requested += nbytes
+        s.peak_allocated = max(s.peak_allocated, s.allocated)
+        s.peak_requested = max(s.peak_requested, s.requested)
+
+    def free(self, key) -> None:
+        """Give ``key``'s block back to its pool, merged with its free neighbours."""
+        block, nbytes = self.live.pop(key)
+        self.stats.allocated -= block.size
+        self.stats.requested -= nbytes
+        block.free = True
+        for other in (block.prev, block.next):
+            if other is not None and other.free:
+                self._unlist(other)
+                block = self._merge(block, other)
+        self._list(block)
+
+    def fragmentation(self) -> float:
+        """The share of reserved bytes not allocated, now."""
+        s = self.stats
+        return 1 - s.allocated / s.reserved if s.reserved else 0.0
+
+    # --- the pools ----------------------------------------------------------------------------------
+    def _list(self, block: Block) -> None:
+        bisect.insort(self.pools.setdefault(block.segment.pool, []), block, key=Block.key)
+
+    def _unlist(self, block: Block) -> None:
+        blocks = self.pools[block.segment.pool]
+        i = bisect.bisect_left(blocks, block.key(), key=Block.key)
+        assert blocks[i] is block
+        del blocks[i]
+
+    def _best_fit(self, pool: tuple, size: int) -> Block | None:
+        """The smallest free block of ``pool`` that holds ``size`` (expandable: not the free end
+        of the segment, which is grown instead, as if it were as large as it can grow)."""
+        blocks = self.pools.get(pool, [])
+        i = bisect.bisect_left(blocks, (size, -1, -1), key=Block.key)
+        for block in blocks[i:]:
+            if not (self.expandable and block.next is None):
+                self._unlist(block)
+                return block
+        return None
+
+    def _take(self, block: Block, size: int) -> None:
+        """Give ``block`` to a request of ``size``, splitting off a free rest where the rules
+        say so."""
+        rest = block.size - size
+        small = block.segment.pool[1]
+        split = rest >= MIN_BLOCK if small or self.expandable else rest > SMALL_SIZE
+        if split:
+            tail = Block(block.segment, block.offset + size, rest, True, block, block.next)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next, block.size = tail, size
+            self._list(tail)
+        block.free = False
+
+    @staticmethod
+    def _merge(a: Block, b: Block) -> Block:
+        first, second = (a, b) if a.offset < b.offset else (b, a)
+        first.size += second.size
+        first.next = second.next
+        if second.next is not None:
+            second.next.prev = first
+        first.free = True
+        return first
+
+    # --- memory from the driver ----------------------------------------------------------------------
+    def _reserve(self, nbytes: int, pool: tuple, request: int) -> None:
+        """Count ``nbytes`` more reserved, first giving cached memory back where the limit
+        says so; a request that still does not fit is recorded as out of memory."""
+        s = self.stats
+        if self.limit is not None and s.reserved + nbytes > self.limit:
+            s.releases += 1
+            self._release(nbytes, only=pool)
+            if s.reserved + nbytes > self.limit:
+                self._release(nbytes, only=None)
+            if s.reserved + nbytes > self.limit:
+                s.oom.append((request, s.reserved))
+        s.reserved += nbytes
+        s.driver_allocs += 1
+        s.peak_reserved = max(s.peak_reserved, s.reserved)
+
+    def _new_segment(self, pool: tuple, size: int) -> Block:
+        nbytes = segment_size(size)
+        self._reserve(nbytes, pool, size)
+        segment = Segment(next(self._serial), pool, nbytes)
+        segment.first = Block(segment, 0, nbytes)
+        self.segments.append(segment)
+        self.stats.segments += 1
+        return segment.first
+
+    def _grow(self, pool: tuple, size: int) -> Block:
+        """Expandable: map pages at the end of the pool's segment until its free end holds
+        ``size``; returns that end, out of its pool."""
+        page = SMALL_SEGMENT if pool[1] else LARGE_SEGMENT
+        segment = self.grown.get(pool)
+        if segment is None:
+            segment = self.grown[pool] = Segment(next(self._serial), pool, 0, expandable=True)
+            self.segments.append(segment)
+            self.stats.segments += 1
+        end = self._last(segment)
+        have = end.size if end is not None and end.free else 0
+        nbytes = -(-max(0, size - have) // page) * page  # whole pages, none if it holds it
+        if nbytes:
+            self._reserve(nbytes, pool, size)
+        segment.size += nbytes
+        if end is not None and end.free:
+            self._unlist(end)
+            end.size += nbytes
+            return end
+        block = Block(segment, segment.size - nbytes, nbytes, True, end)
+        if end is None:
+            segment.first = block
+        else:
+            end.next = block
+        return block
+
+    @staticmethod
+    def _last(segment: Segment) -> Block | None:
+        block = segment.first
+        while block is not None and block.next is not None:
+            block = block.next
+        return block
+
+    def _release(self, wanted: int, only: tuple | None) -> None:
+        """Give cached memory back to the driver: whole free segments (of pool ``only``, or of
+        every pool), the smallest one that frees ``wanted`` if one does, else the largest
+        first until ``wanted`` is freed; expandable: the whole free pages at each end."""
+        if self.expandable:
+            for segment in self.segments:
+                self._unmap_end(segment)
+            return
+        free = [s for s in self.segments if s.whole_free_block() and only in (None, s.pool)]
+        free.sort(key=lambda s: s.size)
+        enough = [s for s in free if s.size >= wanted]
+        chosen = enough[:1] if enough and only is not None else free[::-1]
+        freed = 0
+        for segment in chosen:
+            if only is not None and freed >= wanted:
+                break
+            self._unlist(segment.first)
+            self.segments.remove(segment)
+            self.stats.reserved -= segment.size
+            self.stats.segments -= 1
+            freed += segment.size
+
+    def _unmap_end(self, segment: Segment) -> None:
+        page = SMALL_SEGMENT if segment.pool[1] else LARGE_SEGMENT
+        end = self._last(segment)
+        if end is None or not end.free:
+            return
+        pages = (end.size - (-end.offset % page)) // page * page  # whole pages of the free end
+        if pages <= 0:
+            return
+        self._unlist(end)
+        end.size -= pages
+        segment.size -= pages
+        self.stats.reserved -= pages
+        if end.size:
+            self._list(end)
+        elif end.prev is not None:
+            end.prev.next = None
+        else:
+            segment.first = None
+
+
+def replay(log, limit: int | None = None, expandable: bool = False) -> CachingAllocator:
+    """Replay ``log`` (("alloc", key, bytes, stream) and ("free", key) entries, in order) on a
+    new ``CachingAllocator``; returns it, with its ``stats``."""
+    allocator = CachingAllocator(limit, expandable)
+    for entry in log:
+        if entry[0] == "alloc":
+            allocator.malloc(entry[1], entry[2], entry[3])
+        else:
+            allocator.free(entry[1])
+    return allocator
+
+
+def summary(log, limits: dict[str, int]) -> dict:
+    """What a plan reports of ``log`` (``replay``'s entries): the peaks of bytes requested,
+    allocated (blocks) and reserved, how many segments (or pages) were taken, and the reserved
+    peak over the allocated one, with plain segments and with expandable ones; and per device of
+    ``limits`` (its usable bytes), whether the step fits (no request out of memory, cached
+    segments given back first) and how often cached memory had to be given back."""
+    out = {}
+    for mode, expandable in (("segments", False), ("expandable", True)):
+        s = replay(log, None, expandable).stats
+        out[mode] = {
+            "requested_peak": s.peak_requested,
+            "allocated_peak": s.peak_allocated,
+            "reserved_peak": s.peak_reserved,
+            "driver_allocs": s.driver_allocs,
+            "reserved_per_allocated": s.peak_reserved / s.peak_allocated if s.peak_allocated else 1,
+        }
+    out["fits"] = {}
+    for name, limit in limits.items():
+        s = replay(log, limit, False).stats
+        out["fits"][name] = {"fits": not s.oom, "releases": s.releases, "oom_at": s.oom[:1]}
+    return out
