@@ -232,14 +232,25 @@ def test_published_runs_are_valid_plans_and_compared_as_ratios():
     name = "llama3.1-8b h100 8 bs2 selective-op"
     row = {
         "time": {"tokens_per_s": 2 * 5762.0, "mfu": 0.35, "exposed_s": 0.0},
-        "memory": {"peak_bytes": 41.2 * 2**30},
+        "memory": {
+            "peak_bytes": 41.2 * 2**30,
+            "allocator": {  # reserved: 1.05 and 1.2 of the published 82.4 GiB
+                "expandable": {"reserved_peak": 86.52 * 2**30},
+                "segments": {"reserved_peak": 98.88 * 2**30},
+            },
+        },
         "record_s": 1.0,
     }
     (compared,) = published.compare({name: row})
     assert compared["tps_ratio"] == pytest.approx(2.0)
     assert compared["memory_ratio"] == pytest.approx(0.5)
+    assert compared["reserved_ratio"] == pytest.approx(1.05)
     assert compared["fitted"]
-    assert "| 11,524 | 2.00 | 82.4 | 41.2 | 0.50 |" in published.markdown([compared])
+    text = published.markdown([compared])
+    assert "| 11,524 | 2.00 | 82.4 | 41.2 | 0.50 | 86.5 | 1.05 | 98.9 |" in text
+    assert published.missed([compared]) == []  # within 10%: the expandable figure is compared
+    compared["reserved_ratio"] = 0.88
+    assert published.missed([compared]) == [f"{name}: reserved 0.880 of the published figure"]
 
 
 def test_torchs_own_copy_operators_are_priced_as_the_copies_they_make():

@@ -5,6 +5,7 @@
     twinshard plan --model small --world 8 --json plan.json --plot plan.png
     twinshard plan --model llama3-8b --world 64 --sweep world=8,64,512
     twinshard plan --model small --world 2 --device cpu --network simnet:ib --probe
+    twinshard plan --model llama3-8b --world 8 --seq 8192 --device h100-500w --search
 
 The job's flags (``--model``, ``--world``, ``--per-rank``, ...) are those of every measuring
 command (``twinshard.measure.flags``);
@@ -15,7 +16,8 @@ asked) runs as rank 0 of ``--world`` ranks on the fake accelerator, in a process
 step, the same model without FSDP (``ideal.py``), is recorded beside them, once per job, and
 each implementation's FSDP overhead is its step minus the ideal. ``--device cpu``
 plans this machine instead (``twinshard bench --backend simnet``'s rank, timed with constants
-measured here). Every argument is checked before any work starts (``config.problem``).
+measured here). ``--search`` finds the fastest setting that fits (``search.py``). Every
+argument is checked before any work starts (``config.problem``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--probe", action="store_true", help="also twinshard bench's memory categories")
     add("--sweep", default=None, help=f"NAME=V1,V2 with NAME one of {', '.join(SWEEPABLE)}")
     add("--plot", default=None, help="draw the memory timeline here (.png)")
+    add("--search", action="store_true", help="the fastest setting that fits (search.py)")
 
 
 def configs_from(args) -> tuple[list[list[Job]], str | None]:
@@ -132,9 +135,13 @@ def plan(plans: list[Job], progress: bool = True, ranks_per_node=None, ideal=Tru
 
 def run(args) -> int:
     grid, wrong = configs_from(args)
+    if args.search and args.sweep:
+        wrong = wrong or "--search and --sweep go one at a time"
     if wrong:
         print(f"twinshard plan: error: {wrong}", file=sys.stderr)
         return 2
+    if args.search:
+        return run_search(args, grid[0][0])
     plans = [job for point in grid for job in point]
     rows = plan(plans, not args.no_progress, args.ranks_per_node)
     in_order = iter(rows)  # one table per sweep point: implementation -> row
@@ -154,3 +161,23 @@ def run(args) -> int:
         plot_plan(last, {n: r.get("timeline") for n, r in last.items()}, args.plot)
         print(f"wrote {args.plot}")
     return 1 if any("error" in row for row in rows) else 0
+
+
+def run_search(args, base: Job) -> int:
+    """``--search``: ``base``'s settings (its implementation, the first of ``--impls``)."""
+    from . import search
+
+    blocks = base.llama().n_layers
+    progress = not args.no_progress
+    plan_fn = lambda jobs, p, ideal: plan(jobs, p, args.ranks_per_node, ideal)  # noqa: E731
+    found = search.search(base, blocks, plan_fn, progress)
+    text = search.format_search(found, base, blocks)
+    data = [
+        {k: (search.describe(v) if k == "job" else v) for k, v in r.items()}
+        for r in found["ranked"]
+    ]
+    publish(text, args.markdown, args.json, {"search": data})
+    if args.plot:
+        search.plot_search(found, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if found["best"] is not None else 1
