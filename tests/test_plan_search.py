@@ -7,6 +7,7 @@ is known; the command itself runs on the tiny model at the end."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -57,8 +58,35 @@ def test_the_winner_is_the_fastest_that_fits_and_the_others_say_why():
     assert all(r["reserved_bytes"] > 80 * GiB for r in unfit)
     slower = [r for r in ranked if r["fits"] and r is not best]
     assert all(r["tokens_per_s"] <= best["tokens_per_s"] for r in slower)
-    assert all(r["why"].startswith("slower: ") for r in slower)
+    recorded = [r for r in slower if "row" in r]  # the other two of the three recorded in full
+    assert len(recorded) == search.CONFIRM - 1
+    assert all(r["why"].startswith("slower: ") for r in recorded)
+    assert all(r["why"].startswith("guessed ") for r in slower if "row" not in r)
     assert ranked.index(best) == 0 and best["why"] == "fastest that fits"
+
+
+def test_the_guesses_are_recorded_in_full_and_the_recordings_decide():
+    """Kept parameters cost 0.5 s more at full depth than the line from two small depths says:
+    the best guess (no checkpointing, 2 sequences, kept) loses to the next one recorded in full
+    (resharded)."""
+
+    def bent(jobs, progress, ideal):
+        rows = stand_in(jobs, progress, ideal)
+        for job, row in zip(jobs, rows):
+            if job.model["n_layers"] == 32 and job.reshard_after_forward is False:
+                row["time"]["step_s"] += 0.5
+        return rows
+
+    eight = replace(BASE, world=8)  # one node: no HSDP twins among the guesses
+    found = search.search(eight, 32, bent, progress=False)
+    best = found["best"]
+    assert search.describe(best["job"]) == "ac none, 2 x 1024 tokens, reshard after forward, FSDP"
+    assert best["tokens_per_s"] == pytest.approx(2 * 1024 / (0.005 + 32 * 0.024))
+    first_guess = next(r for r in found["ranked"] if r.get("guess") and r is not best
+                       and r["guess"]["tokens_per_s"] > best["tokens_per_s"])  # fmt: skip
+    assert search.describe(first_guess["job"]).startswith("ac none, 2 x 1024 tokens, keep")
+    assert first_guess["why"].startswith("slower: ")
+    assert "(extrapolated: 2,649 tokens/s" in search.format_search(found, eight, 32)
 
 
 def test_the_line_through_two_depths_reaches_the_model_depth():

@@ -173,7 +173,7 @@ def run_search(args, base: Job) -> int:
     found = search.search(base, blocks, plan_fn, progress)
     text = search.format_search(found, base, blocks)
     data = [
-        {k: (search.describe(v) if k == "job" else v) for k, v in r.items()}
+        {k: (search.describe(v) if k == "job" else v) for k, v in r.items() if k != "row"}
         for r in found["ranked"]
     ]
     publish(text, args.markdown, args.json, {"search": data})

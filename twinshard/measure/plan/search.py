@@ -9,10 +9,12 @@ at most the device's capacity; the fastest is the one with the most tokens per s
 
 Recording every setting at the model's depth would take an hour for an 8B model on this
 machine. A model's blocks are alike: each adds the same compute, communication and memory, so
-each setting is recorded at two small depths (``DEPTHS`` blocks, in one spawned process) and
-its step time and reserved peak are extrapolated in a straight line to the model's depth; the
-winner is then recorded at full depth, and that recording is what the answer reports (with the
-extrapolation beside it, as a check of the method).
+each setting is recorded at two small depths (``DEPTHS`` blocks, in ``WORKERS`` spawned
+processes at once) and its step time and reserved peak are extrapolated in a straight line to
+the model's depth. The line is a guess: the peak moves with depth (from the logits' buffers at
+two blocks to the activations of every block at the start of backward), so the ``CONFIRM``
+fastest guesses that fit are recorded at full depth, and the fastest of those recordings that
+fits wins; the table shows recorded figures where there are some, the guess beside them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from twinshard.measure.units import GiB, markdown_table
 
 AC = ("none", "selective", "layer:2", "block")
 PER_RANK = (1, 2, 4)
-DEPTHS = (2, 3)  # blocks recorded per setting, extrapolated to the model's depth
+DEPTHS = (2, 4)  # blocks recorded per setting (even: layer:2 checkpoints half of each)
+CONFIRM = 3  # the fastest settings that fit, recorded at full depth; the best of them wins
+WORKERS = 2  # processes recording at once (one per core here)
 
 
 def settings(base: Job) -> list[Job]:
@@ -57,15 +61,29 @@ def extrapolate(shallow: list[dict], depths: tuple, blocks: int) -> dict:
     return {"step_s": step, "reserved_bytes": reserved}
 
 
+def in_parallel(plan_fn, jobs: list, progress: bool) -> list[dict]:
+    """``plan_fn(jobs)`` split over ``WORKERS`` processes recording at once, rows in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    parts = [jobs[i::WORKERS] for i in range(WORKERS)]
+    with ThreadPoolExecutor(WORKERS) as pool:
+        done = list(pool.map(lambda part: plan_fn(part, progress, ideal=False), parts))
+    rows = [None] * len(jobs)
+    for i, part_rows in enumerate(done):
+        rows[i::WORKERS] = part_rows
+    return rows
+
+
 def search(base: Job, blocks: int, plan_fn, progress: bool = True) -> dict:
     """Search ``base``'s settings for a model of ``blocks`` blocks (``plan_fn``: ``cli.plan``,
-    which records and summarizes a list of jobs); the ranked settings, the winner's full-depth
-    row and the device's capacity."""
+    which records and summarizes a list of jobs); the ranked settings, the winner (the fastest
+    of the ``CONFIRM`` best guesses that fit, recorded at full depth) and the device's
+    capacity."""
     from .profiles import DEVICES
 
     capacity = DEVICES[base.device].capacity
     jobs = settings(base)
-    shallow = plan_fn([at_depth(j, d) for j in jobs for d in DEPTHS], progress, ideal=False)
+    shallow = in_parallel(plan_fn, [at_depth(j, d) for j in jobs for d in DEPTHS], progress)
     ranked = []
     for i, job in enumerate(jobs):
         rows = shallow[2 * i : 2 * i + 2]
@@ -78,10 +96,20 @@ def search(base: Job, blocks: int, plan_fn, progress: bool = True) -> dict:
         fits = guess["reserved_bytes"] <= capacity
         ranked.append({"job": job, **guess, "tokens_per_s": tokens, "fits": fits})
     ranked.sort(key=lambda r: (not r.get("fits", False), -r.get("tokens_per_s", 0)))
-    best = ranked[0] if ranked and ranked[0].get("fits") else None
-    confirmed = None
-    if best is not None:
-        (confirmed,) = plan_fn([at_depth(best["job"], blocks)], progress, ideal=False)
+    guesses = [r for r in ranked if r.get("fits")][:CONFIRM]
+    full = in_parallel(plan_fn, [at_depth(r["job"], blocks) for r in guesses], progress)
+    for r, row in zip(guesses, full):
+        if "error" not in row:
+            r["guess"] = {k: r[k] for k in ("step_s", "reserved_bytes", "tokens_per_s")}
+            r["step_s"], r["reserved_bytes"] = (
+                row["time"]["step_s"],
+                row["memory"]["reserved_bytes"],
+            )
+            r["tokens_per_s"] = r["job"].per_rank * r["job"].seq / r["step_s"]
+            r["fits"], r["row"] = r["reserved_bytes"] <= capacity, row
+    ranked.sort(key=lambda r: (not r.get("fits", False), "row" not in r, -r.get("tokens_per_s", 0)))
+    best = ranked[0] if ranked and ranked[0].get("fits") and "row" in ranked[0] else None
+    confirmed = best["row"] if best is not None else None
     for r in ranked:
         r["why"] = _why(r, best, capacity)
     return {"ranked": ranked, "best": best, "confirmed": confirmed, "capacity": capacity}
@@ -94,7 +122,10 @@ def _why(r: dict, best: dict | None, capacity: int) -> str:
         return f"does not fit: {r['reserved_bytes'] / GiB:.1f} GiB reserved > {capacity / GiB:.0f}"
     if r is best:
         return "fastest that fits"
-    return f"slower: {r['tokens_per_s'] / best['tokens_per_s']:.3f} of the fastest"
+    share = r["tokens_per_s"] / best["tokens_per_s"]
+    if "row" not in r:
+        return f"guessed {share:.3f} of the fastest; not among the {CONFIRM} recorded in full"
+    return f"slower: {share:.3f} of the fastest"
 
 
 def format_search(found: dict, base: Job, blocks: int, shown: int = 8) -> str:
@@ -112,19 +143,21 @@ def format_search(found: dict, base: Job, blocks: int, shown: int = 8) -> str:
             f"**Fastest that fits: {describe(best['job'])}**: recorded at full depth, "
             f"{best['job'].per_rank * base.seq / step:,.0f} tokens/s per rank, step "
             f"{step * 1e3:.1f} ms, {reserved / GiB:.1f} GiB reserved (extrapolated: "
-            f"{best['tokens_per_s']:,.0f} tokens/s, {best['reserved_bytes'] / GiB:.1f} GiB)"
+            f"{best['guess']['tokens_per_s']:,.0f} tokens/s, "
+            f"{best['guess']['reserved_bytes'] / GiB:.1f} GiB)"
         )
     rows = [
         [
             describe(r["job"]),
             f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-",
             f"{r['reserved_bytes'] / GiB:.1f}" if "reserved_bytes" in r else "-",
+            "recorded" if "row" in r else "extrapolated",
             r["why"],
         ]
         for r in found["ranked"][:shown]
     ]
-    header = ["setting", "tokens/s per rank", "reserved GiB", "why"]
-    return "\n".join([*lines, "", markdown_table(header, rows, "lrrl")])
+    header = ["setting", "tokens/s per rank", "reserved GiB", "from", "why"]
+    return "\n".join([*lines, "", markdown_table(header, rows, "lrrll")])
 
 
 def plot_search(found: dict, path: str) -> None:
