@@ -31,7 +31,7 @@ from twinshard.reference.more.kept_shards import keep_shard_in, shard_is_kept, s
 from twinshard.reference.more.replaced import on_meta
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
-from twinshard.storages import memory_key
+from twinshard.storages import memory_key, starts
 
 from .collectives import AllGatherResult, all_gather, copy_out
 from .comm import CommContext
@@ -64,13 +64,12 @@ class FlatParamGroup(ParamGroup):
         self.views: dict = {}  # see [Note: the copy-out views are kept]
         # see [Note: the group keeps its blocks padded]; False where a parameter cannot be kept
         # so, and for a group of mixed dtypes (a frozen float8 weight beside float32 ones): its
-        # blocks are gathered as bytes, each from its own tensor
+        # blocks are gathered as bytes, each from its own tensor; and for a group on several
+        # meshes (``meshes.py``)
         dtypes = [p.sharded_param.dtype for p in self.params]
-        self.can_keep_shards = dtypes.count(dtypes[0]) == len(dtypes) and all(
-            shard_storage_shape(p) is not None for p in self.params
-        )
-        self.one_mesh = len(mesh_parts(self.params)) == 1  # else see ``meshes.py``
-        self.can_keep_shards = self.can_keep_shards and self.one_mesh
+        self.one_mesh = len(mesh_parts(self.params)) == 1
+        self.can_keep_shards = self.one_mesh and dtypes.count(dtypes[0]) == len(dtypes)
+        self.can_keep_shards &= all(shard_storage_shape(p) is not None for p in self.params)
         # per parameter: its padded block, flat, (chunk * rest,); None until it moves in
         self.kept_blocks: list = [None] * len(self.params)
         self.kept_dtypes: list = []  # their compute dtypes; set when they move in
@@ -150,9 +149,6 @@ class FlatParamGroup(ParamGroup):
         params = [p for p in self.params if p.state is not UNSHARDED]
         if not params:
             return
-        # A group's parameters change state together, so they all gather over the same mesh
-        # (but for a group on several meshes: ``meshes.py``).
-        mesh = params[0].all_gather_mesh(self.post_forward_info)
         with profiled("twinshard::unshard"):
             kept = self.kept_shards(params)
             self.gathered_kept = kept is not None
@@ -162,10 +158,12 @@ class FlatParamGroup(ParamGroup):
                 written = self.replaced_since_gather(params)
             # kept blocks keep the dtype they were moved in with (``keep_shards``)
             dtypes = self.kept_dtypes if kept is not None else self.param_dtypes(params)
-            comm, custom = self.own_comm(), self.comms.all_gather
-            if not self.one_mesh:
+            if not self.one_mesh:  # one all-gather per mesh: ``meshes.py``
                 self.in_flight = gather_each_mesh(self, params, written)
                 return
+            # A group's parameters change state together, so they all gather over one mesh.
+            mesh = params[0].all_gather_mesh(self.post_forward_info)
+            comm, custom = self.own_comm(), self.comms.all_gather
             self.in_flight = all_gather(
                 params, dtypes, mesh, comm, custom, kept, written, self.comm_memory, self.views
             )
@@ -370,14 +368,6 @@ class FlatParamGroup(ParamGroup):
             if result is not None:
                 self.usage.update(zip(result.params, result.used))
                 comm.pending_reduce.append((result, self.comms.all_reduce_hook))
-
-
-def starts(local: torch.Tensor, block: torch.Tensor) -> bool:
-    """Whether ``local`` begins where ``block`` does, in the same memory (compared by storage,
-    which works on fake tensors too, where data pointers read 0)."""
-    return (
-        memory_key(local) == memory_key(block) and local.storage_offset() == block.storage_offset()
-    )
 
 
 def finish_reduce(comm: CommContext, keep: int = 0) -> None:

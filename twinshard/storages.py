@@ -11,6 +11,7 @@ Used by the memory probe (``twinshard/measure/probe.py``), the schedule recorder
 (``twinshard/measure/monitor.py``) and the step trace (``plan/trace.py``) key something else, the storage
 object they hold alive (``_cdata``, on every device): a storage resized to 0 and back, as FSDP
 frees and refills its unsharded parameters, stays one entry there, where its address changes.
+``starts`` asks whether one tensor begins where another does (the optimized group's kept blocks).
 """
 
 from __future__ import annotations
@@ -25,3 +26,11 @@ def memory_key(t: torch.Tensor, storage=None) -> int:
     if storage.device.type == "meta":
         return storage._cdata if t.device.type != "meta" else 0
     return storage.data_ptr()
+
+
+def starts(local: torch.Tensor, block: torch.Tensor) -> bool:
+    """Whether ``local`` begins where ``block`` does, in the same memory (compared by storage,
+    which works on fake tensors too, where data pointers read 0)."""
+    return (
+        memory_key(local) == memory_key(block) and local.storage_offset() == block.storage_offset()
+    )
