@@ -286,7 +286,8 @@ def test_a_planted_bug_is_caught():
 # order), and this ill-conditioned model (a 1-row layer into a LayerNorm) amplifies that ~700x
 # by step 1, in another direction than the plain model's own realization ([Note: fp32 judged
 # like low precision] in conformance/fuzz.py). The norm, one number over all gradients, gets
-# the floor of one element (atol 1e-5). A limit of the bound, kept as such.
+# the floor of one element (atol 1e-5). A limit of the bound, kept as such; whether the norm
+# misses it depends on the CPU (see the test).
 FP32_AMPLIFIED_GRAD_NORM = (
     '{"mesh":[1,2],"widths":[3,37,1,3],"bias":[false,false,false],"norm":[false,false,true],'
     '"own_group":[false,true,false],"frozen":[false,false,false],"tie":true,"frozen_inp":true,'
@@ -297,8 +298,10 @@ FP32_AMPLIFIED_GRAD_NORM = (
 
 
 def test_known_limit_fp32_amplified_grad_norm():
-    """Fails the bound on the step-1 gradient norm and nothing else; once it holds, move it to
-    ``REGRESSIONS``."""
+    """At the bound's edge: the step-1 gradient norm is the one figure that may miss it, as this
+    CPU's fp32 kernels round the sums that the model amplifies (it missed on the machines of
+    earlier sessions and holds on the Xeon of 2026-11-27's evening, the same code failing the
+    old form of this test there); every other figure holds everywhere."""
     (verdict,) = _verdicts([Example.from_json(FP32_AMPLIFIED_GRAD_NORM)], (1, 2))
-    assert not verdict["ok"], "the bound holds now: move FP32_AMPLIFIED_GRAD_NORM to REGRESSIONS"
+    assert verdict["ok"] or verdict["failures"], verdict  # a verdict either way
     assert all("step 1 grad norm" in f for f in verdict["failures"]), verdict["failures"]
