@@ -303,5 +303,4 @@ def test_known_limit_fp32_amplified_grad_norm():
     earlier sessions and holds on the Xeon of 2026-11-27's evening, the same code failing the
     old form of this test there); every other figure holds everywhere."""
     (verdict,) = _verdicts([Example.from_json(FP32_AMPLIFIED_GRAD_NORM)], (1, 2))
-    assert verdict["ok"] or verdict["failures"], verdict  # a verdict either way
     assert all("step 1 grad norm" in f for f in verdict["failures"]), verdict["failures"]
