@@ -226,7 +226,7 @@ LAYERS = (
     ("__init__", "job", "flags", "hf", "units"),  # the job and its flags
     ("step",),  # one training step built and driven
     ("world", "simnet", "fakedevice", "fakecuda"),  # ways to join a world, and their backends
-    ("observe", "probe", "monitor", "memmodel"),  # the observers and the memory model
+    ("observe", "probe", "monitor", "memmodel", "allocator"),  # observers, memory models
     ("fakeaccel", "schedule"),  # runs that import neither each other nor a command above
     ("bench",),
     ("plan",),
