@@ -43,5 +43,5 @@ def gather_each_mesh(group, params: list, written: bool) -> AllGatherResult:
     chained = None
     for result in reversed(results):
         own = result.own or (chained is not None and chained.own)
-        chained = result._replace(then=chained, own=own)
+        chained = AllGatherResult(*result[:8], own=own, then=chained)  # pending ... views
     return chained
