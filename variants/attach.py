@@ -1,0 +1,94 @@
+"""Putting variants on a model: one collective object per ``fully_shard``-ed module.
+
+``attach(model, variants, mesh)`` sets, on every module of ``model`` that ``fully_shard`` made
+an ``FSDPModule`` (under torch, the reference or the optimized path: the method names are the
+interface), a fresh all-gather (``set_custom_all_gather``) and reduce-scatter
+(``set_custom_reduce_scatter``) object for the variants that replace one, each told the module's
+parameters (``segments.Layout``). It returns them by module name, so that a caller can read
+what each sent (``sent_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from .bf16_wire import Bf16WireReduceScatter
+from .nodes import NodeGroups
+from .qgz import QuantizedReduceScatter
+from .qwz import QuantizedAllGather
+from .segments import Layout
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One change to FSDP's communication. ``kind``: "qwz" (the weights' all-gather), "qgz" or
+    "bf16-wire" (the gradients' reduce-scatter); ``bits`` and ``block`` for the quantized ones;
+    ``ranks_per_node`` > 1 makes qgZ hierarchical."""
+
+    kind: str
+    bits: int = 8
+    block: int = 256
+    ranks_per_node: int = 1
+
+    @property
+    def collective(self) -> str:
+        return "all_gather" if self.kind == "qwz" else "reduce_scatter"
+
+    def describe(self) -> str:
+        if self.kind == "bf16-wire":
+            return "bf16 wire, fp32 accumulation"
+        nodes = f", by node of {self.ranks_per_node}" if self.ranks_per_node > 1 else ""
+        return f"{self.kind} int{self.bits}, blocks of {self.block}{nodes}"
+
+
+KINDS = ("qwz", "qgz", "bf16-wire")
+
+
+def fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (n or "(root)", m) for n, m in model.named_modules() if hasattr(m, "set_custom_all_gather")
+    ]
+
+
+def attach(model: nn.Module, variants: list[Variant], mesh) -> dict[str, dict]:
+    """Set each variant's collective on every ``fully_shard``-ed module of ``model`` (sharded
+    over ``mesh``); returns module name -> {"all_gather" | "reduce_scatter": the object}."""
+    for v in variants:
+        if v.kind not in KINDS:
+            raise ValueError(f"twinshard.variants: unknown variant {v.kind!r}; one of {KINDS}")
+    for collective in ("all_gather", "reduce_scatter"):
+        if sum(v.collective == collective for v in variants) > 1:
+            raise ValueError(f"twinshard.variants: more than one variant replaces the {collective}")
+    modules = fsdp_modules(model)
+    if not modules:
+        raise ValueError(
+            "twinshard.variants: the model has no fully_shard-ed module; shard it first"
+        )
+    per_node = max((v.ranks_per_node for v in variants if v.kind == "qgz"), default=1)
+    groups = NodeGroups(mesh, per_node) if per_node > 1 else None
+    out = {}
+    for name, module in modules:
+        layout, hooks = Layout(module, name), {}
+        for v in variants:
+            if v.kind == "qwz":
+                hooks["all_gather"] = QuantizedAllGather(layout, v.bits, v.block)
+                module.set_custom_all_gather(hooks["all_gather"])
+            elif v.kind == "qgz":
+                hooks["reduce_scatter"] = QuantizedReduceScatter(layout, v.bits, v.block, groups)
+                module.set_custom_reduce_scatter(hooks["reduce_scatter"])
+            else:
+                hooks["reduce_scatter"] = Bf16WireReduceScatter()
+                module.set_custom_reduce_scatter(hooks["reduce_scatter"])
+        out[name] = hooks
+    return out
+
+
+def sent_bytes(hooks: dict[str, dict]) -> dict[str, int]:
+    """What ``attach``'s objects sent from this rank, by collective, over every module."""
+    out = {"all_gather": 0, "reduce_scatter": 0}
+    for by_collective in hooks.values():
+        for collective, hook in by_collective.items():
+            out[collective] += hook.sent_bytes
+    return out

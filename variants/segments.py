@@ -1,0 +1,61 @@
+"""Which values of a collective's message belong to which parameter.
+
+[Note: blocks never cross a parameter]
+torch's ``fully_shard`` and the optimized path hand a custom collective one flat message per
+parameter group: each parameter's padded shard, one after the other (an all-gather's input; a
+reduce-scatter's input is one such chunk per rank). The reference hands it one parameter at a
+time. If a quantized variant cut the flat message into blocks as it comes, a block would mix
+the end of one parameter with the start of the next under torch, and not under the reference:
+the same variant would give different numbers under each implementation, and no oracle could
+say which is right. So a variant is told its module's parameters, cuts every message at their
+boundaries and starts a new block at each: every implementation then sends the same blocks,
+and the transform is defined per parameter, where a plain model can apply it too
+(``conformance``'s lossy oracle). It costs one partial block per parameter: for a 4096 x 4096
+weight sharded over 8 ranks with blocks of 256 values, none.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def padded_numel(param, ranks: int) -> int:
+    """The values of one rank's padded shard of ``param`` over ``ranks`` ranks: its shard
+    dimension cut in ``ceil(size / ranks)`` rows, times the other dimensions."""
+    placements = getattr(param, "placements", ())
+    dim = next((p.dim for p in placements if hasattr(p, "dim")), 0)
+    size = param.shape[dim] if param.dim() else 1
+    rows = -(-size // ranks)
+    return rows * (param.numel() // size if size else 0)
+
+
+def managed_params(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s own parameters, in its order: those of no ``fully_shard``-ed module below it."""
+    inner = set()
+    for child in module.modules():
+        if child is not module and hasattr(child, "set_custom_all_gather"):
+            inner.update(id(p) for p in child.parameters())
+    return [p for p in module.parameters() if id(p) not in inner]
+
+
+class Layout:
+    """The segments of ``module``'s messages: ``split(numel, ranks)`` gives the numel of each
+    parameter's piece of a message of ``numel`` values per rank, for a group of ``ranks``."""
+
+    def __init__(self, module: nn.Module, name: str = ""):
+        self.name = name or type(module).__name__
+        self.params = managed_params(module)
+
+    def split(self, numel: int, ranks: int, grads: bool = False) -> list[int]:
+        params = [p for p in self.params if p.requires_grad] if grads else self.params
+        pieces = [padded_numel(p, ranks) for p in params]
+        if numel == sum(pieces):  # a group's message (torch's fully_shard, optimized)
+            return [n for n in pieces if n]
+        if numel in pieces:  # one parameter's (the reference: one collective per parameter)
+            return [numel]
+        raise ValueError(
+            f"twinshard.variants: module {self.name}: a message of {numel} values per rank is "
+            f"neither its parameters' padded shards over {ranks} ranks ({pieces}, "
+            f"{sum(pieces)} in all) nor one of them; attach the variant after fully_shard, to "
+            "the module it was made for"
+        )
