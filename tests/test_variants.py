@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from twinshard.launch import launch
-from twinshard.variants import Variant, attach, blocks, sent_bytes
+from twinshard.variants import Variant, attach, blocks, hpz, sent_bytes
 from twinshard.variants.segments import Layout
 
 IMPLS = ("torch.distributed.fsdp", "twinshard.reference", "twinshard.optimized")
@@ -35,6 +35,7 @@ CASES = {
     "qwz + qgz": (2, [Variant("qwz", 8, BLOCK), Variant("qgz", 8, BLOCK)]),
     "qwz + qgz by node, 4 ranks": (4, [Variant("qwz", 8, BLOCK), Variant("qgz", 8, BLOCK, 2)]),
 }
+HPZ = "hpz(2) + qwz, 4 ranks"
 
 
 def test_int8_blocks_by_hand():
@@ -175,7 +176,7 @@ def _sum(pieces: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _run_one(module_name: str, variants: list[Variant]) -> dict:
+def _run_one(module_name: str, variants: list[Variant], reshard=None) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -184,8 +185,9 @@ def _run_one(module_name: str, variants: list[Variant]) -> dict:
     mesh = init_device_mesh("cpu", (ranks,))
     torch.manual_seed(0)
     model = Net()
+    after = {} if reshard is None else {"reshard_after_forward": reshard}  # None: the root keeps
     for layer in (model.a, model.b):
-        impl.fully_shard(layer, mesh=mesh)
+        impl.fully_shard(layer, mesh=mesh, **after)
     impl.fully_shard(model, mesh=mesh)
     hooks = attach(model, variants, mesh)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -210,6 +212,9 @@ def _run(ranks: int) -> dict:
                 out[case, name] = _run_one(name, variants)
             except Exception as error:  # noqa: BLE001 - reported per case, not as a crash
                 out[case, name] = {"error": f"{type(error).__name__}: {error}"}
+    if ranks == 4:  # hpZ: nodes of 2, so backward all-gathers within a node
+        for name in IMPLS:
+            out[HPZ, name] = _run_one(name, [Variant("qwz", 8, BLOCK)], hpz(2))
     return out
 
 
@@ -288,3 +293,29 @@ def test_the_bytes_sent_are_the_wire_formats(case):
 
 def _padded(p: torch.Tensor, ranks: int) -> int:
     return -(-p.shape[0] // ranks) * (p.numel() // p.shape[0])
+
+
+def test_hpz_gathers_backward_within_a_node_under_every_implementation():
+    """hpZ with qwZ at 4 ranks in nodes of 2: forward gathers each block's quantized shards
+    from 4 ranks; after forward a rank keeps its node's two 4-rank shards of the dequantized
+    weights, and backward gathers those from the node's 2 ranks in fp32, unquantized; the root
+    keeps its parameters, so gathers once. Backward computes with forward's weights: qwZ's
+    oracle holds, under every implementation."""
+    model = Net()
+    layers = (model.a, model.b)
+    quantized = sum(
+        blocks.packed_bytes([_padded(p, 4) for p in m.parameters()], 8, BLOCK)
+        for m in (*layers, model.c)
+    )
+    kept = sum(2 * _padded(p, 4) * 4 for m in layers for p in m.parameters())  # fp32
+    oracle = _oracle([Variant("qwz", 8, BLOCK)], 4)
+    for rank, outcome in enumerate(results(4)):
+        for name in IMPLS:
+            got = outcome[HPZ, name]
+            assert got["sent"]["all_gather"] == STEPS * (quantized + kept), name
+            want = torch.tensor([step[rank] for step in oracle["losses"]])
+            torch.testing.assert_close(torch.tensor(got["losses"]), want, msg=name)
+            for n, shard in got["shards"].items():
+                rows = -(-oracle["params"][n].shape[0] // 4)
+                expected = oracle["params"][n][rank * rows : (rank + 1) * rows]
+                torch.testing.assert_close(shard, expected, msg=f"{name}: {n}")

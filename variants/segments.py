@@ -40,22 +40,32 @@ def managed_params(module: nn.Module) -> list[nn.Parameter]:
 
 class Layout:
     """The segments of ``module``'s messages: ``split(numel, ranks)`` gives the numel of each
-    parameter's piece of a message of ``numel`` values per rank, for a group of ``ranks``."""
+    parameter's piece of a message of ``numel`` values per rank, for a group of ``ranks``.
+
+    After forward with ``reshard_after_forward=k`` (hpZ) a rank keeps the pieces of ``S / k``
+    ranks of the full mesh's layout (S ranks), and backward gathers those from the node's k:
+    such a message is that layout ``S / k`` times over."""
 
     def __init__(self, module: nn.Module, name: str = ""):
         self.name = name or type(module).__name__
         self.params = managed_params(module)
+        mesh = getattr(self.params[0], "device_mesh", None) if self.params else None
+        self.mesh_ranks = mesh.mesh.shape[-1] if mesh is not None else None
 
     def split(self, numel: int, ranks: int, grads: bool = False) -> list[int]:
         params = [p for p in self.params if p.requires_grad] if grads else self.params
-        pieces = [padded_numel(p, ranks) for p in params]
-        if numel == sum(pieces):  # a group's message (torch's fully_shard, optimized)
-            return [n for n in pieces if n]
-        if numel in pieces:  # one parameter's (the reference: one collective per parameter)
-            return [numel]
+        layouts = [(ranks, 1)]  # (ranks the pieces are cut for, copies in one message)
+        if self.mesh_ranks and self.mesh_ranks > ranks and self.mesh_ranks % ranks == 0:
+            layouts.append((self.mesh_ranks, self.mesh_ranks // ranks))
+        for cut, copies in layouts:
+            pieces = [padded_numel(p, cut) for p in params]
+            if numel == copies * sum(pieces):  # a group's message (torch's, optimized)
+                return [n for n in pieces if n] * copies
+            if numel in [copies * n for n in pieces]:  # one parameter's (the reference's)
+                return [numel // copies] * copies
         raise ValueError(
             f"twinshard.variants: module {self.name}: a message of {numel} values per rank is "
-            f"neither its parameters' padded shards over {ranks} ranks ({pieces}, "
-            f"{sum(pieces)} in all) nor one of them; attach the variant after fully_shard, to "
-            "the module it was made for"
+            f"neither its parameters' padded shards over {ranks} ranks "
+            f"({[padded_numel(p, ranks) for p in params]}) nor one of them; attach the variant "
+            "after fully_shard, to the module it was made for"
         )
