@@ -176,7 +176,9 @@ def _sum(pieces: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _run_one(module_name: str, variants: list[Variant], reshard=None) -> dict:
+def _run_one(module_name: str, variants: list[Variant], reshard=None, planted=None) -> dict:
+    """Train ``Net`` under ``module_name`` with ``variants`` attached (or, ``planted``, one
+    broken variant class from ``conformance.planted.lossy`` in int8 with blocks of ``BLOCK``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -189,7 +191,7 @@ def _run_one(module_name: str, variants: list[Variant], reshard=None) -> dict:
     for layer in (model.a, model.b):
         impl.fully_shard(layer, mesh=mesh, **after)
     impl.fully_shard(model, mesh=mesh)
-    hooks = attach(model, variants, mesh)
+    hooks = attach(model, variants, mesh) if planted is None else _attach_planted(model, planted)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for x in _data(rank):
@@ -200,6 +202,22 @@ def _run_one(module_name: str, variants: list[Variant], reshard=None) -> dict:
         losses.append(loss.item())
     shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "shards": shards, "sent": sent_bytes(hooks)}
+
+
+def _attach_planted(model: nn.Module, cls) -> dict:
+    from twinshard.variants import fsdp_modules
+    from twinshard.variants.qgz import QuantizedReduceScatter
+
+    hooks = {}
+    for name, module in fsdp_modules(model):
+        hook = cls(Layout(module, name), 8, BLOCK)
+        if isinstance(hook, QuantizedReduceScatter):
+            module.set_custom_reduce_scatter(hook)
+            hooks[name] = {"reduce_scatter": hook}
+        else:
+            module.set_custom_all_gather(hook)
+            hooks[name] = {"all_gather": hook}
+    return hooks
 
 
 def _run(ranks: int) -> dict:

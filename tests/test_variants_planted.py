@@ -1,0 +1,59 @@
+"""Planted lossy bugs (``conformance/planted/lossy.py``): each broken variant, run under the
+optimized path at two ranks, must miss the exact oracle of the variant it claims to be, while
+the correct variant meets it (``tests/test_variants.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_variants import BLOCK, _oracle, _run_one
+
+from twinshard.conformance.planted.lossy import PLANTED
+from twinshard.launch import launch
+from twinshard.variants import Variant
+
+CLAIMS = {name: "qgz" if "dividing" in name else "qwz" for name in PLANTED}
+
+
+def _run() -> dict:
+    out = {}
+    for name, cls in PLANTED.items():
+        try:
+            out[name] = _run_one("twinshard.optimized", [], planted=cls)
+        except Exception as error:  # noqa: BLE001 - a crash is reported, not a catch
+            out[name] = {"error": f"{type(error).__name__}: {error}"}
+    return out
+
+
+_results: list = []
+
+
+def results() -> list[dict]:
+    if not _results:
+        _results.extend(launch(_run, 2))
+    return _results
+
+
+def _misses(outcome: dict, oracle: dict, rank: int) -> list[str]:
+    """What of ``outcome`` is off the oracle by more than fp32's tolerances."""
+    misses = []
+    want = torch.tensor([step[rank] for step in oracle["losses"]])
+    if not torch.allclose(torch.tensor(outcome["losses"]), want, rtol=1.3e-6, atol=1e-5):
+        misses.append("losses")
+    for n, shard in outcome["shards"].items():
+        rows = -(-oracle["params"][n].shape[0] // 2)
+        expected = oracle["params"][n][rank * rows : (rank + 1) * rows]
+        if not torch.allclose(shard, expected, rtol=1.3e-6, atol=1e-5):
+            misses.append(n)
+    return misses
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_each_planted_lossy_bug_misses_the_oracle_of_what_it_claims(name):
+    oracle = _oracle([Variant(CLAIMS[name], 8, BLOCK)], 2)
+    caught = []
+    for rank, by_name in enumerate(results()):
+        outcome = by_name[name]
+        assert "error" not in outcome, f"{name} crashed instead of running: {outcome['error']}"
+        caught += _misses(outcome, oracle, rank)
+    assert caught, f"{name}: every loss and shard met the {CLAIMS[name]} oracle"
