@@ -12,7 +12,8 @@ points, so that each runs under torch's ``fully_shard``, the reference and the o
 B is the block (``block=256`` by default). ``blocks.py`` holds the quantization every
 quantized variant shares; ``segments.py`` why blocks restart at each parameter; ``wire.py``
 what every collective object shares (``allocate``, the bytes it sent); ``attach.py`` puts
-variants on a sharded model::
+variants on a sharded model; ``transform.py`` declares what they do to the numbers
+(``Communication``, what ``twinshard conform`` certifies against a plain model)::
 
     from twinshard import variants
     fully_shard(block, mesh=mesh, reshard_after_forward=variants.hpz(8))  # hpZ, nodes of 8
@@ -20,8 +21,9 @@ variants on a sharded model::
 """
 
 from .attach import KINDS, Variant, attach, fsdp_modules, sent_bytes
+from .transform import Communication
 
-__all__ = ["KINDS", "Variant", "attach", "fsdp_modules", "hpz", "sent_bytes"]
+__all__ = ["KINDS", "Communication", "Variant", "attach", "fsdp_modules", "hpz", "sent_bytes"]
 
 
 def hpz(ranks_per_node: int) -> int:
