@@ -9,6 +9,11 @@ computes with, ``gathered``, and the sum of one shard group's gradients, ``gradi
   parameter's gradients summed as the variant sums them, replica by replica, then averaged).
   The run must equal it to fp32's tolerances: a wrong scale, a block cut elsewhere, a sum
   without its division all show.
+- **the wire**: what the run put on the wire is what the variant says it sends: qwZ's
+  all-gathers are of packed bytes, as many as its wire format gives (an "int8" all-gather
+  that sends bf16 shows here even if its numbers were right), with no floating-point
+  all-gather beside them but hpZ's within a node; qgZ and the bf16 wire leave no
+  floating-point reduce-scatter, and exchange packed bytes or bf16 by all-to-all.
 - **the error budget**: against the exact plain model, the run may be off by at most twice
   what the oracle itself is off, plus one rounding step of the transform at the tensor's
   magnitude (the ``low_precision`` class of ``compare.py``, with the oracle as its
@@ -25,6 +30,7 @@ import torch.nn as nn
 from . import driver
 from .compare import Checker
 from .driver import Recipe, Trace, compare, make_optimizer, run_oracle, run_plain, run_sharded
+from .trace import CollectiveTrace
 
 
 def run_plain_with(recipe: Recipe, comm, shape: tuple[int, ...]) -> Trace:
@@ -79,7 +85,9 @@ def train_lossy(ctx, recipe: Recipe, comm) -> Checker:
     tight = Checker("fp32")
     budget = Checker("low_precision", low_eps=comm.step)
     truth, oracle = run_plain(recipe), run_plain_with(recipe, comm, ctx.mesh_shape)
-    runs = {ctx.impl_name: run_sharded(recipe, ctx.impl, ctx.mesh)[0]}
+    with CollectiveTrace() as seen:
+        runs = {ctx.impl_name: run_sharded(recipe, ctx.impl, ctx.mesh)[0]}
+    check_wire(tight, comm, seen.calls, ctx.impl_name)
     for name, impl in (("reference", ctx.reference), ("torch", ctx.oracle)):
         if impl is not None:
             runs[name] = run_oracle(recipe, impl, ctx.mesh)[0]
@@ -89,3 +97,24 @@ def train_lossy(ctx, recipe: Recipe, comm) -> Checker:
     tight.absorb(budget)
     tight.notes.append(f"variant: {comm.name}")
     return tight
+
+
+def check_wire(checker: Checker, comm, calls: list, label: str) -> None:
+    """What ``calls`` (one sharded run's collectives) sent, against what ``comm``'s variants
+    declare (see the module docstring)."""
+    checker.count += 1
+    floats = lambda op: [c for c in calls if c.op == op and c.dtype.is_floating_point]  # noqa: E731
+    if comm.weights is not None:
+        packed = sum(c.numel for c in calls if c.op == "all_gather" and c.dtype == torch.uint8)
+        declared = sum(h["all_gather"].gathered_bytes for h in comm.hooks.values())
+        if packed != declared:
+            checker.fail(f"{label}: {packed} bytes of packed all-gathers, {declared} declared")
+        if floats("all_gather") and comm.reshard_after_forward in (None, True, False):
+            dtypes = sorted({str(c.dtype) for c in floats("all_gather")})
+            checker.fail(f"{label}: {len(floats('all_gather'))} all-gathers sent {dtypes}")
+    if comm.grads is not None:
+        if floats("reduce_scatter"):
+            checker.fail(f"{label}: {len(floats('reduce_scatter'))} floating reduce-scatters")
+        wire = torch.bfloat16 if comm.grads.kind == "bf16-wire" else torch.uint8
+        if not any(c.op == "all_to_all" and c.dtype == wire for c in calls):
+            checker.fail(f"{label}: no all-to-all in {wire}: the gradients were not exchanged")

@@ -57,3 +57,32 @@ def test_each_planted_lossy_bug_misses_the_oracle_of_what_it_claims(name):
         assert "error" not in outcome, f"{name} crashed instead of running: {outcome['error']}"
         caught += _misses(outcome, oracle, rank)
     assert caught, f"{name}: every loss and shard met the {CLAIMS[name]} oracle"
+
+
+def test_the_suite_reads_the_wire_an_int8_gather_that_sends_bf16_is_caught():
+    """``conformance.lossy.check_wire`` on made-up traces: packed all-gathers as many bytes as
+    the hooks gathered pass; the same amount sent as bf16 fails, and so does a qgZ run whose
+    gradients were reduce-scattered in fp32 with no all-to-all."""
+    from types import SimpleNamespace
+
+    from twinshard.conformance.compare import Checker
+    from twinshard.conformance.lossy import check_wire
+    from twinshard.conformance.trace import Call
+    from twinshard.variants import Communication
+
+    comm = Communication([Variant("qwz", 8, BLOCK)])
+    comm.hooks = {"a": {"all_gather": SimpleNamespace(gathered_bytes=96)}}
+    right, wrong = Checker(), Checker()
+    check_wire(right, comm, [Call("all_gather", torch.uint8, 96)], "impl")
+    check_wire(wrong, comm, [Call("all_gather", torch.bfloat16, 48)], "impl")
+    assert right.failures == []
+    assert wrong.failures == [
+        "impl: 0 bytes of packed all-gathers, 96 declared",
+        "impl: 1 all-gathers sent ['torch.bfloat16']",
+    ]
+    grads, unexchanged = Communication([Variant("qgz", 8, BLOCK)]), Checker()
+    check_wire(unexchanged, grads, [Call("reduce_scatter", torch.float32, 64)], "impl")
+    assert unexchanged.failures == [
+        "impl: 1 floating reduce-scatters",
+        "impl: no all-to-all in torch.uint8: the gradients were not exchanged",
+    ]

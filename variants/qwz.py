@@ -42,6 +42,7 @@ class QuantizedAllGather(WireCollective):
             )
         self.layout, self.bits, self.block = layout, bits, block
         super().__init__()
+        self.gathered_bytes = 0  # the packed messages' gathered outputs: ranks x message
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         ranks = dist.get_world_size(group)
@@ -55,6 +56,7 @@ class QuantizedAllGather(WireCollective):
         gathered = torch.empty(ranks * message.numel(), dtype=torch.uint8, device=message.device)
         all_gather(gathered, message, group=group)
         self.sent_bytes += message.numel()
+        self.gathered_bytes += gathered.numel()
         out = output_tensor.view(ranks, -1)  # (ranks, n)
         for rank, piece in enumerate(gathered.view(ranks, -1)):
             out[rank].copy_(blocks.unpack(piece, segments, self.bits, self.block, out.dtype))

@@ -65,7 +65,9 @@ class Communication:
         return max(steps, default=2.0**-23)
 
     def attach(self, model, mesh) -> dict:
-        return attach(model, self.variants, mesh)
+        """Put the variants on ``model``; the objects are kept in ``hooks`` (the last model's)."""
+        self.hooks = attach(model, self.variants, mesh)
+        return self.hooks
 
     def gathered(self, full: torch.Tensor, ranks: int) -> torch.Tensor:
         v = self.weights
