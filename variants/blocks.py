@@ -43,60 +43,63 @@ def packed_bytes(segments: list[int], bits: int, block: int) -> int:
 
 
 def quantize(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (n,) as codes (int8 (m * block,), or uint8 (m * block / 2,) for int4) and fp32
-    scales (m,), m = ceil(n / block)."""
+    """``x`` (..., n) as codes (int8 (..., m * block), or uint8 (..., m * block / 2) for int4)
+    and fp32 scales (..., m), m = ceil(n / block): each row of ``x`` on its own."""
     top = max_code(bits)
-    m = blocks_of(x.numel(), block)
-    padded = torch.zeros(m * block, dtype=torch.float32, device=x.device)
-    padded[: x.numel()] = x
-    grid = padded.view(m, block)  # (m, block)
-    scales = grid.abs().amax(dim=1) / top  # (m,)
+    *lead, n = x.shape
+    m = blocks_of(n, block)
+    padded = torch.zeros((*lead, m * block), dtype=torch.float32, device=x.device)
+    padded[..., :n] = x
+    grid = padded.view(*lead, m, block)  # (..., m, block)
+    scales = grid.abs().amax(dim=-1) / top  # (..., m)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(grid / safe[:, None]).clamp(-top, top).to(torch.int8).view(-1)
+    codes = torch.round(grid / safe[..., None]).clamp(-top, top).to(torch.int8)
+    codes = codes.view(*lead, m * block)
     if bits == 4:  # two codes a byte, each offset into 1..15
-        pairs = (codes.to(torch.int16) + 8).view(-1, 2)  # (m * block / 2, 2)
-        codes = (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
+        pairs = (codes.to(torch.int16) + 8).view(*lead, m * block // 2, 2)
+        codes = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
     return codes, scales
 
 
 def dequantize(
     codes: torch.Tensor, scales: torch.Tensor, n: int, bits: int, block: int, dtype
 ) -> torch.Tensor:
-    """The ``n`` values (n,) in ``dtype`` that ``quantize`` sent as ``codes`` and ``scales``."""
+    """The values (..., n) in ``dtype`` that ``quantize`` sent as ``codes`` and ``scales``."""
+    lead = scales.shape[:-1]
     if bits == 4:
         low = (codes & 0xF).to(torch.int16) - 8
         high = (codes >> 4).to(torch.int16) - 8
-        codes = torch.stack([low, high], dim=1).view(-1)  # (m * block,)
-    grid = codes.to(torch.float32).view(-1, block) * scales[:, None]  # (m, block)
-    return grid.view(-1)[:n].to(dtype)
+        codes = torch.stack([low, high], dim=-1)  # (..., m * block / 2, 2)
+    grid = codes.to(torch.float32).reshape(*lead, -1, block) * scales[..., None]
+    return grid.reshape(*lead, -1)[..., :n].to(dtype)
 
 
 def roundtrip(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    """What the receiver of ``x`` (n,) gets: quantized, then dequantized into ``x``'s dtype."""
+    """What the receiver of ``x`` (..., n) gets: quantized, then dequantized into its dtype."""
     codes, scales = quantize(x, bits, block)
-    return dequantize(codes, scales, x.numel(), bits, block, x.dtype)
+    return dequantize(codes, scales, x.shape[-1], bits, block, x.dtype)
 
 
 def pack(x: torch.Tensor, segments: list[int], bits: int, block: int) -> torch.Tensor:
-    """``x`` (sum(segments),) as one uint8 message (``packed_bytes`` long): each segment
-    quantized on its own, scales first, then codes."""
-    parts = [quantize(piece, bits, block) for piece in x.split(segments)]
+    """``x`` (..., sum(segments)) as uint8 messages (..., ``packed_bytes``), one per row: each
+    segment quantized on its own, scales first, then codes."""
+    parts = [quantize(piece, bits, block) for piece in x.split(segments, dim=-1)]
     scales = [s.view(torch.uint8) for _, s in parts]
     codes = [c.view(torch.uint8) for c, _ in parts]
-    return torch.cat(scales + codes)
+    return torch.cat(scales + codes, dim=-1)
 
 
 def unpack(
     message: torch.Tensor, segments: list[int], bits: int, block: int, dtype
 ) -> torch.Tensor:
-    """The values (sum(segments),) in ``dtype`` of a message that ``pack`` made."""
+    """The values (..., sum(segments)) in ``dtype`` of messages (..., bytes) ``pack`` made."""
     counts = [blocks_of(n, block) for n in segments]
     code_bytes = [m * block * bits // 8 for m in counts]
-    scales_all, codes_all = message.split([SCALE_BYTES * sum(counts), sum(code_bytes)])
-    scales = scales_all.view(torch.float32).split(counts)
-    codes = codes_all.split(code_bytes)
+    scales_all, codes_all = message.split([SCALE_BYTES * sum(counts), sum(code_bytes)], dim=-1)
+    scales = scales_all.contiguous().view(torch.float32).split(counts, dim=-1)
+    codes = codes_all.split(code_bytes, dim=-1)
     out = []
     for n, c, s in zip(segments, codes, scales):
         c = c.view(torch.int8) if bits == 8 else c
         out.append(dequantize(c, s, n, bits, block, dtype))
-    return torch.cat(out)
+    return torch.cat(out, dim=-1)

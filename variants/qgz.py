@@ -3,7 +3,7 @@ arXiv 2306.10209, 3.3).
 
 A reduce-scatter's input is one chunk per rank (the values that rank keeps). Each rank
 quantizes every chunk in blocks (``blocks.py``, per parameter), sends chunk r to rank r with
-one all-to-all, dequantizes what it received into fp32 and adds it up in rank order; ``AVG``
+one all-to-all, dequantizes what it received into fp32 and adds it up in fp32; ``AVG``
 then divides by the number of ranks. Wire bytes per element of the gradient: 1 + 4 / B (int8),
 0.5 + 4 / B (int4), against 4 for an fp32 reduce-scatter's input (ring: (S - 1) / S of it on
 each link, the same share as the all-to-all's).
@@ -14,7 +14,7 @@ step two exchanges those sums, quantized again, among the ranks of local index p
 Only step two crosses the network, and it carries 1/k of the chunks: ZeRO++'s cut of
 cross-node traffic. The groups are made once, when the variant is attached, on every rank.
 
-The transform (the exact oracle's): flat, rank j's result is the fp32 sum over r = 0..S-1 of
+The transform (the exact oracle's): flat, rank j's result is the fp32 sum over the S ranks of
 ``blocks.roundtrip`` of rank r's chunk j, per parameter; hierarchical, the same within each
 node, then the sum over nodes of the round trip of each node's sum.
 """
@@ -70,13 +70,10 @@ class QuantizedReduceScatter(WireCollective):
 
     def exchange(self, rows: torch.Tensor, segments: list[int], group) -> torch.Tensor:
         """Row r of ``rows`` (R, n) quantized to rank r of ``group`` (R ranks); what each sent
-        this rank, dequantized and added up in fp32, rank by rank (n,)."""
-        messages = [blocks.pack(row, segments, self.bits, self.block) for row in rows]
-        sent = torch.stack(messages)  # (R, m) uint8
+        this rank, dequantized and added up in fp32 (n,)."""
+        sent = blocks.pack(rows, segments, self.bits, self.block)  # (R, m) uint8
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=group)
-        self.sent_bytes += sent.numel() - messages[dist.get_rank(group)].numel()
-        total = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
-        for piece in received:
-            total += blocks.unpack(piece, segments, self.bits, self.block, torch.float32)
-        return total
+        self.sent_bytes += sent[0].numel() * (rows.shape[0] - 1)
+        values = blocks.unpack(received, segments, self.bits, self.block, torch.float32)
+        return values.sum(dim=0)  # (n,)

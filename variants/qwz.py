@@ -58,6 +58,7 @@ class QuantizedAllGather(WireCollective):
         self.sent_bytes += message.numel()
         self.gathered_bytes += gathered.numel()
         out = output_tensor.view(ranks, -1)  # (ranks, n)
-        for rank, piece in enumerate(gathered.view(ranks, -1)):
-            out[rank].copy_(blocks.unpack(piece, segments, self.bits, self.block, out.dtype))
+        out.copy_(
+            blocks.unpack(gathered.view(ranks, -1), segments, self.bits, self.block, out.dtype)
+        )
         return None

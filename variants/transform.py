@@ -7,7 +7,7 @@ the sum over one shard group's ranks of their gradients (each full-size, in rank
 FSDP divides it; ``step`` the transform's relative rounding step (the floor of the error budget
 the suite derives from it). A researcher's own variant passes the suite by giving the same four.
 All three follow the code exactly: padded chunks per rank ([Note: blocks never cross a
-parameter]), fp32 sums in rank order, qgZ by node in two steps.
+parameter]), fp32 sums, qgZ by node in two steps.
 """
 
 from __future__ import annotations
@@ -34,11 +34,8 @@ def unchunk(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 
 def fp32_sum(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of ``pieces`` in fp32, in their order, as the variants add what they receive."""
-    total = torch.zeros_like(pieces[0], dtype=torch.float32)
-    for piece in pieces:
-        total += piece
-    return total
+    """The sum of ``pieces`` in fp32, as the variants add up what they receive."""
+    return torch.stack(pieces).to(torch.float32).sum(dim=0)
 
 
 class Communication:
