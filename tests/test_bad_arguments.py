@@ -52,6 +52,12 @@ BAD = [
     ("plan --sweep world=8,0", "--world"),
     ("plan --ranks-per-node 0", "--ranks-per-node"),
     ("plan --layers 0", "--layers"),
+    ("plan --variants qxz", "--variants: unknown variant 'qxz'"),
+    ("plan --variants qwz:bits=3", "--variants: 'qwz:bits=3'"),
+    ("plan --variants qgz:size=2", "--variants: 'size=2'"),
+    ("plan --world 8 --variants qgz:node=3", "--variants: node=3"),
+    ("bench --impls plain --variants qwz", "--variants qwz needs an FSDP implementation"),
+    ("bench --variants bf16", "--variants: unknown variant 'bf16'"),
 ]
 
 

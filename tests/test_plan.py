@@ -238,6 +238,25 @@ def _published_row(tokens_per_s, allocated_gib, expandable_gib, plain_gib, plain
     }
 
 
+def test_a_plan_prices_the_variants_wire(tmp_path):
+    """``--variants qwz+qgz`` (twinshard.variants) replaces torch's all-gathers by gathers of
+    int8 blocks and its reduce-scatters by all-to-alls of them: fewer bytes on every link
+    (bf16 weights and fp32 gradients against 1 + 4 / 256 bytes an element, partial blocks
+    aside), the same model and step otherwise."""
+    out = tmp_path / "plan.json"
+    args = "plan --model small --seq 64 --world 8 --impls torch --no-progress --device h100"
+    assert main([*args.split(), "--sweep", "variants=none,qwz+qgz", "--json", str(out)]) == 0
+    plain, quantized = json.loads(out.read_text())["plans"]  # one per sweep point
+    links = {k.split(" @ ")[0]: v for k, v in quantized["communication"].items()}
+    plain_links = {k.split(" @ ")[0]: v for k, v in plain["communication"].items()}
+    assert "reduce_scatter" not in links and links["all_to_all"]["count"] > 0
+    assert links["all_gather"]["count"] == plain_links["all_gather"]["count"]
+    gathered = links["all_gather"]["bytes"] / plain_links["all_gather"]["bytes"]
+    reduced = links["all_to_all"]["bytes"] / plain_links["reduce_scatter"]["bytes"]
+    assert 0.5 < gathered < 0.6 and 0.25 < reduced < 0.3, (gathered, reduced)
+    assert quantized["config"]["variants"] == "qwz+qgz"
+
+
 def test_published_runs_are_valid_plans_and_compared_as_ratios():
     from twinshard.measure.plan import published
 

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
@@ -116,8 +117,11 @@ def gathered_in_place(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -
         return None
     memory = out.untyped_storage()
     numel = out.numel() + inp.numel()
-    shared = memory.data_ptr() == inp.untyped_storage().data_ptr()
-    return numel if shared and memory.nbytes() == numel * out.element_size() else None
+    if memory.nbytes() != numel * out.element_size():
+        return None  # first: most all-to-alls stop here, before a pointer is read
+    # the same storage, compared as objects: a FakeTensor's (a plan's) has no address to read
+    shared = StorageWeakRef(memory) == StorageWeakRef(inp.untyped_storage())
+    return numel if shared else None
 
 
 def collective_size(name: str, found: list[torch.Tensor]) -> tuple[str, int, torch.Tensor]:

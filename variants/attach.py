@@ -92,3 +92,28 @@ def sent_bytes(hooks: dict[str, dict]) -> dict[str, int]:
         for collective, hook in by_collective.items():
             out[collective] += hook.sent_bytes
     return out
+
+
+def parse(spec: str) -> list[Variant]:
+    """The variants a ``--variants`` flag names: kinds joined by ``+``, each with options after
+    colons: ``qwz``, ``qgz:bits=4:block=128:node=8``, ``bf16-wire`` (``node``: ranks per node,
+    for qgZ's two steps). An empty spec is none."""
+    out = []
+    for item in filter(None, (spec or "").split("+")):
+        kind, *options = item.split(":")
+        fields = {}
+        for option in options:
+            key, _, value = option.partition("=")
+            name = {"bits": "bits", "block": "block", "node": "ranks_per_node"}.get(key)
+            if name is None or not value.isdigit():
+                raise ValueError(
+                    f"--variants: {option!r} in {item!r} is not bits=N, block=N or node=N"
+                )
+            fields[name] = int(value)
+        variant = Variant(kind, **fields)
+        if kind not in KINDS:
+            raise ValueError(f"--variants: unknown variant {kind!r}; one of {', '.join(KINDS)}")
+        if variant.bits not in (4, 8) or variant.block < 2 or variant.block % 2:
+            raise ValueError(f"--variants: {item!r}: bits=8 or 4, block an even number")
+        out.append(variant)
+    return out

@@ -54,15 +54,22 @@ VOCABULARY = {
     "dtype": ("--dtype", (), str, "fp32, or bf16 compute with fp32 reduction"),
     "reshard": ("--reshard-after-forward", (), str, "of the blocks: true, false or a group size"),
     "offload": ("--offload", (), None, "CPUOffloadPolicy: shards and their gradients on the host"),
+    "variants": (
+        "--variants",
+        (),
+        str,
+        "communication variants (twinshard.variants) joined by +: qwz, qgz, bf16-wire, each "
+        "with options after colons (qgz:bits=4:block=128:node=8)",
+    ),
     "json": ("--json", (), str, "write every number here"),
     "markdown": ("--markdown", (), str, "write the tables here"),
     "no_progress": ("--no-progress", (), None, "print no progress lines"),
 }
 JOB = ("impls", "model", "layers", "dim", "heads", "vocab", "world", "hsdp", "per_rank", "seq")
-JOB += ("dtype", "reshard", "offload")
+JOB += ("dtype", "reshard", "offload", "variants")
 # a shared flag's dest -> the Job field it sets; the model's overrides -> LlamaConfig's names
 FIELDS = {"model": "preset", "world": "world", "hsdp": "replicas", "per_rank": "per_rank"}
-FIELDS |= {"seq": "seq", "dtype": "dtype", "offload": "offload"}
+FIELDS |= {"seq": "seq", "dtype": "dtype", "offload": "offload", "variants": "variants"}
 FIELDS |= {"reshard_after_forward": "reshard_after_forward"}
 MODEL = {flag.removeprefix("--"): name for name, flag in OVERRIDES.items()}  # layers: n_layers
 

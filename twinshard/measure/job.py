@@ -78,6 +78,7 @@ class Job:
     # read, kept for problem() to name
     reshard_after_forward: bool | int | str = True
     optimizer: str = "sgd"  # sgd (momentum) or adamw (fused)
+    variants: str = ""  # communication variants (--variants, twinshard.variants.parse)
     ac: str = "none"  # activation checkpointing (plan/checkpointing.py): none, block, ...
     network: str | None = None  # a plan: the network that prices it (None: the device's)
     probe: bool = False  # a plan: also measure.probe's categories at its peak
@@ -144,7 +145,24 @@ class Job:
             if getattr(self, name) not in allowed:
                 flag, use = name.replace("_", "-"), ", ".join(filter(None, allowed))
                 return f"--{flag} {getattr(self, name)!r} unknown; use {use}"
-        return self._where_problem() or self._model_problem()
+        return self._where_problem() or self._model_problem() or self._variants_problem()
+
+    def _variants_problem(self) -> str | None:
+        if not self.variants:
+            return None
+        from twinshard.variants import parse
+
+        try:
+            chosen = parse(self.variants)
+        except ValueError as error:
+            return str(error)
+        if self.impl in ("plain", "ddp"):
+            return f"--variants {self.variants} needs an FSDP implementation, not {self.impl}"
+        shard = self.world // self.replicas
+        for v in chosen:
+            if v.ranks_per_node > 1 and shard % v.ranks_per_node:
+                return f"--variants: node={v.ranks_per_node} does not divide {shard} ranks"
+        return None
 
     def _where_problem(self) -> str | None:
         """The backend and the device: what the run needs of this machine. (What only one

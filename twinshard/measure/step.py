@@ -44,6 +44,10 @@ def shard(model, job, device: torch.device, on=None) -> None:
     for block in model.blocks:
         impl.fully_shard(block, reshard_after_forward=job.reshard_after_forward, **kwargs)
     impl.fully_shard(model, **kwargs)
+    if job.variants:  # after fully_shard: each module's collectives replaced (docs/variants.md)
+        from twinshard import variants
+
+        variants.attach(model, variants.parse(job.variants), kwargs["mesh"])
 
 
 def build(job, device: torch.device, on=None, model=None):

@@ -39,6 +39,7 @@ from .table import format_plan, plot_plan, plot_sweep
 # --sweep NAME -> the job's field (layers: the model's n_layers), and the values' type
 SWEEPABLE = {"world": "world", "per-rank": "per_rank", "seq": "seq", "hsdp": "replicas"}
 SWEEPABLE |= {"ac": "ac", "layers": "n_layers", "batch": "per_rank"}  # batch: the old name
+SWEEPABLE |= {"variants": "variants"}  # none: no variant
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +83,10 @@ def sweep_points(text: str | None) -> tuple[list[dict], str | None]:
     name, _, values = text.partition("=")
     if name not in SWEEPABLE or not values:
         return [], f"--sweep takes NAME=V1,V2,... with NAME one of {', '.join(SWEEPABLE)}"
-    kind = str if name == "ac" else int
+    kind = str if name in ("ac", "variants") else int
+    if name == "variants":  # "none" is the plain collectives
+        values = ",".join("" if v == "none" else v for v in values.split(","))
+        return [{"variants": v} for v in values.split(",")], None
     try:
         return [{SWEEPABLE[name]: kind(v)} for v in values.split(",") if v], None
     except ValueError:

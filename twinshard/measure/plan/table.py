@@ -38,6 +38,7 @@ def describe(row: dict) -> str:
         f"{c['world']} ranks, {mesh}; {c['per_rank']} x {c['seq']} tokens per rank; {c['dtype']}; "
         f"ac {c['ac']}; reshard_after_forward {c['reshard_after_forward']}; "
         f"offload {c['offload']}; {c['optimizer']}; {row['device']}; {row['network']}"
+        + (f"; variants {c['variants']}" if c.get("variants") else "")
     )
 
 
