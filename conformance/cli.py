@@ -24,6 +24,7 @@ import tempfile
 from twinshard import impls
 
 from .cases import CASES
+from .lossy import load_variant
 from .runner import select
 from .suite import (
     DEFAULT_MESHES,
@@ -100,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compare with the plain model only, not with twinshard.reference "
         "and torch's fully_shard (faster)",
     )
+    parser.add_argument(
+        "--variant",
+        default=None,
+        help="a communication variant for the lossy_given case: MY_MODULE:NAME (see "
+        "docs/variants.md) or built-ins as --variants spells them (qwz+qgz:node=2)",
+    )
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
 
 
@@ -136,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         select(patterns)  # no case matches: say so now
         xfail_path = args.xfail or default_xfail(args.module)
         expected = load_xfail(xfail_path)
+        if args.variant:
+            load_variant(args.variant)  # importable, and a variant: say so now
     except (ValueError, OSError) as error:
         raise refuse(f"{error}") from None
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
@@ -168,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         stand_in_streams=args.stand_in_streams,
         oracles=not args.no_oracles,
+        variant=args.variant,
     )
     if not rows:
         raise refuse("no case applies to the selected meshes and patterns")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from twinshard.optimized.streams import STANDIN_ENV
 
 from .cases import CASES, Context
+from .lossy import VARIANT_ENV
 from .runner import oracle_names, partial_rows_path, run_cases, select, skip_row
 
 DEFAULT_MESHES = "1,2,3,2x2"
@@ -68,12 +69,14 @@ def run_suite(
     progress=None,
     stand_in_streams: bool = False,
     oracles=True,
+    variant: str | None = None,
 ) -> list[dict]:
     """Every selected case on every mesh; one row per (mesh, case), SKIP where a case does not
     apply. ``stand_in_streams``: run the accelerator schedule on the CPU, with stream checks
     (``twinshard.standin``). ``oracles=False`` compares with the plain model only
     (not with the reference and torch): faster, for a second pass in another mode; a tuple
-    of names (``("reference",)``) runs only those oracles."""
+    of names (``("reference",)``) runs only those oracles. ``variant``: the ``lossy_given``
+    case's (``conformance/lossy.py``, ``load_variant``)."""
     import torch
 
     from twinshard.launch import LaunchError, launch
@@ -82,6 +85,8 @@ def run_suite(
     with tempfile.TemporaryDirectory(prefix="twinshard-conform-") as scratch:
         tmp = tmpdir or scratch
         env = {STANDIN_ENV: "1"} if stand_in_streams else {}
+        if variant:
+            env[VARIANT_ENV] = variant
         for shape in meshes:
             world = math.prod(shape)
             names = select(patterns)

@@ -48,6 +48,10 @@ def test_a_module_that_fails_while_importing_is_one_line(tmp_path, capsys, monke
         (["--xfail", "/no/such/file.txt"], "No such file or directory"),
         (["--report", "/no/such/folder/out.md"], "cannot write --report /no/such/folder/out.md"),
         (["--report", "/proc/version"], "cannot write --report /proc/version"),
+        (["--variant", "nosuch_module:X"], "--variant 'nosuch_module:X': No module named"),
+        (["--variant", "os:path"], "--variant 'os:path' has no attach, gathered"),
+        (["--variant", "qwz:bits=3"], "--variants: 'qwz:bits=3'"),
+        (["--variant", "justaname"], "use MODULE:NAME or built-ins"),
     ],
 )
 def test_bad_arguments_are_one_line(capsys, argv, message):

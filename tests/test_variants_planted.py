@@ -86,3 +86,63 @@ def test_the_suite_reads_the_wire_an_int8_gather_that_sends_bf16_is_caught():
         "impl: 1 floating reduce-scatters",
         "impl: no all-to-all in torch.uint8: the gradients were not exchanged",
     ]
+
+
+BF16_WEIGHTS = '''
+"""A researcher's variant: fp32 weights all-gathered in bf16, declared as such."""
+import torch
+import torch.distributed as dist
+
+
+class Gather:
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        low = torch.empty(output_tensor.shape, dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(low, input_tensor.to(SENT), group=group)
+        output_tensor.copy_(low)
+
+
+class Bf16Weights:
+    name, step = "bf16 weights", 2.0**-8
+
+    def attach(self, model, mesh):
+        for module in model.modules():
+            if hasattr(module, "set_custom_all_gather"):
+                module.set_custom_all_gather(Gather())
+
+    def gathered(self, full, ranks):
+        return full.to(torch.bfloat16).to(full.dtype)
+
+    def gradient_sum(self, contributions, ranks):
+        return torch.stack(contributions).sum(0)
+
+
+SENT = torch.bfloat16
+VARIANT = Bf16Weights()
+'''
+
+
+@pytest.mark.parametrize("sent, passes", [("torch.bfloat16", True), ("torch.float16", False)])
+def test_conform_certifies_a_variant_of_ones_own(tmp_path, sent, passes):
+    """``twinshard conform --variant MODULE:NAME`` runs the ``lossy_given`` case on a variant
+    the project has never seen: right as declared, it passes; sending fp16 where it declares
+    bf16 (the same bytes, other numbers) misses its own oracle."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "my_variant.py").write_text(
+        BF16_WEIGHTS.replace("torch.bfloat16\nVARIANT", f"{sent}\nVARIANT")
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    args = "conform twinshard.optimized --cases lossy_given --world-sizes 2".split()
+    run = subprocess.run(
+        [sys.executable, "-m", "twinshard.cli", *args, "--variant", "my_variant:VARIANT"],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert (run.returncode == 0) is passes, run.stdout[-3000:] + run.stderr[-3000:]
+    assert ("1 pass" if passes else "lossy_given on 2: FAIL") in run.stdout

@@ -46,6 +46,7 @@ class Communication:
         self.reshard_after_forward = reshard_after_forward  # hpZ: ranks per node
         self.weights = next((v for v in variants if v.collective == "all_gather"), None)
         self.grads = next((v for v in variants if v.collective == "reduce_scatter"), None)
+        self.hooks: dict = {}  # attach's objects, by module name, of the last model
 
     @property
     def name(self) -> str:

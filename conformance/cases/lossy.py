@@ -12,7 +12,7 @@ from __future__ import annotations
 from twinshard.variants import Communication, Variant
 
 from .. import models as M
-from ..lossy import train_lossy, with_variant
+from ..lossy import given_variant, train_lossy, with_variant
 from .core import case
 
 BLOCK = 8
@@ -23,10 +23,13 @@ def _needs_nodes(ctx) -> bool:
 
 
 def _run(ctx, variants: list[Variant], reshard_after_forward=None):
-    comm = Communication(variants, reshard_after_forward)
-    after = (
-        {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
-    )
+    return _judge(ctx, Communication(variants, reshard_after_forward))
+
+
+def _judge(ctx, comm):
+    """Train the MLP of 3 blocks under ``comm`` (hpZ: its ``reshard_after_forward``)."""
+    hpz = getattr(comm, "reshard_after_forward", None)
+    after = {} if hpz is None else {"reshard_after_forward": hpz}
 
     def wrap(impl, model, mesh):
         for block in model.blocks:
@@ -92,3 +95,14 @@ def case_lossy_zeropp_hpz(ctx):
     kept, dequantized shard within the node)."""
     variants = [Variant("qwz", 8, BLOCK), Variant("qgz", 8, BLOCK, ranks_per_node=2)]
     return _run(ctx, variants, reshard_after_forward=2)
+
+
+@case(
+    "lossy",
+    needs=lambda ctx: _sharded(ctx) and given_variant() is not None,
+    why="give a variant: twinshard conform MODULE --variant MY_MODULE:NAME (and 2 ranks or more)",
+)
+def case_lossy_given(ctx):
+    """The variant given with --variant (a researcher's own, or built-ins spelled as
+    --variants spells them), judged as the built-in ones are."""
+    return _judge(ctx, given_variant())
