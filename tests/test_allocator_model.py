@@ -108,3 +108,24 @@ def test_expandable_segments_unmap_their_free_end_under_the_limit():
     a.free("a")
     a.malloc("small", 100 * KiB, stream="other")  # a small pool's page: 2 MiB over the limit
     assert a.stats.reserved == 2 * MiB and not a.stats.oom  # the large pages were unmapped
+
+
+def test_the_summary_replays_against_a_device_only_where_the_limit_matters():
+    """The log of the test above: 20 MiB freed, then 30 and 20 MiB (50 reserved at the peak
+    without a limit). Against 64 MiB the step never reaches the limit (fits, nothing given
+    back, no replay needed); against 40 it runs out, having given cached memory back, exactly
+    as the limited replay says."""
+    from twinshard.measure.allocator import summary
+
+    log = [("alloc", "a", 20 * MiB, 0), ("free", "a"), ("alloc", "b", 30 * MiB, 0)]
+    log += [("alloc", "c", 20 * MiB, 0)]
+    out = summary(log, {"roomy": 64 * MiB, "tight": 40 * MiB})
+    assert out["segments"]["reserved_peak"] == 50 * MiB
+    assert out["fits"]["roomy"] == {"fits": True, "releases": 0, "oom_at": []}
+    tight = replay(log, 40 * MiB).stats
+    assert tight.oom and tight.releases >= 1
+    assert out["fits"]["tight"] == {
+        "fits": False,
+        "releases": tight.releases,
+        "oom_at": tight.oom[:1],
+    }
