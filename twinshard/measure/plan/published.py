@@ -131,6 +131,8 @@ def compare(rows: dict) -> list[dict]:
         predicted_gib = row["memory"]["peak_bytes"] / GiB
         # the caching allocator's model: expandable segments, torchtitan's setting, and plain
         reserved = {m: row["memory"]["allocator"][m]["reserved_peak"] / GiB for m in MODES}
+        # active: the blocks given to requests at the peak (sizes rounded), the run's mode
+        active = row["memory"]["allocator"][mode].get("allocated_peak", 0) / GiB
         out.append(
             dict(
                 name=name,
@@ -142,6 +144,7 @@ def compare(rows: dict) -> list[dict]:
                 published_gib=memory,
                 predicted_gib=predicted_gib,
                 memory_ratio=predicted_gib / memory if memory else None,
+                active_gib=active,
                 reserved_gib=reserved["expandable"],
                 reserved_plain_gib=reserved["segments"],
                 reserved_ratio=reserved[mode] / memory if memory else None,
@@ -163,14 +166,14 @@ def _figure(value, form: str) -> str:
 def markdown(table: list[dict]) -> str:
     lines = [
         "| run (torch's fully_shard) | published tok/s/GPU | predicted | ratio "
-        "| published GiB (reserved) | predicted GiB: allocated | ratio "
+        "| published GiB (reserved) | predicted GiB: allocated | ratio | active "
         "| reserved, expandable | reserved, plain segments | ratio (run's mode) "
         "| fits (run's mode, device GiB) | predicted MFU | planned in (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in table:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} |||||||||||")
+            lines.append(f"| {r['name']} | failed: {r['error']} ||||||||||||")
             continue
         fitted = " (fitted here)" if r["fitted"] else ""
         published = "out of memory" if r["published_tps"] is None else f"{r['published_tps']:,}"
@@ -179,7 +182,7 @@ def markdown(table: list[dict]) -> str:
             f"| {r['name']}{fitted} | {published} | {r['predicted_tps']:,.0f} "
             f"| {_figure(r['tps_ratio'], '.2f')} | {_figure(r['published_gib'], '.1f')} "
             f"| {r['predicted_gib']:.1f} | {_figure(r['memory_ratio'], '.2f')} "
-            f"| {r['reserved_gib']:.1f} | {r['reserved_plain_gib']:.1f} "
+            f"| {r['active_gib']:.1f} | {r['reserved_gib']:.1f} | {r['reserved_plain_gib']:.1f} "
             f"| {_figure(r['reserved_ratio'], '.2f')} "
             f"| {fits} ({r['mode']}, {r['capacity_gib']:.0f}) "
             f"| {r['mfu']:.1%} | {r['record_s']:.0f} |"
