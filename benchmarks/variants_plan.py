@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 
 TARGET = 1.3
 BLOCKS = 80
