@@ -89,7 +89,10 @@ def markdown(rows: list[dict], depths: tuple[int, int]) -> str:
         )
     best = max(r["vs_torch"] for r in rows[1:])
     verdict = "met" if best >= TARGET else "**missed**"
-    lines += ["", f"Target: the fastest variant at least {TARGET}x torch's: {best:.2f}x, {verdict}."]
+    lines += [
+        "",
+        f"Target: the fastest variant at least {TARGET}x torch's: {best:.2f}x, {verdict}.",
+    ]
     return "\n".join(lines)
 
 
