@@ -1,8 +1,8 @@
 """The communication variants (``variants/``): the quantization by hand, and each variant
 under torch's ``fully_shard``, the reference and the optimized path against an exact oracle.
 
-The oracle is the plain model with the variant's declared transform applied where the variant
-applies it: the weights every rank computes with are the round trip of each rank's padded shard
+The oracle is the plain model with the variant's declared transform (``variants/transform.py``)
+applied where the variant applies it: the weights every rank computes with are the round trip of each rank's padded shard
 of each parameter (qwZ); each parameter's reduced gradient is the fp32 sum, in rank order, of
 the round trip of every rank's chunk of it (qgZ; by node: the round trip of each node's sum),
 or of its bf16 rounding (bf16 wire). A block, scale, layout or order bug moves the numbers off
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from twinshard.launch import launch
-from twinshard.variants import Variant, attach, blocks, hpz, sent_bytes
+from twinshard.variants import Communication, Variant, attach, blocks, hpz, sent_bytes
 from twinshard.variants.segments import Layout
 
 IMPLS = ("torch.distributed.fsdp", "twinshard.reference", "twinshard.optimized")
@@ -99,34 +99,17 @@ def _data(rank: int) -> list[torch.Tensor]:
     return [torch.randn(4, 6, generator=generator) for _ in range(STEPS)]
 
 
-def _chunks(t: torch.Tensor, ranks: int) -> list[torch.Tensor]:
-    """``t``'s rows padded with zeros to ``ranks`` equal chunks, each flattened."""
-    rows = -(-t.shape[0] // ranks)
-    padded = torch.cat([t, t.new_zeros(rows * ranks - t.shape[0], *t.shape[1:])])
-    return [c.reshape(-1) for c in padded.split(rows)]
-
-
-def _unchunk(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    return torch.cat(pieces).view(-1, *like.shape[1:])[: like.shape[0]]
-
-
 def _oracle(variants: list[Variant], ranks: int) -> dict:
-    """Losses and final parameters of the plain model with the variants' transforms."""
+    """Losses and final parameters of the plain model with the variants' declared transforms
+    (``variants.Communication``: ``gathered``, ``gradient_sum``)."""
+    comm = Communication(variants)
     torch.manual_seed(0)
     model = Net()
     params = dict(model.named_parameters())
     momentum = {n: torch.zeros_like(p) for n, p in params.items()}
-    kinds = {v.kind: v for v in variants}
     losses = []
     for step in range(STEPS):
-        seen = {}  # the weights every rank computes with
-        for n, p in params.items():
-            if "qwz" in kinds:
-                v = kinds["qwz"]
-                trip = [blocks.roundtrip(c, v.bits, v.block) for c in _chunks(p.detach(), ranks)]
-                seen[n] = _unchunk(trip, p)
-            else:
-                seen[n] = p.detach().clone()
+        seen = {n: comm.gathered(p.detach(), ranks) for n, p in params.items()}
         grads, step_losses = [], []
         for rank in range(ranks):
             leaves = {n: w.clone().requires_grad_() for n, w in seen.items()}
@@ -137,43 +120,11 @@ def _oracle(variants: list[Variant], ranks: int) -> dict:
             grads.append({n: w.grad for n, w in leaves.items()})
         losses.append(step_losses)
         for n, p in params.items():
-            reduced = _reduce([_chunks(g[n], ranks) for g in grads], kinds, ranks)
-            grad = _unchunk(reduced, p) / ranks
+            grad = comm.gradient_sum([g[n] for g in grads], ranks) / ranks
             with torch.no_grad():
                 momentum[n] = momentum[n] * 0.9 + grad
                 p -= 0.1 * momentum[n]
     return {"losses": losses, "params": {n: p.detach() for n, p in params.items()}}
-
-
-def _reduce(by_rank: list[list[torch.Tensor]], kinds: dict, ranks: int) -> list[torch.Tensor]:
-    """Chunk j of the sum over ranks of ``by_rank[r][j]``, as the variant adds them up."""
-    if "bf16-wire" in kinds:
-        trip = lambda c: c.to(torch.bfloat16).float()  # noqa: E731
-    elif "qgz" in kinds:
-        v = kinds["qgz"]
-        trip = lambda c: blocks.roundtrip(c, v.bits, v.block)  # noqa: E731
-    else:
-        trip = None
-    out = []
-    for j in range(ranks):
-        if trip is None:  # the plain reduce-scatter's own sum: compared to fp32 tolerances
-            out.append(sum(by_rank[r][j] for r in range(ranks)))
-            continue
-        k = kinds["qgz"].ranks_per_node if "qgz" in kinds else 1
-        if k > 1 and k < ranks:  # within each node, then across nodes
-            nodes = [by_rank[m * k : (m + 1) * k] for m in range(ranks // k)]
-            sums = [_sum([trip(r[j]) for r in node]) for node in nodes]
-            out.append(_sum([trip(s) for s in sums]))
-        else:
-            out.append(_sum([trip(by_rank[r][j]) for r in range(ranks)]))
-    return out
-
-
-def _sum(pieces: list[torch.Tensor]) -> torch.Tensor:
-    total = torch.zeros_like(pieces[0], dtype=torch.float32)
-    for piece in pieces:
-        total += piece
-    return total
 
 
 def _run_one(module_name: str, variants: list[Variant], reshard=None, planted=None) -> dict:
