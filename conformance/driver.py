@@ -268,7 +268,13 @@ def compare(
     other: Trace | None = None,
 ) -> None:
     """Compare a sharded run with the plain truth on this rank's blocks, or, with ``other``
-    (another sharded run with the same placements), with that run, judged against the truth."""
+    (another sharded run with the same placements), with that run, judged against the truth.
+    The comparisons use no streams: the stand-in streams' checks pause for them."""
+    with paused():
+        _compare(checker, label, run, truth, truth_low, other)
+
+
+def _compare(checker, label, run, truth, truth_low, other) -> None:
     for step, loss in enumerate(run.losses):
         low = truth_low.losses[step] if truth_low else None
         expected = other.losses[step] if other else truth.losses[step]

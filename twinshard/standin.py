@@ -268,25 +268,47 @@ def _ordered(access: Access, stream: object) -> bool:
     return access.stream is stream or stream.clock.get(access.stream.name, 0) >= access.time
 
 
+_SIGNATURES: dict = {}  # op -> (whether it is a view, [(argument, whether the op writes it)])
+
+
+def _signature(func) -> tuple[bool, list[tuple[str, bool]]]:
+    """What the schema of ``func`` says of its tensors, read once per op (every checked
+    operation asks, and parsing alias annotations costs more than the check)."""
+    found = _SIGNATURES.get(func)
+    if found is None:
+        schema = func._schema
+        if func.namespace == "c10d":  # no alias annotations: c10d.OPS names what it writes
+            name = c10d.name_of(func)
+            out = c10d.OPS[name].outputs if name else schema.arguments[0].name  # else: first
+            found = (False, [(a.name, a.name == out) for a in schema.arguments])
+        else:
+            returns = schema.returns
+            view = bool(returns) and all(
+                r.alias_info is not None and not r.alias_info.is_write for r in returns
+            )
+            writes = [
+                (a.name, a.alias_info is not None and a.alias_info.is_write)
+                for a in schema.arguments
+            ]
+            found = (view, writes)
+        _SIGNATURES[func] = found
+    return found
+
+
 def _accesses(func, args, kwargs) -> tuple[list, list, bool]:
     """(tensors read, tensors written, whether the op is a view that touches no data)."""
-    schema = func._schema
-    if func.namespace == "c10d":  # no alias annotations: c10d.OPS names what it writes
-        name = c10d.name_of(func)
-        out = c10d.OPS[name].outputs if name else schema.arguments[0].name  # else: output first
-        flags = [a.name == out for a in schema.arguments[: len(args)]]
-        values = list(args)
-    else:
-        returns = schema.returns
-        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-            return [], [], True
-        values, flags = [], []
-        for i, arg in enumerate(schema.arguments):
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            values.append(value)
-            flags.append(arg.alias_info is not None and arg.alias_info.is_write)
+    view, arguments = _signature(func)
+    if view:
+        return [], [], True
+    positional_only = func.namespace == "c10d"  # c10d's ops are called with positions only
     reads, writes = [], []
-    for value, write in zip(values, flags):
+    for i, (name, write) in enumerate(arguments):
+        if i < len(args):
+            value = args[i]
+        elif positional_only:
+            break
+        else:
+            value = kwargs.get(name)
         (writes if write else reads).extend(_tensors(value))
     return reads, writes, False
 
