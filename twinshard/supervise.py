@@ -228,7 +228,7 @@ def collect(procs: list, conns: list, timeout: float, watch: Watch | None = None
             }
             what = f"deadline of {timeout}s" if all_ready else f"start-up limit of {startup:g}s"
             raise _error(f"{what} exceeded", late)
-        if watch is not None and not failures:
+        if watch is not None and not failures and all_ready:  # start-up has its own limit
             watch.check()
     if failures:  # peers of a failed rank often fail a moment later: collect them briefly
         end = time.monotonic() + _DRAIN
