@@ -128,6 +128,9 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
         (["--data", str(tmp_path / "missing.txt")], f"{tmp_path / 'missing.txt'}' does not exist"),
         (["--resume", str(tmp_path / "nowhere")], "does not exist"),
         (["--resume", str(tmp_path)], "no complete checkpoint in"),
+        (["--variants", "qwz:bits=3"], "bits=8 or 4"),
+        (["--variants", "qgz+bf16-wire"], "more than one variant replaces the reduce_scatter"),
+        (["--variants", "qgz:node=3", "--world", "2"], "node=3 does not divide 2 ranks"),
     ]
     short = tmp_path / "short.txt"
     short.write_text("too short")
@@ -139,6 +142,24 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
     assert not out.exists()
     with pytest.raises(SystemExit):
         run_train("--model", "enormous")
+
+
+def losses_of(run_dir: Path) -> list[float]:
+    lines = (run_dir / "loss.csv").read_text().splitlines()[1:]
+    return [float(line.split(",")[1]) for line in lines]
+
+
+def test_variants_train_close_to_the_exact_collectives_but_not_equal(tmp_path):
+    exact, lossy = tmp_path / "exact", tmp_path / "lossy"
+    assert run_train("--out", exact, "--steps", 4, "--checkpoint-every", 0) == 0
+    argv = ["--steps", 4, "--checkpoint-every", 0, "--variants", "qwz+qgz:bits=4"]
+    assert run_train("--out", lossy, *argv) == 0
+    assert "--variants qwz+qgz:bits=4" in (lossy / "train.log").read_text()
+    exact_losses, lossy_losses = losses_of(exact), losses_of(lossy)
+    assert len(exact_losses) == len(lossy_losses) == 4
+    for step, (a, b) in enumerate(zip(exact_losses, lossy_losses), 1):
+        # int4 weights change the first forward already; the change stays small
+        assert a != b and abs(a - b) < 0.02 * a, (step, a, b)
 
 
 def test_optimized_is_the_default_and_reference_one_flag_away(tmp_path, capsys):

@@ -20,11 +20,11 @@ variants on a sharded model; ``transform.py`` declares what they do to the numbe
     hooks = variants.attach(model, [variants.Variant("qwz"), variants.Variant("qgz")], mesh)
 """
 
-from .attach import KINDS, Variant, attach, fsdp_modules, parse, sent_bytes
+from .attach import KINDS, Variant, attach, fsdp_modules, parse, problem, sent_bytes
 from .transform import Communication
 
 __all__ = ["KINDS", "Communication", "Variant", "attach", "fsdp_modules", "hpz", "parse"]
-__all__ += ["sent_bytes"]
+__all__ += ["problem", "sent_bytes"]
 
 
 def hpz(ranks_per_node: int) -> int:

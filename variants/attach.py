@@ -94,6 +94,23 @@ def sent_bytes(hooks: dict[str, dict]) -> dict[str, int]:
     return out
 
 
+def problem(spec: str, shard_ranks: int) -> str | None:
+    """What is wrong with the ``--variants`` flag ``spec`` on a mesh sharding each parameter
+    over ``shard_ranks`` ranks, or None: a spec ``parse`` refuses, two variants replacing one
+    collective, or a node size that does not divide the shard ranks."""
+    try:
+        chosen = parse(spec)
+    except ValueError as error:
+        return str(error)
+    for collective in ("all_gather", "reduce_scatter"):
+        if sum(v.collective == collective for v in chosen) > 1:
+            return f"--variants {spec}: more than one variant replaces the {collective}"
+    for v in chosen:
+        if v.ranks_per_node > 1 and shard_ranks % v.ranks_per_node:
+            return f"--variants: node={v.ranks_per_node} does not divide {shard_ranks} ranks"
+    return None
+
+
 def parse(spec: str) -> list[Variant]:
     """The variants a ``--variants`` flag names: kinds joined by ``+``, each with options after
     colons: ``qwz``, ``qgz:bits=4:block=128:node=8``, ``bf16-wire`` (``node``: ranks per node,

@@ -150,19 +150,15 @@ class Job:
     def _variants_problem(self) -> str | None:
         if not self.variants:
             return None
-        from twinshard.variants import parse
+        from twinshard.variants import parse, problem
 
-        try:
-            chosen = parse(self.variants)
+        try:  # what the spec says is wrong first, then what the job makes of it
+            parse(self.variants)
         except ValueError as error:
             return str(error)
         if self.impl in ("plain", "ddp"):
             return f"--variants {self.variants} needs an FSDP implementation, not {self.impl}"
-        shard = self.world // self.replicas
-        for v in chosen:
-            if v.ranks_per_node > 1 and shard % v.ranks_per_node:
-                return f"--variants: node={v.ranks_per_node} does not divide {shard} ranks"
-        return None
+        return problem(self.variants, self.world // self.replicas)
 
     def _where_problem(self) -> str | None:
         """The backend and the device: what the run needs of this machine. (What only one

@@ -49,6 +49,10 @@ def build_model(cfg: TrainConfig, device: torch.device, mesh) -> torch.nn.Module
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    if cfg.variants:  # each sharded module's all-gather or reduce-scatter replaced
+        from twinshard import variants
+
+        variants.attach(model, variants.parse(cfg.variants), mesh)
     return model
 
 

@@ -61,6 +61,7 @@ class TrainConfig:
     param_dtype: str
     reduce_dtype: str | None
     cpu_offload: bool
+    variants: str  # communication variants, twinshard.variants.parse's spec ("" for none)
     seed: int
     checkpoint_every: int
     keep: int
@@ -134,6 +135,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         hang_timeout=DEFAULT_HANG_TIMEOUT if hang_timeout is None else hang_timeout,
     )
     _check_numbers(cfg)
+    _check_variants(cfg)
     cfg.model = _model_config(cfg)
     try:
         corpus = load_corpus(cfg.data, cfg.seq_len)
@@ -229,6 +231,20 @@ def _check_numbers(cfg: TrainConfig) -> None:
         )
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise TrainError(f"--stop-at {cfg.stop_at} must be between 1 and --steps {cfg.steps}")
+
+
+def _check_variants(cfg: TrainConfig) -> None:
+    """``--variants``: a spec ``twinshard.variants`` reads, whose node size divides the ranks
+    each parameter is sharded over (a node's, with ``--hsdp``)."""
+    if not cfg.variants:
+        return
+    from twinshard.variants import problem
+
+    world = _world_size(cfg)
+    shard = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if cfg.hsdp else world
+    wrong = problem(cfg.variants, shard)
+    if wrong:
+        raise TrainError(wrong)
 
 
 def _model_config(cfg: TrainConfig) -> dict:

@@ -57,6 +57,7 @@ DEFAULTS: dict[str, Any] = dict(
     param_dtype="fp32",
     reduce_dtype=None,
     cpu_offload=False,
+    variants="",
     seed=0,
     checkpoint_every=100,
     keep=2,
@@ -78,6 +79,7 @@ SHARED = {
     "seq": ("seq_len", ("--seq-len",)),
     "offload": ("cpu_offload", ("--cpu-offload",)),
     "hsdp": ("hsdp", ()),
+    "variants": ("variants", ()),
 }
 _SPELLING = {dest: VOCABULARY[concept][0] for concept, (dest, _) in SHARED.items()}
 
@@ -181,6 +183,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         _same("offload", ", and the optimizer state with them; --no-offload turns off a ")
         + "resumed run's (default off)",
         action=RenamedSwitch,
+    )
+    _shared(
+        g,
+        "variants",
+        _same("variants", "; each sharded module's all-gather or reduce-scatter replaced, ")
+        + "docs/variants.md (default: none, FSDP's exact collectives)",
+        type=str,
     )
     g.add_argument(
         "--debug",

@@ -138,6 +138,7 @@ def _train(cfg, rank, world, device, run_dir, log: Reporter, mesh, request) -> d
         f"{cfg.min_lr:g}); {cfg.param_dtype} params"
         + (f", {cfg.reduce_dtype} reduce" if cfg.reduce_dtype else "")
         + (", CPU offload" if cfg.cpu_offload else "")
+        + (f"; communication --variants {cfg.variants}" if cfg.variants else "")
     )
     for note in cfg.notes:
         log.info(f"note: {note}")
