@@ -316,6 +316,27 @@ def test_published_out_of_memory_settings_must_be_planned_not_to_fit():
     ]
 
 
+def test_published_runs_gain_the_variants_column():
+    """``published --variants SPEC`` plans the runs that ran again with SPEC and sets them
+    beside torch's collectives; a spec no plan can run is refused before any recording."""
+    from twinshard.measure.plan import published
+
+    name, other = "llama3.1-8b h100 8 bs2 selective-op", "llama3-8b a100 bs1 selective-op"
+    assert published.configs(name, variants="qwz+qgz:node=8")[name].variants == "qwz+qgz:node=8"
+    table = published.compare({n: _published_row(5000.0, 41.2, 50.0, 52.0) for n in (name, other)})
+    faster = _published_row(6500.0, 40.0, 49.0, 51.0)
+    faster["time"]["exposed_s"] = 0.002
+    published.add_variants(table, {name: faster, other: {"error": "x\nboom"}}, "qwz+qgz")
+    assert table[0]["variants_ratio"] == pytest.approx(1.3)
+    assert "variants_tps" not in table[1] and table[1]["variants_error"] == "boom"
+    text = published.variants_markdown(table)
+    assert f"| {name} | 5,000 | 6,500 | 1.30x | 0 | 2 |" in text
+    assert f"| {other} | failed with the variants: boom |" in text
+    assert published.variants_markdown(published.compare({name: faster})) == ""
+    with pytest.raises(SystemExit):
+        published.main(["--only", "h100 8", "--variants", "qgz:node=3"])
+
+
 def test_torchs_own_copy_operators_are_priced_as_the_copies_they_make():
     """torch's fully_shard copies through fsdp:: operators, which a dispatch mode sees but not
     the copies inside them: each is priced as the bytes it reads plus those it writes."""

@@ -98,12 +98,12 @@ RESERVED_WITHIN = 0.10  # issue 36's target: planned reserved within 10% of the 
 FITTED = ("llama3-8b a100 bs1 selective-op", "llama3.1-8b h100 8 bs2 selective-op")
 
 
-def configs(only: str | None = None, runs: dict = RUNS) -> dict[str, Job]:
+def configs(only: str | None = None, runs: dict = RUNS, variants: str = "") -> dict[str, Job]:
     """The runs of ``runs`` (those whose name contains one of ``only``'s comma-separated words)
-    as plans with torch's ``fully_shard``."""
+    as plans with torch's ``fully_shard`` (and the communication ``variants``, if any)."""
     words = only.split(",") if only else [""]
     return {
-        name: config.job(impl="torch", **run[0])
+        name: config.job(impl="torch", variants=variants, **run[0])
         for name, run in runs.items()
         if any(word in name for word in words)
     }
@@ -190,6 +190,48 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def add_variants(table: list[dict], rows: dict, variants: str) -> None:
+    """Put the runs planned with the communication ``variants`` (``rows``: name -> summary
+    row) beside torch's collectives in ``table``: tokens/s, the ratio, the exposed time."""
+    for r in table:
+        row = rows.get(r["name"])
+        if row is None or "error" in r:
+            continue
+        if "error" in row:
+            r["variants_error"] = row["error"].strip().splitlines()[-1]
+            continue
+        tps = row["time"]["tokens_per_s"]
+        r.update(
+            variants=variants,
+            variants_tps=tps,
+            variants_ratio=tps / r["predicted_tps"],
+            variants_exposed_ms=row["time"]["exposed_s"] * 1e3,
+        )
+
+
+def variants_markdown(table: list[dict]) -> str:
+    """The variants' column: each run's planned tokens/s with torch's collectives and with
+    the variants (``add_variants``), and the communication time left exposed by each."""
+    spec = next((r["variants"] for r in table if "variants" in r), None)
+    if spec is None:
+        return ""
+    lines = [
+        f"| run (torch's fully_shard) | planned tok/s/GPU, torch's collectives | with `{spec}` "
+        "| ratio | exposed communication (ms), torch's | with the variants |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        if "variants_tps" in r:
+            lines.append(
+                f"| {r['name']} | {r['predicted_tps']:,.0f} | {r['variants_tps']:,.0f} "
+                f"| {r['variants_ratio']:.2f}x | {r['exposed_ms']:.0f} "
+                f"| {r['variants_exposed_ms']:.0f} |"
+            )
+        elif "variants_error" in r:
+            lines.append(f"| {r['name']} | failed with the variants: {r['variants_error']} |||||")
+    return "\n".join(lines)
+
+
 def missed(table: list[dict]) -> list[str]:
     """Issue 36's memory targets missed: a run whose planned reserved memory (in the run's
     allocator mode) is not within ``RESERVED_WITHIN`` of the published figure, or a setting
@@ -209,15 +251,19 @@ def missed(table: list[dict]) -> list[str]:
     return far + oom
 
 
-def record(names: list[str], traces: str | None) -> dict:
-    """The recorded steps of ``names`` (one spawned process), read from ``traces`` (a
-    directory) where they were saved there before, and saved there otherwise."""
+def _trace_file(traces: str, name: str, variants: str) -> str:
+    stem = name + (f" with {variants}" if variants else "")
+    return os.path.join(traces, "".join(c if c.isalnum() or c in "-." else "_" for c in stem))
+
+
+def record(names: list[str], traces: str | None, variants: str = "") -> dict:
+    """The recorded steps of ``names`` (one spawned process; with the communication
+    ``variants``, if any), read from ``traces`` (a directory) where they were saved there
+    before, and saved there otherwise."""
     from .runner import record_many
 
-    chosen = configs(runs=PLANNED)
-    saved = (
-        {n: os.path.join(traces, n.replace(" ", "_") + ".pkl.gz") for n in names} if traces else {}
-    )
+    chosen = configs(runs=PLANNED, variants=variants)
+    saved = {n: _trace_file(traces, n, variants) + ".pkl.gz" for n in names} if traces else {}
     todo = [n for n in names if not (traces and os.path.exists(saved[n]))]
     recorded = dict(zip(todo, record_many([chosen[n] for n in todo]))) if todo else {}
     for name in names:
@@ -276,12 +322,28 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the comparison here")
     parser.add_argument("--traces", default=None, help="save (or reuse) the recorded steps here")
     parser.add_argument("--fit", action="store_true", help="print the fitted efficiencies")
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="also plan the runs that ran with these communication variants (twinshard."
+        "variants: qwz+qgz:node=8), in a second table against torch's collectives",
+    )
     args = parser.parse_args(argv)
-    recorded = record(list(configs(args.only, PLANNED)), args.traces)
+    if args.variants:  # a spec the plan cannot run is refused before anything is recorded
+        jobs = configs(args.only, RUNS, args.variants).values()
+        wrong = next(filter(None, map(config.problem, jobs)), None)
+        if wrong:
+            parser.error(wrong)
+    names = list(configs(args.only, PLANNED))
+    recorded = record(names, args.traces)
     if args.fit:
         print("fitted efficiencies:", fit(recorded))
     table = compare(time_all(recorded))
     text = markdown(table)
+    if args.variants:
+        ran = [n for n in names if n in RUNS]
+        add_variants(table, time_all(record(ran, args.traces, args.variants)), args.variants)
+        text += "\n\n" + variants_markdown(table)
     misses = missed(table)
     text += "".join(f"\n\nMISSED: {m}" for m in misses) or (
         f"\n\nEvery published reserved figure is planned within {RESERVED_WITHIN:.0%}, and "
