@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -65,3 +68,39 @@ def test_a_silent_child_is_stopped_at_the_timeout():
 def test_a_child_that_dies_is_named_with_its_exit_code():
     with pytest.raises(RuntimeError, match=r"_dies: its process ended \(exit code 3\)"):
         fresh_process.call(_dies, timeout=60)
+
+
+ORPHAN = """
+import multiprocessing, threading, time
+from twinshard import fresh_process
+call = lambda: fresh_process.call(time.sleep, 600, timeout=700)
+threading.Thread(target=call, daemon=True).start()
+while not multiprocessing.active_children():
+    time.sleep(0.05)
+print(multiprocessing.active_children()[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" not in f.read()  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_child_dies_with_a_parent_stopped_by_a_signal():
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.send_signal(signal.SIGTERM)  # no atexit: the daemon is not stopped by Python
+        parent.wait(30)
+        deadline = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), f"the child {child} outlived its parent"
+    finally:
+        parent.kill()

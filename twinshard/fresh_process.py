@@ -22,9 +22,11 @@ save by then.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import traceback
 from typing import NoReturn
@@ -43,7 +45,7 @@ def call(fn, *args, timeout: float, **kwargs):
     seconds; ``RuntimeError`` when it ended without answering."""
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_serve, args=(send, fn, args, kwargs), daemon=True)
+    child = ctx.Process(target=_serve, args=(send, fn, args, kwargs, os.getpid()), daemon=True)
     child.start()
     send.close()  # the child holds the only sending end: its death ends the wait below
     name = getattr(fn, "__qualname__", repr(fn))
@@ -71,7 +73,8 @@ def call(fn, *args, timeout: float, **kwargs):
     return answer[1]
 
 
-def _serve(send, fn, args, kwargs) -> None:
+def _serve(send, fn, args, kwargs, parent_pid: int) -> None:
+    die_with_parent(parent_pid)  # a daemon outlives a parent stopped by a signal otherwise
     try:
         answer = ("ok", fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
@@ -83,6 +86,17 @@ def _serve(send, fn, args, kwargs) -> None:
         send.send(("error", RuntimeError(text), text))
     send.close()
     leave(0)
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Have the kernel SIGKILL this process when its parent dies, however it dies
+    (``PR_SET_PDEATHSIG`` on Linux); leave at once if the parent ``parent_pid`` is already
+    gone. Used by ``call``'s child and by ``twinshard.launch``'s ranks."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before the line above took effect
 
 
 def leave(code: int) -> NoReturn:

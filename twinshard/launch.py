@@ -52,7 +52,6 @@ Each child calls ``torch.set_num_threads(1)``, since a few ranks share a few cor
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import multiprocessing as mp
 import os
@@ -219,20 +218,11 @@ def _serve_store(listener: socket.socket, timeout: float) -> dist.TCPStore:
     )
 
 
-def _die_with_parent(parent_pid: int | None) -> None:
-    """Have the kernel SIGKILL this rank when the launcher dies, however it dies."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(1)  # the launcher died before the line above took effect
-
-
 def _worker(fn, args, kwargs, setup: _Setup, conn) -> None:
     global _RANK_INFO
     rank, world_size, backend, timeout = setup.rank, setup.world_size, setup.backend, setup.timeout
     try:
-        _die_with_parent(setup.parent_pid)
+        fresh_process.die_with_parent(setup.parent_pid)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a fork copies the parent's
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.update(setup.env)
