@@ -58,9 +58,9 @@ def attach(model: nn.Module, variants: list[Variant], mesh) -> dict[str, dict]:
     for v in variants:
         if v.kind not in KINDS:
             raise ValueError(f"twinshard.variants: unknown variant {v.kind!r}; one of {KINDS}")
-    for collective in ("all_gather", "reduce_scatter"):
-        if sum(v.collective == collective for v in variants) > 1:
-            raise ValueError(f"twinshard.variants: more than one variant replaces the {collective}")
+    clash = _clash(variants)
+    if clash:
+        raise ValueError(f"twinshard.variants: {clash}")
     modules = fsdp_modules(model)
     if not modules:
         raise ValueError(
@@ -94,6 +94,14 @@ def sent_bytes(hooks: dict[str, dict]) -> dict[str, int]:
     return out
 
 
+def _clash(variants: list[Variant]) -> str | None:
+    """Two variants that replace the same collective, said, or None."""
+    for collective in ("all_gather", "reduce_scatter"):
+        if sum(v.collective == collective for v in variants) > 1:
+            return f"more than one variant replaces the {collective}"
+    return None
+
+
 def problem(spec: str, shard_ranks: int) -> str | None:
     """What is wrong with the ``--variants`` flag ``spec`` on a mesh sharding each parameter
     over ``shard_ranks`` ranks, or None: a spec ``parse`` refuses, two variants replacing one
@@ -102,9 +110,9 @@ def problem(spec: str, shard_ranks: int) -> str | None:
         chosen = parse(spec)
     except ValueError as error:
         return str(error)
-    for collective in ("all_gather", "reduce_scatter"):
-        if sum(v.collective == collective for v in chosen) > 1:
-            return f"--variants {spec}: more than one variant replaces the {collective}"
+    clash = _clash(chosen)
+    if clash:
+        return f"--variants {spec}: {clash}"
     for v in chosen:
         if v.ranks_per_node > 1 and shard_ranks % v.ranks_per_node:
             return f"--variants: node={v.ranks_per_node} does not divide {shard_ranks} ranks"
