@@ -60,20 +60,21 @@ class QuantizedReduceScatter(WireCollective):
             within, across = self.groups.of(group)
             k = dist.get_world_size(within)
             # row r = node * k + p; rank with local index p takes every node's row p
-            by_local = chunks.view(ranks // k, k, -1).transpose(0, 1).reshape(k, -1)
-            node_sum = self.exchange(by_local, segments * (ranks // k), within)
-            total = self.exchange(node_sum.view(ranks // k, -1), segments, across)
+            by_local = chunks.view(ranks // k, k, -1).transpose(0, 1)  # (k, nodes, n), a view
+            node_sum = self.exchange(by_local, segments, within)  # (nodes, n)
+            total = self.exchange(node_sum, segments, across)
         if average:
             total /= ranks
         output_tensor.copy_(total.view(output_tensor.shape))
         return None
 
     def exchange(self, rows: torch.Tensor, segments: list[int], group) -> torch.Tensor:
-        """Row r of ``rows`` (R, n) quantized to rank r of ``group`` (R ranks); what each sent
-        this rank, dequantized and added up in fp32 (n,)."""
-        sent = blocks.pack(rows, segments, self.bits, self.block)  # (R, m) uint8
+        """Row r of ``rows`` (R, ..., n) quantized to rank r of ``group`` (R ranks), each of
+        its n-value rows cut into ``segments``; what each sent this rank, dequantized and added
+        up in fp32 (..., n)."""
+        sent = blocks.pack(rows, segments, self.bits, self.block)  # (R, ..., m) uint8
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=group)
         self.sent_bytes += sent[0].numel() * (rows.shape[0] - 1)
         values = blocks.unpack(received, segments, self.bits, self.block, torch.float32)
-        return values.sum(dim=0)  # (n,)
+        return values.sum(dim=0)  # (..., n)

@@ -57,8 +57,6 @@ class QuantizedAllGather(WireCollective):
         all_gather(gathered, message, group=group)
         self.sent_bytes += message.numel()
         self.gathered_bytes += gathered.numel()
-        out = output_tensor.view(ranks, -1)  # (ranks, n)
-        out.copy_(
-            blocks.unpack(gathered.view(ranks, -1), segments, self.bits, self.block, out.dtype)
-        )
+        out = output_tensor.view(ranks, -1)  # (ranks, n): dequantized straight into it
+        blocks.unpack(gathered.view(ranks, -1), segments, self.bits, self.block, out.dtype, out)
         return None
