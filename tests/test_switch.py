@@ -128,14 +128,21 @@ def test_use_from_env_reads_the_variable(monkeypatch):
 
 
 def test_launcher_parses_its_options_and_leaves_the_scripts_alone(capsys):
-    assert run.parse(["s.py", "--impls", "x"]) == run.Command(None, None, ["s.py", "--impls", "x"])
+    assert run.parse(["s.py", "--impls", "x"]) == run.Command(
+        None, None, None, ["s.py", "--impls", "x"]
+    )
     assert run.parse(["--impls=reference", "-m", "pkg.mod", "-x"]) == run.Command(
-        "reference", "pkg.mod", ["-x"]
+        "reference", None, "pkg.mod", ["-x"]
+    )
+    assert run.parse(["--variants", "qwz", "--impls", "torch", "s.py"]) == run.Command(
+        "torch", "qwz", None, ["s.py"]
     )
     assert capsys.readouterr().err == ""
-    assert run.parse(["--impl", "torch", "s.py"]) == run.Command("torch", None, ["s.py"])
+    assert run.parse(["--impl", "torch", "s.py"]) == run.Command("torch", None, None, ["s.py"])
     assert capsys.readouterr().err == "note: --impl is now --impls\n"  # the old spelling
-    for bad, says in ((["--impls"], "needs a value"), ([], "name a script"), (["-m"], "module")):
+    bad_ones = [(["--impls"], "needs a value"), (["--variants"], "needs a value")]
+    bad_ones += [([], "name a script"), (["-m"], "module")]
+    for bad, says in bad_ones:
         with pytest.raises(SystemExit, match=says):
             run.parse(bad)
 

@@ -27,6 +27,11 @@ Three forms, one mechanism:
 - ``with using("reference"): ...`` switches for a block and puts back what was active;
 - ``TWINSHARD_FSDP=optimized python -m twinshard.run script.py`` (``use_from_env``).
 
+Each form also takes communication variants (``use("torch", variants="qwz+qgz:node=8")``,
+``TWINSHARD_VARIANTS``, ``python -m twinshard.run --variants``), spelled as every command's
+``--variants``: ``fully_shard`` then sets them on every module it shards
+(``twinshard.variants.switched``), under any implementation, torch's own included.
+
 ``active()`` says which implementation the names point to (``"torch"`` when none is switched
 in). Each switch logs one line on rank 0 (``RANK`` unset counts as rank 0) on the
 ``twinshard.switch`` logger, which writes to stderr unless logging is configured otherwise.
@@ -44,11 +49,16 @@ import warnings
 from collections.abc import Iterator
 
 from twinshard import impls
+from twinshard.variants import switched
+from twinshard.variants.attach import parse as parse_variants
+from twinshard.variants.attach import refuse_unusable
 
-__all__ = ["ENV_VAR", "SwitchError", "active", "restore", "use", "use_from_env", "using"]
+__all__ = ["ENV_VAR", "SwitchError", "active", "active_variants", "restore", "use"]
+__all__ += ["use_from_env", "using"]
 
-# The environment variable the launcher reads (python -m twinshard.run).
+# The environment variables the launcher reads (python -m twinshard.run).
 ENV_VAR = "TWINSHARD_FSDP"
+VARIANTS_ENV_VAR = "TWINSHARD_VARIANTS"
 # The modules of torch that export FSDP2's functions (public and legacy paths).
 TORCH_MODULES = (
     "torch.distributed.fsdp",
@@ -72,6 +82,8 @@ class SwitchError(ValueError):
 _torch_functions: dict[tuple[str, str], object] = {}
 # The implementation module the names point to now, or None for torch's.
 _active: str | None = None
+# The communication variants fully_shard sets on what it shards now ("" for none).
+_variants: str = ""
 
 
 def _torch_originals() -> dict[tuple[str, str], object]:
@@ -99,11 +111,27 @@ def _resolve(impl: str | types.ModuleType) -> tuple[str, types.ModuleType]:
     return module.__name__, module
 
 
-def _rebind(impl_name: str, module: types.ModuleType | None) -> None:
-    """Point every exported FSDP2 function at ``module``'s (torch's own when None)."""
+def _rebind(impl_name: str, module: types.ModuleType | None, chosen: list) -> None:
+    """Point every exported FSDP2 function at ``module``'s (torch's own when None), with
+    ``fully_shard`` setting the variants ``chosen`` on what it shards when there are any."""
+    sharding = {}  # one wrapper for all of torch's modules, so that its hooks are in one place
     for (module_name, name), original in _torch_originals().items():
         replacement = original if module is None else getattr(module, name, original)
+        if name == "fully_shard" and chosen:
+            if replacement not in sharding:
+                sharding[replacement] = switched.attaching(replacement, chosen)
+            replacement = sharding[replacement]
         setattr(sys.modules[module_name], name, replacement)
+
+
+def _parse_variants(spec: str) -> list:
+    """The variants ``spec`` names (``--variants`` spelling), refused by name when unusable."""
+    try:
+        chosen = parse_variants(spec)
+        refuse_unusable(chosen)
+    except ValueError as error:
+        raise SwitchError(f"twinshard.switch: variants {spec!r}: {error}") from error
+    return chosen
 
 
 def active() -> str:
@@ -111,23 +139,33 @@ def active() -> str:
     return "torch" if _active is None else _active
 
 
-def use(impl: str | types.ModuleType = "optimized") -> str:
+def active_variants() -> str:
+    """The variants ``fully_shard`` sets on what it shards, as ``--variants`` spells them, or
+    ``""`` for none."""
+    return _variants
+
+
+def use(impl: str | types.ModuleType = "optimized", variants: str = "") -> str:
     """Switch torch's ``fully_shard`` (and its sibling functions) to ``impl``'s.
 
     ``impl``: ``"optimized"``, ``"reference"``, ``"torch"`` (switch off), an importable
-    module name or a module with the ``fully_shard`` interface. Returns what was active
-    before (for ``use(previous)``). Logs the switch on rank 0.
+    module name or a module with the ``fully_shard`` interface. ``variants``: communication
+    variants as ``--variants`` spells them (``"qwz+qgz:node=8"``), set by ``fully_shard`` on
+    every module it shards; ``""`` for none. Returns what was active before (for
+    ``use(previous)``). Logs the switch on rank 0.
     """
-    global _active
+    global _active, _variants
     previous = active()
     name, module = _resolve(impl)
+    chosen = _parse_variants(variants)
     if name == "torch.distributed.fsdp":
-        _rebind(name, None)
+        _rebind(name, None, chosen)
         _active = None
     else:
-        _rebind(name, module)
+        _rebind(name, module, chosen)
         _active = name
         _warn_about_early_imports()
+    _variants = variants if chosen else ""
     _announce(previous)
     return previous
 
@@ -138,22 +176,27 @@ def restore() -> str:
 
 
 @contextlib.contextmanager
-def using(impl: str | types.ModuleType = "optimized") -> Iterator[str]:
-    """Switch to ``impl`` for the ``with`` block, then back to what was active before."""
-    previous = use(impl)
+def using(impl: str | types.ModuleType = "optimized", variants: str = "") -> Iterator[str]:
+    """Switch to ``impl`` (and ``variants``) for the ``with`` block, then back to what was
+    active before."""
+    previous_variants = active_variants()
+    previous = use(impl, variants)
     try:
         yield active()
     finally:
-        use(previous)
+        use(previous, previous_variants)
 
 
 def use_from_env(default: str = "optimized") -> str:
-    """Switch to the implementation ``TWINSHARD_FSDP`` names (``default`` when unset)."""
+    """Switch to the implementation ``TWINSHARD_FSDP`` names (``default`` when unset), with
+    the variants ``TWINSHARD_VARIANTS`` names (none when unset)."""
     chosen = os.environ.get(ENV_VAR, "").strip() or default
+    spec = os.environ.get(VARIANTS_ENV_VAR, "").strip()
     try:
-        use(chosen)
+        use(chosen, spec)
     except SwitchError as error:
-        raise SwitchError(f"{ENV_VAR}={chosen!r}: {error}") from error
+        where = f"{ENV_VAR}={chosen!r}" + (f", {VARIANTS_ENV_VAR}={spec!r}" if spec else "")
+        raise SwitchError(f"{where}: {error}") from error
     return active()
 
 
@@ -167,6 +210,8 @@ def _announce(previous: str) -> None:
         log.setLevel(logging.INFO)
     now = active()
     what = "torch's own" if now == "torch" else f"{now}'s"
+    if _variants:
+        what += f", with variants {_variants}"
     log.info(
         "twinshard.switch: torch.distributed.fsdp.fully_shard is %s (was %s)",
         what,

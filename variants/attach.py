@@ -55,34 +55,48 @@ def fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def attach(model: nn.Module, variants: list[Variant], mesh) -> dict[str, dict]:
     """Set each variant's collective on every ``fully_shard``-ed module of ``model`` (sharded
     over ``mesh``); returns module name -> {"all_gather" | "reduce_scatter": the object}."""
+    refuse_unusable(variants)
+    modules = fsdp_modules(model)
+    if not modules:
+        raise ValueError(
+            "twinshard.variants: the model has no fully_shard-ed module; shard it first"
+        )
+    groups = node_groups(variants, mesh)
+    return {name: attach_module(module, variants, groups, name) for name, module in modules}
+
+
+def refuse_unusable(variants: list[Variant]) -> None:
+    """Raise ValueError, naming it, for an unknown kind or two variants on one collective."""
     for v in variants:
         if v.kind not in KINDS:
             raise ValueError(f"twinshard.variants: unknown variant {v.kind!r}; one of {KINDS}")
     clash = _clash(variants)
     if clash:
         raise ValueError(f"twinshard.variants: {clash}")
-    modules = fsdp_modules(model)
-    if not modules:
-        raise ValueError(
-            "twinshard.variants: the model has no fully_shard-ed module; shard it first"
-        )
+
+
+def node_groups(variants: list[Variant], mesh) -> NodeGroups | None:
+    """The process groups by node that a hierarchical qgZ among ``variants`` needs on ``mesh``
+    (made now, on every rank: a collective call), or None."""
     per_node = max((v.ranks_per_node for v in variants if v.kind == "qgz"), default=1)
-    groups = NodeGroups(mesh, per_node) if per_node > 1 else None
-    out = {}
-    for name, module in modules:
-        layout, hooks = Layout(module, name), {}
-        for v in variants:
-            if v.kind == "qwz":
-                hooks["all_gather"] = QuantizedAllGather(layout, v.bits, v.block)
-                module.set_custom_all_gather(hooks["all_gather"])
-            elif v.kind == "qgz":
-                hooks["reduce_scatter"] = QuantizedReduceScatter(layout, v.bits, v.block, groups)
-                module.set_custom_reduce_scatter(hooks["reduce_scatter"])
-            else:
-                hooks["reduce_scatter"] = Bf16WireReduceScatter()
-                module.set_custom_reduce_scatter(hooks["reduce_scatter"])
-        out[name] = hooks
-    return out
+    return NodeGroups(mesh, per_node) if per_node > 1 else None
+
+
+def attach_module(module: nn.Module, variants: list[Variant], groups, name: str = "") -> dict:
+    """Set the variants' collectives on one ``fully_shard``-ed ``module``; ``groups``: what
+    ``node_groups`` made for its mesh. Returns {"all_gather" | "reduce_scatter": the object}."""
+    layout, hooks = Layout(module, name), {}
+    for v in variants:
+        if v.kind == "qwz":
+            hooks["all_gather"] = QuantizedAllGather(layout, v.bits, v.block)
+            module.set_custom_all_gather(hooks["all_gather"])
+        elif v.kind == "qgz":
+            hooks["reduce_scatter"] = QuantizedReduceScatter(layout, v.bits, v.block, groups)
+            module.set_custom_reduce_scatter(hooks["reduce_scatter"])
+        else:
+            hooks["reduce_scatter"] = Bf16WireReduceScatter()
+            module.set_custom_reduce_scatter(hooks["reduce_scatter"])
+    return hooks
 
 
 def sent_bytes(hooks: dict[str, dict]) -> dict[str, int]:
