@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-import torch.nn as nn
+from test_variants import Net  # the model the variants' own tests train
 
 from twinshard import switch
 from twinshard.launch import launch
@@ -27,15 +27,6 @@ IMPLS = {"torch": "torch.distributed.fsdp", "reference": "twinshard.reference"}
 IMPLS["optimized"] = "twinshard.optimized"
 FLAT = "qwz:block=8+qgz:block=8"
 BY_NODE = "qwz:block=8+qgz:block=8:node=2"
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 9), nn.Linear(9, 6), nn.Linear(6, 4)
-
-    def forward(self, x):
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
 def _train(impl: str, spec: str, how: str) -> dict:
