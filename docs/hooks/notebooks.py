@@ -7,9 +7,9 @@ machine, so they should run once per change, not once for the tests and again fo
 ``executed_copy(notebook)`` returns the path of an executed copy, running the notebook only
 when no copy exists for the same inputs. The cache key covers everything an output can
 depend on: the notebook's bytes, every Python file of the package (twinshard/, reference/,
-optimized/, conformance/, benchmarks/), the torch version and the Python version. A failing
-notebook raises ``NotebookFailed`` naming the cell, and leaves nothing in the cache, so it is
-tried again (and fails again) next time.
+optimized/, conformance/, variants/, benchmarks/), the torch version and the Python version.
+A failing notebook raises ``NotebookFailed`` naming the cell, and leaves nothing in the cache,
+so it is tried again (and fails again) next time.
 
 The cache lives in ``build/notebooks/`` (ignored by git); ``TWINSHARD_NOTEBOOK_CACHE`` moves it.
 Both the docs build (docs/hooks/twinshard_docs.py) and any test may call ``executed_copy``:
@@ -26,7 +26,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SOURCE_DIRS = ("twinshard", "reference", "optimized", "conformance", "benchmarks")
+SOURCE_DIRS = ("twinshard", "reference", "optimized", "conformance", "variants", "benchmarks")
 CELL_TIMEOUT_S = 600
 
 
