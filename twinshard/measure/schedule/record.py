@@ -21,8 +21,11 @@ collective issued). It never calls into the implementation; it sees what a user 
 After each hook it notes the state of every parameter of every group (a sharded ``DTensor``,
 an unsharded plain tensor, or freed) and the bytes alive in unsharded parameters (including
 all-gather outputs in flight or still held) and in gradient buffers (unsharded ``.grad`` and
-the inputs of reductions in flight or still held); the sharded parameters and gradients are
-not counted, even where a buffer became one (a shard group of one rank). Which group a
+the inputs of reductions in flight or still held), apart from the sharded parameters and
+gradients (counted on their own, even where a buffer became one: a shard group of one rank);
+and, on an accelerator (the fake one included), all the bytes its allocator holds, which
+adds the activations, the optimizer's state and every temporary. On the CPU nothing counts
+those, so a CPU schedule has no such line. Which group a
 collective carries is worked out by ``attribute.py`` from sizes and values, since the
 collective itself only knows its tensors.
 """
@@ -87,10 +90,17 @@ class Recorder:
 
     def __init__(self, model: nn.Module, impl: str = ""):
         self.model, self.impl = model, impl
+        kinds = {p.device.type for p in model.parameters()} - {"cpu", "meta"}
+        self.accelerator = torch.get_device_module(kinds.pop()) if len(kinds) == 1 else None
         self.groups = find_groups(model)
         if not self.groups:
             raise ValueError("no module of this model was sharded with fully_shard")
         self.active, self.busy, self.handles = False, False, []
+        self.shards: dict[tuple[str, str], list] = {}  # (group, param) -> its shards' storages
+        for g in self.groups:  # before the step: every parameter is sharded
+            for name, owner, attr in g.params:
+                if isinstance(t := getattr(owner, attr), DTensor):
+                    self.shards[g.path, name] = self._shard_keys(t)
         for g in self.groups:
             self._attach(g)
 
@@ -203,7 +213,8 @@ class Recorder:
             }
             for g in self.groups
         }
-        unsharded, grads = self._memory()
+        unsharded, grads, sharded = self._memory()
+        device = self.accelerator.memory_allocated() if self.accelerator is not None else None
         index = len(self.events)
         mine = [c for c in self.collectives if c.event is None]
         for c in mine:
@@ -220,6 +231,8 @@ class Recorder:
                 unsharded,
                 grads,
                 [c.index for c in mine],
+                sharded,
+                device,
             )
         )
 
@@ -229,18 +242,26 @@ class Recorder:
             return "P" if shard_size_of(t) < shard_size else "S"
         return "U" if storage_key(t) else "-"
 
-    def _memory(self) -> tuple[int, int]:
-        params, grads, sharded = {}, {}, set()
+    @staticmethod
+    def _shard_keys(t: DTensor) -> list:
+        """(key, bytes) of a sharded parameter's local shard and of its sharded gradient's."""
+        kept = [storage_key(k._local_tensor) for k in (t, t.grad) if isinstance(k, DTensor)]
+        return [k for k in kept if k]
+
+    def _memory(self) -> tuple[int, int, int]:
+        """Bytes alive now: unsharded parameters, gradient buffers, sharded parameters and
+        gradients (each storage once)."""
+        params, grads = {}, {}
         for g in self.groups:
-            for _, owner, attr in g.params:
+            for name, owner, attr in g.params:
                 t = getattr(owner, attr)
                 if isinstance(t, DTensor):
                     # With one rank per shard a reduction's buffer can become the sharded
                     # gradient itself: memory that sharding keeps anyway, not a cost of the step.
-                    for kept in (t, t.grad):
-                        if isinstance(kept, DTensor) and (s := storage_key(kept._local_tensor)):
-                            sharded.add(s[0])
+                    self.shards[g.path, name] = self._shard_keys(t)
                     continue
+                # unsharded: the module shows the full tensor, but the shard it came from is
+                # still held (FSDP2 keeps it), so its last-seen bytes still count
                 params.update([storage_key(t) or (0, 0)])
                 if t.grad is not None:
                     grads.update([storage_key(t.grad) or (0, 0)])
@@ -251,8 +272,9 @@ class Recorder:
         gathered, reduced = self.buffers.held()
         params.update(gathered)  # (address, bytes) pairs
         grads.update(reduced)
+        sharded = dict(k for kept in self.shards.values() for k in kept)
         alive = lambda found: sum(n for at, n in found.items() if at not in sharded)  # noqa: E731
-        return alive(params), alive(grads)
+        return alive(params), alive(grads), sum(sharded.values())
 
     def _issued(self, call: c10d.Call) -> Collective:
         side = max((call.outputs, call.inputs), key=lambda ts: sum(t.numel() for t in ts))

@@ -50,6 +50,8 @@ class Event:
     unsharded_bytes: int
     grad_bytes: int
     collectives: list[int] = field(default_factory=list)  # issued during this hook
+    sharded_bytes: int = 0  # this rank's shards of the parameters and of their gradients
+    device_bytes: int | None = None  # all the accelerator holds (activations too); None: CPU
 
 
 @dataclass
