@@ -21,6 +21,7 @@ BAD = [
     ("schedule --layers 0", "--layers"),
     ("schedule --reshard-after-forward maybe", "--reshard-after-forward"),
     ("schedule --world 2 --reshard-after-forward 3", "--reshard-after-forward 3"),
+    ("schedule --prefetch 0", "--prefetch must be a positive integer"),
     ("schedule --world 1000", "--fake-accelerator"),
     ("bench --world 0", "--world"),
     ("bench --per-rank 0", "--per-rank"),

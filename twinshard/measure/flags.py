@@ -53,6 +53,13 @@ VOCABULARY = {
     "seq": ("--seq", (), int, "tokens per sequence"),
     "dtype": ("--dtype", (), str, "fp32, or bf16 compute with fp32 reduction"),
     "reshard": ("--reshard-after-forward", (), str, "of the blocks: true, false or a group size"),
+    "prefetch": (
+        "--prefetch",
+        (),
+        int,
+        "all-gathers issued this many blocks ahead (explicit prefetch lists on the root and "
+        "every block); unset, the implementation's own choice",
+    ),
     "offload": ("--offload", (), None, "CPUOffloadPolicy: shards and their gradients on the host"),
     "variants": (
         "--variants",
@@ -70,7 +77,7 @@ JOB += ("dtype", "reshard", "offload", "variants")
 # a shared flag's dest -> the Job field it sets; the model's overrides -> LlamaConfig's names
 FIELDS = {"model": "preset", "world": "world", "hsdp": "replicas", "per_rank": "per_rank"}
 FIELDS |= {"seq": "seq", "dtype": "dtype", "offload": "offload", "variants": "variants"}
-FIELDS |= {"reshard_after_forward": "reshard_after_forward"}
+FIELDS |= {"reshard_after_forward": "reshard_after_forward", "prefetch": "prefetch"}
 MODEL = {flag.removeprefix("--"): name for name, flag in OVERRIDES.items()}  # layers: n_layers
 
 

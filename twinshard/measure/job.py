@@ -77,6 +77,9 @@ class Job:
     # of the blocks (the root keeps torch's default); a string is a value the flag could not
     # read, kept for problem() to name
     reshard_after_forward: bool | int | str = True
+    # explicit prefetch lists of this many blocks on the root and each block (--prefetch,
+    # ``step.prefetch``); None leaves the implementation's own choice
+    prefetch: int | None = None
     optimizer: str = "sgd"  # sgd (momentum) or adamw (fused)
     variants: str = ""  # communication variants (--variants, twinshard.variants.parse)
     ac: str = "none"  # activation checkpointing (plan/checkpointing.py): none, block, ...
@@ -140,6 +143,8 @@ class Job:
             return wrong
         wrong = reshard_problem(self.reshard_after_forward, self.world // self.replicas)
         if wrong:
+            return wrong
+        if self.prefetch is not None and (wrong := positive("--prefetch", self.prefetch)):
             return wrong
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:

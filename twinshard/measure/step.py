@@ -44,10 +44,27 @@ def shard(model, job, device: torch.device, on=None) -> None:
     for block in model.blocks:
         impl.fully_shard(block, reshard_after_forward=job.reshard_after_forward, **kwargs)
     impl.fully_shard(model, **kwargs)
+    if job.prefetch is not None:
+        prefetch(model, job.prefetch)
     if job.variants:  # after fully_shard: each module's collectives replaced (docs/variants.md)
         from twinshard import variants
 
         variants.attach(model, variants.parse(job.variants), kwargs["mesh"])
+
+
+def prefetch(model, depth: int) -> None:
+    """Give the root and every block of a sharded ``model`` explicit prefetch lists of
+    ``depth`` blocks, as tutorial 7's "two ahead" does: in forward, each issues the all-gathers
+    of the next ``depth`` blocks right after its own (the root: the first ``depth``); in
+    backward, those of the ``depth`` blocks before it (the root: the last ``depth``). The
+    optimized path and torch's follow the lists; the reference accepts them and, single-stream,
+    issues nothing early."""
+    blocks = list(model.blocks)
+    model.set_modules_to_forward_prefetch(blocks[:depth])
+    model.set_modules_to_backward_prefetch(blocks[::-1][:depth])
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth) : i][::-1])
 
 
 def build(job, device: torch.device, on=None, model=None):

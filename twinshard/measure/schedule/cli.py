@@ -4,13 +4,16 @@
     twinshard schedule --impls reference,optimized --out both.png       # one picture, stacked
     twinshard schedule --impls torch --model mlp --layers 4 --compact
     twinshard schedule --impls optimized --world 64 --fake-accelerator   # no 64 ranks needed
+    twinshard schedule --impls optimized --prefetch 2     # gather two blocks ahead
 
 The example model (a tiny Llama from ``twinshard.models``, or ``--model mlp`` for the
 MLPStack) is built, sharded block by block and then at the root, and stepped by
 ``twinshard.measure.step`` as every measuring command's is (``--param-dtype`` and
-``--reduce-dtype`` are the job's mixed-precision dtypes, fp16 too); it trains one step so that
-an implementation that learns the order of its groups (the optimized path's prefetch) knows it,
-and the second step is recorded on every rank; rank 0's record is printed and drawn.
+``--reduce-dtype`` are the job's mixed-precision dtypes, fp16 too; ``--prefetch N`` gives the
+root and every block explicit prefetch lists of N blocks, ``step.prefetch``); it trains one
+step so that an implementation that learns the order of its groups (the optimized path's
+prefetch) knows it, and the second step is recorded on every rank; rank 0's record is printed
+and drawn.
 ``--impls`` takes reference, optimized, torch, or any importable module with the
 ``fully_shard`` interface; the flags are those of every measuring command
 (``twinshard.measure.flags``). ``--fake-accelerator`` records rank 0 of ``--world`` ranks in
@@ -41,7 +44,7 @@ EXAMPLE = dict(preset="tiny", seq=16, per_rank=2)  # the tiny Llama, 2 x 16 toke
 def example(impl: str, world_size: int, layers: int = 3, **policies) -> Job:
     """The job of the example step: ``impl`` on ``world_size`` ranks, the tiny Llama with
     ``layers`` blocks (the MLPStack's count too), ``policies`` by ``Job``'s names
-    (``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``, ``backend``)."""
+    (``reshard_after_forward``, ``prefetch``, ``param_dtype``, ``reduce_dtype``, ``backend``)."""
     return Job(impl=impl, world=world_size, model={"n_layers": layers}, **EXAMPLE, **policies)
 
 
@@ -126,7 +129,7 @@ def record_step(impl: str = "reference", world_size: int = 2, rank: int = 0, **o
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = dict(impls="reference", model="tiny", world=2, layers=3, reshard="true")
-    flags.add(parser, "impls", "model", "layers", "world", "reshard", **defaults)
+    flags.add(parser, "impls", "model", "layers", "world", "reshard", "prefetch", **defaults)
     add, switch = parser.add_argument, "store_true"
     add("--param-dtype", choices=sorted(DTYPES), default=None)
     add("--reduce-dtype", choices=sorted(DTYPES), default=None)
@@ -159,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     job = flags.job(args)  # the example's policies, as ``record_on_rank`` takes them
     options = dict(model=args.model, layers=args.layers, param_dtype=args.param_dtype)
     options |= dict(reduce_dtype=args.reduce_dtype, reshard_after_forward=job.reshard_after_forward)
+    options["prefetch"] = job.prefetch
     chosen = impls.names(args.impls)
     if args.fake_accelerator:
         schedules = record_fake_steps(chosen, job.world, **options)
