@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from coverage_scope import MEASURED_MODULES, unmeasured
+from docs_site import browser, server, site  # noqa: F401 - the site's fixtures, for every module
 from train_support import run_train
 
 

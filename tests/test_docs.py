@@ -1,174 +1,27 @@
 """The documentation site: built strictly, served on 127.0.0.1 and rendered in headless Chromium.
 
-One build (``mkdocs build --strict``, notebooks executed through the cache of
-docs/hooks/notebooks.py) is shared by the tests of this module. The browser tests open pages
-through a probe page that loads the page under test in a same-origin frame and reports what the
-browser actually shows: headings, text, and for every image whether it decoded. Without
-Chromium the browser tests fail when ``CI`` is set and are skipped otherwise.
+The build, the server and the browser are ``docs_site.py``'s fixtures, shared by every test
+module that reads the site (this one and ``test_docs_reading.py``): one build per session.
 """
 
 from __future__ import annotations
 
 import base64
 import functools
-import http.server
-import importlib.util
+import importlib
 import json
 import os
 import pathlib
 import re
-import shutil
-import subprocess
-import sys
-import threading
 import urllib.parse
 
 import pytest
+from docs_site import ROOT, load_hook
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-HOOKS = ROOT / "docs" / "hooks"
 # The notebooks the site is built around (the hook reads the same variable; unset in CI).
 TUTORIALS = pathlib.Path(os.environ.get("TWINSHARD_TUTORIALS", ROOT / "tutorials"))
 # The first build executes every tutorial (about a minute each on 2 cores) inside the fixture.
 pytestmark = pytest.mark.timeout(2400)
-CHROMIUM = next(
-    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
-)
-
-
-def load_hook(name: str):
-    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", HOOKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(HOOKS))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(HOOKS))
-    return module
-
-
-# --- the build, the server and the browser -----------------------------------------------------
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    env.pop("TWINSHARD_DOCS_NOTEBOOKS", None)  # always the executed notebooks here
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mkdocs",
-            "build",
-            "--strict",  # as the README builds it: no -q, which would hide the warnings
-            "-f",
-            str(ROOT / "mkdocs.yml"),
-            "-d",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert build.returncode == 0, (
-        f"mkdocs build --strict failed:\n{build.stdout}\n{build.stderr[-6000:]}"
-    )
-    warnings = re.findall(r"^WARNING +- .*$", build.stderr, re.M)  # mkdocs' own log lines
-    assert not warnings, "\n".join(warnings)
-    return out
-
-
-@pytest.fixture(scope="module")
-def server(site):
-    handler = functools.partial(Quiet, directory=str(site))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    thread.join(10)
-
-
-class Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture(scope="module")
-def browser(site, server, tmp_path_factory):
-    """``show(path)``: what Chromium shows for a page of the site, as a dict (see PROBE)."""
-    if CHROMIUM is None:
-        message = "Chromium is not installed (Debian: apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; CI must run the browser tests")
-        pytest.skip(message)
-    (site / "_probe.html").write_text(PROBE, encoding="utf-8")
-    profile = tmp_path_factory.mktemp("chromium-profile")
-
-    def show(path: str) -> dict:
-        url = f"{server}/_probe.html?page={urllib.parse.quote(path)}"
-        dom = run_chromium(profile, "--dump-dom", "--virtual-time-budget=20000", url)
-        found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
-        assert found, f"the probe page did not report on {path}:\n{dom[-2000:]}"
-        import html
-
-        result = json.loads(html.unescape(found.group(1)))
-        assert not result.get("error"), f"{path}: {result['error']}"
-        return result
-
-    return show
-
-
-def run_chromium(profile: pathlib.Path, *args: str) -> str:
-    command = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={profile}",
-        "--window-size=1280,1400",
-        *args,
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"chromium failed ({done.returncode}):\n{done.stderr[-3000:]}"
-    return done.stdout
-
-
-# Loads ?page=PATH in a frame of the same origin and, once it has loaded, writes a JSON report
-# into <pre id="result">: the page's status, title, text, heading ids, and every image with its
-# decoded size (0 when the browser could not show it).
-PROBE = """<!doctype html><html><body><pre id="result"></pre>
-<iframe id="page" style="width:1200px;height:900px"></iframe>
-<script>
-const target = new URLSearchParams(location.search).get("page");
-const frame = document.getElementById("page");
-const report = (value) => { document.getElementById("result").textContent = JSON.stringify(value); };
-frame.onload = () => {
-  try {
-    const doc = frame.contentDocument;
-    const images = [...doc.querySelectorAll("article img")].map((img) => ({
-      src: img.getAttribute("src").slice(0, 200), width: img.naturalWidth,
-      height: img.naturalHeight, complete: img.complete}));
-    report({
-      title: doc.title,
-      text: doc.querySelector("article") ? doc.querySelector("article").innerText : "",
-      ids: [...doc.querySelectorAll("[id]")].map((e) => e.id),
-      headings: [...doc.querySelectorAll("h1, h2, h3, h4")].map((e) => e.textContent.trim()),
-      images: images,
-      outputs: doc.querySelectorAll(".jp-OutputArea-output").length,
-      has_nav: !!doc.querySelector("nav.md-nav"),
-    });
-  } catch (e) { report({error: String(e)}); }
-};
-frame.src = target;
-</script></body></html>
-"""
 
 
 # --- the build -----------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ machine, so they should run once per change, not once for the tests and again fo
 
 ``executed_copy(notebook)`` returns the path of an executed copy, running the notebook only
 when no copy exists for the same inputs. The cache key covers everything an output can
-depend on: the notebook's bytes, every Python file of the package (twinshard/, reference/,
-optimized/, conformance/, variants/, benchmarks/), the torch version and the Python version.
+depend on: the notebook's bytes (and its exercise's answer), every Python file of the package
+(twinshard/, reference/, optimized/, conformance/, variants/, benchmarks/), the torch version
+and the Python version.
 A failing notebook raises ``NotebookFailed`` naming the cell, and leaves nothing in the cache,
 so it is tried again (and fails again) next time.
 
@@ -53,7 +54,22 @@ def source_digest() -> str:
 def cache_key(notebook: pathlib.Path, sources: str) -> str:
     h = hashlib.sha256(sources.encode())
     h.update(notebook.read_bytes())
+    if answer_of(notebook).is_file():
+        h.update(answer_of(notebook).read_bytes())
     return h.hexdigest()[:20]
+
+
+# [Note: exercises run with their answer]
+# A notebook may hold one exercise: a code cell tagged "exercise" that the student fills in (as
+# stored it raises NotImplementedError). Its answer is kept apart, in answers/<notebook>.py
+# beside the notebook, so that a student does not read it by scrolling on. The notebook is run
+# (by CI and for the site) with the answer in place of the cell, and the executed copy shows
+# the cell as the student gets it again, with the outputs the answer produced after it.
+EXERCISE_TAG = "exercise"
+
+
+def answer_of(notebook: pathlib.Path) -> pathlib.Path:
+    return notebook.parent / "answers" / f"{notebook.stem}.py"
 
 
 def executed_copy(notebook: str | os.PathLike, sources: str | None = None) -> pathlib.Path:
@@ -79,6 +95,16 @@ def execute(notebook: pathlib.Path) -> str:
     import nbformat
 
     nb = nbformat.read(notebook, as_version=4)
+    exercises = [c for c in nb.cells if EXERCISE_TAG in c.metadata.get("tags", [])]
+    stored = [c.source for c in exercises]
+    if exercises:  # see [Note: exercises run with their answer]
+        answer = answer_of(notebook)
+        if len(exercises) > 1 or not answer.is_file():
+            raise NotebookFailed(
+                f"{notebook.name}: {len(exercises)} cells tagged '{EXERCISE_TAG}'; a notebook "
+                f"holds one, and its answer in {answer} (found: {answer.is_file()})"
+            )
+        exercises[0].source = answer.read_text(encoding="utf-8")
     start = time.monotonic()
     client = nbclient.NotebookClient(
         nb,
@@ -93,4 +119,6 @@ def execute(notebook: pathlib.Path) -> str:
     except nbclient.exceptions.CellTimeoutError as error:
         raise NotebookFailed(f"{notebook.name} timed out: {error}") from None
     nb.metadata["twinshard"] = {"executed_in_s": round(time.monotonic() - start, 1)}
+    for cell, source in zip(exercises, stored):
+        cell.source = source  # shown as the student gets it
     return nbformat.writes(nb)

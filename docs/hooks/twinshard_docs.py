@@ -15,8 +15,8 @@
   ``<!-- twinshard:cli ARGS -->``           the ``--help`` of ``twinshard ARGS``
   ``<!-- twinshard:modules PACKAGE -->``    a mkdocstrings block for each module of PACKAGE,
                                            in the order its docstring names them
-  ``<!-- twinshard:schedule-pictures -->``  docs/img/schedule_{reference,optimized}.png (drawn by
-                                           ``twinshard schedule``) once they exist
+  ``<!-- twinshard:schedule-pictures -->``  the two schedules, drawn from the code at build
+                                           time (``pictures.py``, cached)
   An unknown placeholder fails the build.
 """
 
@@ -42,6 +42,7 @@ sys.path.insert(
 
 import mapping  # noqa: E402
 import notebooks  # noqa: E402
+import pictures  # noqa: E402
 
 ROOT = notebooks.ROOT
 # The notebooks' folder; tests point it elsewhere to build the site around notebooks of their own.
@@ -136,6 +137,12 @@ def on_files(files, config):
                 use_directory_urls=config["use_directory_urls"],
             )
         )
+    for name in pictures.PICTURES:
+        try:
+            path = pictures.drawn(name, sources or notebooks.source_digest())
+        except pictures.PictureFailed as error:
+            raise PluginError(str(error)) from None
+        files.append(File.generated(config, name, abs_src_path=str(path)))
     return files
 
 
@@ -177,25 +184,6 @@ def module_blocks(package: str) -> str:
     return "\n".join(f"::: {package}.{n}\n    options:\n      heading_level: 3\n" for n in ordered)
 
 
-# --- the schedule pictures --------------------------------------------------------------------
-SCHEDULE_PICTURES = {"reference": "schedule_reference.png", "optimized": "schedule_optimized.png"}
-
-
-def schedule_pictures() -> str:
-    found = {
-        impl: name
-        for impl, name in SCHEDULE_PICTURES.items()
-        if (ROOT / "docs" / "img" / name).is_file()
-    }
-    if not found:
-        return "The [tutorials](tutorials/index.md) draw both schedules with `twinshard schedule`."
-    return "\n\n".join(
-        f"![One training step of twinshard.{impl}](img/{name})\n"
-        f"*One training step of `twinshard.{impl}`, drawn by `twinshard schedule`.*"
-        for impl, name in found.items()
-    )
-
-
 # --- CLI help ----------------------------------------------------------------------------------
 def cli_help(args: str) -> str:
     """What ``twinshard ARGS --help`` prints, from the real entry point, run in this process
@@ -230,7 +218,7 @@ def on_page_markdown(markdown, page, config, files):
         if name == "modules":
             return module_blocks(args)
         if name == "schedule-pictures":
-            return schedule_pictures()
+            return pictures.markdown()
         raise PluginError(f"{page.file.src_uri}: unknown placeholder 'twinshard:{name}'")
 
     return PLACEHOLDER.sub(fill, markdown)
