@@ -1,0 +1,102 @@
+"""MkDocs hook: the schedule explorer's data (docs/explorer.md), recorded from the code at build.
+
+The explorer page steps through recorded training steps; ``twinshard.measure.schedule.explore``
+records them (``record_grid``: the example job of ``twinshard schedule`` on gloo ranks, every
+setting of its ``AXES``) and turns them into JSON (``page_data``). This hook adds that JSON to
+the site as ``explorer/schedules.json`` and tells the page where it is: the page's
+``<div class="ts-explorer"></div>`` gets the file's relative URL as ``data-src``, which
+``docs/js/explorer.js`` fetches. A page without that element, or a recording that fails
+(``RecordingFailed`` names the setting), fails the build.
+
+Recording takes about a minute on a 2-core machine, so it is done once per change, like the
+notebooks (``notebooks.py``): the JSON is kept in ``build/explorer/`` (ignored by git;
+``TWINSHARD_EXPLORER_CACHE`` moves it) under a key that covers everything a recording can
+depend on: the Python files of the package (twinshard/, reference/, optimized/, conformance/,
+variants/), the grid, and the torch and Python versions. A failed recording leaves nothing in
+the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import tempfile
+import time
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File
+from mkdocs.utils import get_relative_url
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SOURCE_DIRS = ("twinshard", "reference", "optimized", "conformance", "variants")
+PAGE = "explorer.md"
+DATA = "explorer/schedules.json"  # where the JSON lands in the site
+PLACE = '<div class="ts-explorer"></div>'  # the page's element, as markdown renders it
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("TWINSHARD_EXPLORER_CACHE", ROOT / "build" / "explorer"))
+
+
+def cache_key(axes: dict) -> str:
+    """A hash of what the recorded schedules depend on (see the module's docstring)."""
+    import torch
+
+    h = hashlib.sha256(f"torch={torch.__version__} python={platform.python_version()}".encode())
+    h.update(json.dumps(axes, sort_keys=True).encode())
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            h.update(str(path.relative_to(ROOT)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def explorer_json(axes: dict | None = None) -> str:
+    """The page's JSON for ``axes`` (default: the explorer's ``AXES``), from the cache or
+    recorded now; ``RecordingFailed`` if a setting cannot be recorded."""
+    from twinshard.measure.schedule import explore
+
+    axes = axes or explore.AXES
+    target = cache_dir() / f"{cache_key(axes)}.json"
+    if target.is_file():
+        return target.read_text(encoding="utf-8")
+    start = time.monotonic()
+    recorded = explore.record_grid(explore.grid(axes))
+    data = explore.page_data(recorded, axes)
+    data["recorded_in_s"] = round(time.monotonic() - start, 1)
+    text = json.dumps(data, separators=(",", ":"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written next to the target and renamed, so that a build killed midway leaves no half file.
+    with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False) as f:
+        f.write(text)
+    os.replace(f.name, target)
+    return text
+
+
+def on_files(files, config):
+    from twinshard.measure.schedule.explore import RecordingFailed
+
+    try:
+        text = explorer_json()
+    except RecordingFailed as error:
+        raise PluginError(str(error)) from None
+    files.append(File.generated(config, DATA, content=text))
+    return files
+
+
+def page_element(page_url: str, data_url: str) -> str:
+    """The page's element, told where its data is (relative to the page, as the site goes)."""
+    where = get_relative_url(data_url, page_url)
+    return f'<div class="ts-explorer" data-src="{where}"></div>'
+
+
+def on_page_content(html, page, config, files):
+    if page.file.src_uri != PAGE:
+        return html
+    if PLACE not in html:
+        raise PluginError(f"{PAGE} has no {PLACE} for the explorer to draw in")
+    data = files.get_file_from_path(DATA)
+    return html.replace(PLACE, page_element(page.url, data.url), 1)
