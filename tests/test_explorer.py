@@ -280,6 +280,11 @@ frame.src = q.get("page");
 
 @pytest.mark.parametrize("width", [420, 1400])
 def test_the_page_draws_steps_and_fits_in_a_browser(site, server, browser, width, tmp_path):
+    built = (site / "explorer" / "index.html").read_text(encoding="utf-8")
+    scripts = re.findall(r'<script[^>]+src="([^"]+)"', built)
+    assert "../js/explorer.js" in scripts, scripts
+    assert '<link rel="stylesheet" href="../css/explorer.css"' in built
+    assert not [s for s in scripts if re.match(r"(?:https?:)?//", s)], scripts
     (site / "_explorer_probe.html").write_text(PROBE, encoding="utf-8")
     url = f"{server}/_explorer_probe.html?page=/explorer/&width={width}"
     dom = run_chromium(tmp_path, "--dump-dom", "--virtual-time-budget=20000", url)
