@@ -222,3 +222,22 @@ def on_page_markdown(markdown, page, config, files):
         raise PluginError(f"{page.file.src_uri}: unknown placeholder 'twinshard:{name}'")
 
     return PLACEHOLDER.sub(fill, markdown)
+
+
+# --- a download link on every tutorial page -----------------------------------------------------
+ARTICLE = '<article class="md-content__inner md-typeset">'
+
+
+def on_post_page(output, page, config):
+    """Put a link to the notebook itself (mkdocs-jupyter's ``include_source`` copies it beside
+    the page) at the top of every tutorial, so a student can run it at home."""
+    name = pathlib.PurePosixPath(page.file.src_uri)
+    if name.parent.as_posix() != "tutorials" or name.suffix != ".ipynb":
+        return output
+    if ARTICLE not in output:
+        raise PluginError(f"{page.file.src_uri}: no article to put the download link in")
+    link = (
+        f'<p class="twinshard-download"><a href="{name.name}" download class="md-button">'
+        f"Download this notebook ({name.name})</a></p>"
+    )
+    return output.replace(ARTICLE, ARTICLE + link, 1)
