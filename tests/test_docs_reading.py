@@ -84,3 +84,18 @@ def test_the_explorer_is_linked_where_the_schedules_are_taught(site):
         targets = re.findall(r'href="([^"#]*explorer[^"#]*)"', html_text)
         resolved = {(site / page / t).resolve() for t in targets}
         assert {explorer, explorer.parent} & resolved, (page, targets)
+
+
+def test_the_code_of_the_site_can_be_taken_home(site):
+    """The "Get the code" page links an archive of the commit the site was built from."""
+    import subprocess
+    import tarfile
+
+    html_text = (site / "source" / "index.html").read_text(encoding="utf-8")
+    (target,) = set(re.findall(r'href="(twinshard-[0-9a-f]+\.tar\.gz)"', html_text))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert head.stdout.startswith(target.removeprefix("twinshard-").removesuffix(".tar.gz"))
+    with tarfile.open(site / "source" / target) as packed:
+        names = set(packed.getnames())
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    assert {f"twinshard/{name}" for name in tracked.stdout.split()} <= names

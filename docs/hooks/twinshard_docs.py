@@ -17,6 +17,8 @@
                                            in the order its docstring names them
   ``<!-- twinshard:schedule-pictures -->``  the two schedules, drawn from the code at build
                                            time (``pictures.py``, cached)
+  ``<!-- twinshard:source -->``             the archive of the commit the site was built from
+                                           (``source.py``)
   An unknown placeholder fails the build.
 """
 
@@ -43,6 +45,7 @@ sys.path.insert(
 import mapping  # noqa: E402
 import notebooks  # noqa: E402
 import pictures  # noqa: E402
+import source  # noqa: E402
 
 ROOT = notebooks.ROOT
 # The notebooks' folder; tests point it elsewhere to build the site around notebooks of their own.
@@ -143,7 +146,16 @@ def on_files(files, config):
         except pictures.PictureFailed as error:
             raise PluginError(str(error)) from None
         files.append(File.generated(config, name, abs_src_path=str(path)))
+    try:
+        packed = source.archive(ROOT / "build" / "source")
+    except source.SourceFailed as error:
+        raise PluginError(str(error)) from None
+    files.append(File.generated(config, f"source/{packed.name}", abs_src_path=str(packed)))
+    SOURCE_ARCHIVE[0] = packed.name
     return files
+
+
+SOURCE_ARCHIVE = [""]  # the archive's name, for the page that links it
 
 
 def tutorials_list() -> str:
@@ -219,6 +231,8 @@ def on_page_markdown(markdown, page, config, files):
             return module_blocks(args)
         if name == "schedule-pictures":
             return pictures.markdown()
+        if name == "source":
+            return source.markdown(SOURCE_ARCHIVE[0])
         raise PluginError(f"{page.file.src_uri}: unknown placeholder 'twinshard:{name}'")
 
     return PLACEHOLDER.sub(fill, markdown)
