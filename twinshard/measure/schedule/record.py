@@ -97,10 +97,7 @@ class Recorder:
             raise ValueError("no module of this model was sharded with fully_shard")
         self.active, self.busy, self.handles = False, False, []
         self.shards: dict[tuple[str, str], list] = {}  # (group, param) -> its shards' storages
-        for g in self.groups:  # before the step: every parameter is sharded
-            for name, owner, attr in g.params:
-                if isinstance(t := getattr(owner, attr), DTensor):
-                    self.shards[g.path, name] = self._shard_keys(t)
+        self._note_shards()  # before the step, when every parameter is sharded
         for g in self.groups:
             self._attach(g)
 
@@ -242,26 +239,27 @@ class Recorder:
             return "P" if shard_size_of(t) < shard_size else "S"
         return "U" if storage_key(t) else "-"
 
-    @staticmethod
-    def _shard_keys(t: DTensor) -> list:
-        """(key, bytes) of a sharded parameter's local shard and of its sharded gradient's."""
-        kept = [storage_key(k._local_tensor) for k in (t, t.grad) if isinstance(k, DTensor)]
-        return [k for k in kept if k]
+    def _note_shards(self) -> None:
+        """Remember the storages of every parameter the module shows sharded: its local shard
+        and its sharded gradient's. An unsharded parameter keeps what was last seen: FSDP2
+        still holds the shard it was gathered from."""
+        for g in self.groups:
+            for name, owner, attr in g.params:
+                if isinstance(t := getattr(owner, attr), DTensor):
+                    held = (t, t.grad)
+                    kept = [storage_key(k._local_tensor) for k in held if isinstance(k, DTensor)]
+                    self.shards[g.path, name] = [k for k in kept if k]
 
     def _memory(self) -> tuple[int, int, int]:
         """Bytes alive now: unsharded parameters, gradient buffers, sharded parameters and
         gradients (each storage once)."""
         params, grads = {}, {}
+        self._note_shards()
         for g in self.groups:
-            for name, owner, attr in g.params:
+            for _, owner, attr in g.params:
                 t = getattr(owner, attr)
                 if isinstance(t, DTensor):
-                    # With one rank per shard a reduction's buffer can become the sharded
-                    # gradient itself: memory that sharding keeps anyway, not a cost of the step.
-                    self.shards[g.path, name] = self._shard_keys(t)
-                    continue
-                # unsharded: the module shows the full tensor, but the shard it came from is
-                # still held (FSDP2 keeps it), so its last-seen bytes still count
+                    continue  # counted with the shards
                 params.update([storage_key(t) or (0, 0)])
                 if t.grad is not None:
                     grads.update([storage_key(t.grad) or (0, 0)])
@@ -272,6 +270,8 @@ class Recorder:
         gathered, reduced = self.buffers.held()
         params.update(gathered)  # (address, bytes) pairs
         grads.update(reduced)
+        # With one rank per shard a reduction's buffer can become the sharded gradient itself:
+        # memory that sharding keeps anyway, not a cost of the step.
         sharded = dict(k for kept in self.shards.values() for k in kept)
         alive = lambda found: sum(n for at, n in found.items() if at not in sharded)  # noqa: E731
         return alive(params), alive(grads), sum(sharded.values())
