@@ -3,8 +3,8 @@
     python benchmarks/compile_inductor.py                 # 2 gloo ranks, backend inductor
     python benchmarks/compile_inductor.py --backend aot_eager
 
-The setting of tests/test_compile_markers.py with code generation: the tiny ``transformers``
-Llama of tests/client_common.py (4 decoder layers) is sharded by torch's ``fully_shard``, the
+The setting of tests/ecosystem/test_compile_markers.py with code generation: the tiny ``transformers``
+Llama of tests/support/client_common.py (4 decoder layers) is sharded by torch's ``fully_shard``, the
 reference and the optimized path in turn, on 2 gloo ranks of one ``launch``; its layers are
 compiled in place (``layer.compile(backend=...)``), it trains 2 steps (SGD) and is evaluated
 once under ``no_grad``. Per implementation and rank it records the graphs dynamo compiled

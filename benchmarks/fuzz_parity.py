@@ -9,13 +9,13 @@
 stream sanitizer on (``Example.stand_in``): a race or an early release fails the example with
 the sanitizer's report (``StreamOrderError: ...``), beside the usual comparisons.
 
-CI runs a few dozen of the same examples (``tests/test_fuzz_parity.py``); this script draws as
+CI runs a few dozen of the same examples (``tests/suite/test_fuzz_parity.py``); this script draws as
 many as asked with ``twinshard.conformance.fuzz_draw`` (the same for the same seed), splits them
 by mesh, and runs each mesh's examples in batches of ``--batch`` inside one process group. A
 batch whose ranks crash or hang (a ``LaunchError``) is run again one example per launch, so that
 the failure is pinned on an example. Every failure is printed as one JSON line that
 ``--replay`` runs again, and written to ``--out``; each one belongs in
-``tests/test_fuzz_parity.py``'s ``REGRESSIONS``, with a fix.
+``tests/suite/test_fuzz_parity.py``'s ``REGRESSIONS``, with a fix.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from twinshard.guard import channel
 
 from .cases import CASES, Context
 from .driver import set_device
+from .shared_runs import case_scope
 
 
 def grace(elapsed: float) -> float:
@@ -121,7 +122,7 @@ def run_cases(
         start, started = time.perf_counter(), time.monotonic()
         raised = False
         try:
-            with stream_checks():
+            with stream_checks(), case_scope(name, mesh_shape, str(ctx.device)):
                 summary = case.fn(ctx).summary()
         except Exception:  # reported as a failure of this case; the next case still runs
             raised = True

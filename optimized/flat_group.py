@@ -38,8 +38,9 @@ from .comm import CommContext
 from .meshes import gather_each_mesh, mesh_parts
 from .reduction import accumulate, reduce_scatter
 
-# Separate reduce-scatter process groups, one per set of shard ranks.
-SEPARATE_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+# Separate reduce-scatter process groups, one per set of shard ranks, each with the default
+# group it was made in: after destroy_process_group and a new one, the old group is gone.
+SEPARATE_GROUPS: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 # Read at every unshard, once per parameter. On Python 3.11 a member read from the Enum class
 # goes through its metaclass (77 ns against 29 ns for a global); these two loops reading globals
@@ -99,9 +100,11 @@ class FlatParamGroup(ParamGroup):
             self.reduce_scatter_group = None
             return
         ranks = tuple(dist.get_process_group_ranks(self.info.shard_group))
-        if ranks not in SEPARATE_GROUPS:
-            SEPARATE_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-        self.reduce_scatter_group = SEPARATE_GROUPS[ranks]
+        world, group = SEPARATE_GROUPS.get(ranks, (None, None))
+        if world is not dist.group.WORLD:
+            group = dist.new_group(list(ranks), use_local_synchronization=True)
+            SEPARATE_GROUPS[ranks] = (dist.group.WORLD, group)
+        self.reduce_scatter_group = group
 
     # --- unshard: one all-gather, issued early ---------------------------------------------------
     def unshard_async(self) -> None:

@@ -52,8 +52,8 @@ def all_gather_rows(
     if dist.get_world_size(group) == 1:
         out.copy_(block)  # one rank: nothing to exchange
         return
-    if block.element_size() == 1 and block.is_floating_point():  # float8: gloo has no such
-        out, block = out.view(torch.uint8), block.view(torch.uint8)  # dtype; send the bytes
+    if block.element_size() == 1 and block.is_floating_point():  # float8: not in gloo, so
+        out, block = out.view(torch.uint8), block.view(torch.uint8)  # (N,) bytes are sent
     with profiled("twinshard::all_gather"):
         if comm is None:
             _all_gather(out, block.contiguous(), group=group)
@@ -73,7 +73,7 @@ def reduce_scatter_rows(
     shape = (full.shape[0] // size, *full.shape[1:])  # (chunk, *rest)
     if comm is not None:  # it allocates its output too (second reading: more/comm_hooks.py)
         return more.user_reduce_scatter(comm, full, group, shape)
-    out = full.new_empty(shape)
+    out = full.new_empty(shape)  # (chunk, *rest)
     with profiled("twinshard::reduce_scatter"):
         _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
     return out

@@ -177,7 +177,7 @@ class ShardedParam:
             # all-gather into the buffer does not look like an in-place change to autograd.
             view = self.all_gather_buffer.data.narrow(0, 0, self.rows)  # (rows, *rest)
             whole = self.rows_first(view)  # in the parameter's own layout
-            if self.dim:  # a transposed view: as torch's, the parameter gets contiguous memory
+            if self.dim:  # (rows, *rest) transposed: the parameter gets contiguous memory
                 self.own = torch.empty_like(whole, memory_format=torch.contiguous_format)
                 self.gathered, whole = whole, self.own.data  # copied at each unshard; ``.data``
                 self.own_bytes = whole.untyped_storage().nbytes()  # as above
@@ -239,7 +239,7 @@ class ShardedParam:
             return
         if self.tp is not None:  # a DTensor, of which we take our piece
             grad = grad.to_local()
-        if hasattr(grad, "__tensor_flatten__"):  # a subclass: collectives move plain tensors
+        if hasattr(grad, "__tensor_flatten__"):  # (rows, *rest) plain: collectives move no subclass
             grad = torch.empty(grad.shape, dtype=reduce_dtype, device=self.device).copy_(grad)
         self.unsharded_param.grad = None
         if self.grad_to_reduce is not None:  # a gradient that widens into the sum: not copied

@@ -45,6 +45,11 @@ made at once and bound to the rank's device); a rank of a host backend (gloo) co
 the CPU, even on a GPU machine. ``twinshard.devices`` remembers the choice, so the default
 mesh and ``twinshard train`` follow it (``twinshard.devices`` has the rules).
 
+Shared worlds. Inside ``twinshard.worlds.serving(worlds)`` (the test suite's whole session), a
+call whose ranks would be spawned (CPU ranks, no watchdog, no forwarded signals) runs in ranks
+started once and reused, with the same results and errors; see ``twinshard.worlds``. A call
+that forks keeps forking: its ranks must see this process as it is, and a fork is cheap.
+
 Each child calls ``torch.set_num_threads(1)``, since a few ranks share a few cores;
 ``TWINSHARD_THREADS=n`` asks for ``n`` threads, ``0`` keeps torch's default. Inside
 ``fn``, ``get_rank_info()`` gives the rank, local rank, world size, backend, device.
@@ -88,6 +93,9 @@ class RankInfo(NamedTuple):
 
 
 _RANK_INFO: RankInfo | None = None
+# A twinshard.worlds.Worlds that runs the calls it can serve in ranks started once
+# (twinshard.worlds.serving), or None: every call launches its own ranks.
+shared_worlds = None
 
 
 def get_rank_info() -> RankInfo:
@@ -96,6 +104,15 @@ def get_rank_info() -> RankInfo:
         raise RuntimeError(
             "get_rank_info() only works inside a function run by twinshard.launch.launch()"
         )
+    return _RANK_INFO
+
+
+def bind_rank_info(rank: int, world_size: int, backend: str) -> RankInfo:
+    """Make ``get_rank_info()`` answer for this process: rank ``rank`` of ``world_size`` local
+    ranks on ``backend`` (also used by ``twinshard.worlds``' ranks)."""
+    global _RANK_INFO
+    device = devices.backend_device(backend, rank)  # an accelerator each for nccl, xccl
+    _RANK_INFO = RankInfo(rank, rank, world_size, backend, device)
     return _RANK_INFO
 
 
@@ -189,8 +206,9 @@ class _Setup(NamedTuple):
     stack_dir: str | None
 
 
-def _listen() -> socket.socket:
-    """A socket listening on a free port, held until the store server takes it over."""
+def listen_for_ranks() -> socket.socket:
+    """A socket listening on a free port, held until the store server takes it over
+    (``serve_store``); the ranks connect to it."""
     for attempt in range(_PORT_TRIES):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -204,8 +222,8 @@ def _listen() -> socket.socket:
     raise AssertionError("unreachable")
 
 
-def _serve_store(listener: socket.socket, timeout: float) -> dist.TCPStore:
-    """The rendezvous store, served by this process on the socket ``_listen`` bound. Started
+def serve_store(listener: socket.socket, timeout: float) -> dist.TCPStore:
+    """The rendezvous store, served by this process on the socket ``listen_for_ranks`` bound. Started
     after the ranks: forking a process that runs the server's thread could break the child."""
     return dist.TCPStore(
         "127.0.0.1",
@@ -219,7 +237,6 @@ def _serve_store(listener: socket.socket, timeout: float) -> dist.TCPStore:
 
 
 def _worker(fn, args, kwargs, setup: _Setup, conn) -> None:
-    global _RANK_INFO
     rank, world_size, backend, timeout = setup.rank, setup.world_size, setup.backend, setup.timeout
     try:
         fresh_process.die_with_parent(setup.parent_pid)
@@ -236,8 +253,7 @@ def _worker(fn, args, kwargs, setup: _Setup, conn) -> None:
         threads = int(os.environ.get("TWINSHARD_THREADS", "1") or "0")
         if threads > 0:
             torch.set_num_threads(threads)
-        device = devices.backend_device(backend, rank)  # an accelerator each for nccl, xccl
-        _RANK_INFO = RankInfo(rank, rank, world_size, backend, device)
+        bind_rank_info(rank, world_size, backend)
         store = dist.TCPStore(
             "127.0.0.1", setup.port, None, False, timeout=timedelta(seconds=timeout)
         )
@@ -317,9 +333,12 @@ def launch(
         )
     backend = _resolve_backend(backend, nprocs)
     method = _pick_start_method(fn, args, kwargs, start_method)
+    worlds = shared_worlds
+    if worlds is not None and worlds.takes(backend, method, hang_timeout, forward_signals):
+        return worlds.run(fn, nprocs, *args, timeout=timeout, env=env, **kwargs)
     ctx = mp.get_context(method)
     env = {str(k): str(v) for k, v in (env or {}).items()}
-    listener = _listen()  # the ranks connect to it; the server takes it over once they run
+    listener = listen_for_ranks()  # the ranks connect to it; the server takes it over once they run
     port = listener.getsockname()[1]
     stack_dir = tempfile.mkdtemp(prefix="twinshard-stacks-") if hang_timeout else None
     parent = None if method == "forkserver" else os.getpid()
@@ -337,7 +356,7 @@ def launch(
             writer.close()  # keep only the child's copy, so its death reads as EOF
             procs.append(p)
             conns.append(reader)
-        store = _serve_store(listener, timeout)
+        store = serve_store(listener, timeout)
         if hang_timeout:
             watch = Watch(dist.PrefixStore(watchdog.PREFIX, store), procs, hang_timeout, stack_dir)
         with forwarding(procs, forward_signals):

@@ -149,6 +149,13 @@ def standin_streams() -> StandInStreams:
     return _STANDIN
 
 
+def reset_standin_streams() -> None:
+    """Forget the process's stand-in streams and their log (a rank of ``twinshard.worlds``
+    between two tasks): the next root module starts new ones."""
+    global _STANDIN
+    _STANDIN = None
+
+
 # The stream sanitizer: checks the stand-ins' order (see the module docstring).
 class StreamOrderError(RuntimeError):
     """The schedule accessed or released memory without the ordering a device needs."""

@@ -75,7 +75,10 @@ def stop(procs: list, gently: bool = True) -> None:
             p.join(max(0.0, end - time.monotonic()))
 
 
-def _error(headline: str, failures: dict[int, str]) -> LaunchError:
+def error(headline: str, failures: dict[int, str]) -> LaunchError:
+    """``LaunchError`` with ``headline``, the ranks that failed first, then those that probably
+    failed as a consequence (a peer's connection closed), each with what it reported."""
+
     def knock_on(text: str) -> bool:
         return any(k in text.split("\n", 1)[0].lower() for k in _KNOCK_ON)
 
@@ -179,8 +182,42 @@ def forwarding(procs: list, enabled: bool):
 
 
 def collect(procs: list, conns: list, timeout: float, watch: Watch | None = None) -> list:
-    """Read every rank's reports until all have returned, one fails or time runs out."""
+    """Read every rank's reports until all have returned, one fails or time runs out; then let
+    the ranks exit."""
+    results = await_results(procs, conns, timeout, watch)
+    end = time.monotonic() + _EXIT_GRACE  # all returned: let them tear down and exit
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    if stuck := [r for r, p in enumerate(procs) if p.is_alive()]:
+        warnings.warn(
+            f"rank(s) {stuck} returned but did not exit within {_EXIT_GRACE}s; killing them",
+            stacklevel=3,
+        )
+    bad = {
+        r: f"returned a result but then exited with code {p.exitcode}"
+        for r, p in enumerate(procs)
+        if p.exitcode not in (0, None)
+    }
+    if bad:
+        raise error("launch failed during teardown", bad)
+    return results
+
+
+def await_results(
+    procs: list,
+    conns: list,
+    timeout: float,
+    watch: Watch | None = None,
+    startup: float | None = None,
+    task: str | None = None,
+) -> list:
+    """Each rank's result, once every rank has reported "ready" (joined its group) and then
+    its result; ``LaunchError`` as soon as one raises or dies, or when time runs out:
+    ``startup`` seconds to get ready (default: ``timeout`` or the watchdog's, plus a margin),
+    then ``timeout`` for the function. ``task`` names what the ranks run in the error's first
+    line (``twinshard.worlds``: ranks that run many tasks)."""
     n, ready, results, failures = len(procs), set(), {}, {}
+    prefix = "" if task is None else f"task {task}: "
 
     def poll(rank: int) -> None:
         conn, proc = conns[rank], procs[rank]
@@ -217,7 +254,8 @@ def collect(procs: list, conns: list, timeout: float, watch: Watch | None = None
         return [r for r in pending if r not in results and r not in failures]
 
     # With a watchdog, starting up may take its timeout (plus the margin), not fn's deadline.
-    startup = min(timeout, watch.hang_timeout if watch else timeout) + _STARTUP_MARGIN
+    if startup is None:
+        startup = min(timeout, watch.hang_timeout if watch else timeout) + _STARTUP_MARGIN
     deadline, all_ready = time.monotonic() + startup, False
     while not failures and (pending := wait_and_poll(deadline)):
         if not all_ready and len(ready) == n:
@@ -227,28 +265,13 @@ def collect(procs: list, conns: list, timeout: float, watch: Watch | None = None
                 r: "had not finished " + ("fn" if r in ready else "starting up") for r in pending
             }
             what = f"deadline of {timeout}s" if all_ready else f"start-up limit of {startup:g}s"
-            raise _error(f"{what} exceeded", late)
+            raise error(f"{prefix}{what} exceeded", late)
         if watch is not None and not failures and all_ready:  # start-up has its own limit
             watch.check()
     if failures:  # peers of a failed rank often fail a moment later: collect them briefly
         end = time.monotonic() + _DRAIN
         while wait_and_poll(end) and time.monotonic() < end:
             pass
-        raise _error("launch failed", failures)
+        raise error("launch failed" if task is None else f"task {task} failed", failures)
 
-    end = time.monotonic() + _EXIT_GRACE  # all returned: let them tear down and exit
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    if stuck := [r for r, p in enumerate(procs) if p.is_alive()]:
-        warnings.warn(
-            f"rank(s) {stuck} returned but did not exit within {_EXIT_GRACE}s; killing them",
-            stacklevel=3,
-        )
-    bad = {
-        r: f"returned a result but then exited with code {p.exitcode}"
-        for r, p in enumerate(procs)
-        if p.exitcode not in (0, None)
-    }
-    if bad:
-        raise _error("launch failed during teardown", bad)
     return [results[r] for r in range(n)]

@@ -18,6 +18,7 @@ from twinshard.devices import current_device, rank_device_type
 
 from ..compare import Checker
 from ..driver import Recipe, compare, run_oracle, run_plain, run_sharded
+from ..shared_runs import fingerprint, shared
 
 
 @dataclass
@@ -102,7 +103,9 @@ def train_case(
     """Truth, implementation and oracle on the same recipe, compared every step.
 
     ``no_oracle`` says why torch's ``fully_shard`` cannot run this case here (then it is
-    compared with the truth only, and the reason goes into the report).
+    compared with the truth only, and the reason goes into the report). The truth and the
+    oracles' runs (and the run under test, where it is an oracle's) are shared with the other
+    implementations checked on this rank (``conformance/shared_runs.py``).
     """
     checker = Checker(tolerance)
     if recipe.low_precision is not None:
@@ -110,26 +113,40 @@ def train_case(
     if no_oracle and ctx.oracle is not None:
         checker.notes.append(f"torch oracle skipped: {no_oracle}")
         ctx = replace(ctx, oracle=None)
-    truth = run_plain(recipe)
+    key = fingerprint(recipe)
+    truth = shared(f"plain {key}", None, lambda: run_plain(recipe))
     truth_low = (
-        run_plain(recipe, low=recipe.low_precision, world=ctx.world)
-        if recipe.low_precision
+        shared(f"plain low {key}", None, lambda: run_plain(recipe, low=low, world=ctx.world))
+        if (low := recipe.low_precision)
         else None
     )
-    mine, _ = run_sharded(recipe, ctx.impl, ctx.mesh)
+    name = ctx.impl.__name__
+    if name in ORACLE_MODULES:  # an oracle under test: its run is the oracle's run
+        mine = oracle_run(recipe, ctx.impl, ctx.mesh)
+    else:
+        mine, _ = run_sharded(recipe, ctx.impl, ctx.mesh)
     compare(checker, ctx.impl_name, mine, truth, truth_low)
     if ctx.reference is not None:
         # The same reduction order gives the same bits: fp32 at world size <= 2.
         exact = recipe.low_precision is None and ctx.world <= 2
         against = Checker("bitwise" if exact else tolerance, low_eps=checker.low_eps)
-        theirs, _ = run_oracle(recipe, ctx.reference, ctx.mesh)
+        theirs = oracle_run(recipe, ctx.reference, ctx.mesh)
         compare(against, f"{ctx.impl_name} vs reference", mine, truth, truth_low, other=theirs)
         checker.absorb(against)
     if ctx.oracle is not None:
-        theirs, _ = run_oracle(recipe, ctx.oracle, ctx.mesh)
+        theirs = oracle_run(recipe, ctx.oracle, ctx.mesh)
         compare(checker, "torch", theirs, truth, truth_low)
         compare(checker, f"{ctx.impl_name} vs torch", mine, truth, truth_low, other=theirs)
     return checker
+
+
+ORACLE_MODULES = ("twinshard.reference", "torch.distributed.fsdp")
+
+
+def oracle_run(recipe: Recipe, impl, mesh):
+    """An oracle's trace of ``recipe``, shared within the case (``shared_runs``)."""
+    key = f"sharded {fingerprint(recipe)}"
+    return shared(key, impl.__name__, lambda: run_oracle(recipe, impl, mesh)[0])
 
 
 def torch_cannot(methods: tuple[str, ...] = (), shard=None, mesh=None) -> str | None:

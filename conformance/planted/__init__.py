@@ -30,12 +30,12 @@ suite and the fuzzer check the stream order: run them with ``--stand-in-streams`
                                (stand-in streams show it)
 
 Planted in communication variants (``lossy.py``: broken subclasses of ``twinshard.variants``'
-qwZ and qgZ, not implementations; ``tests/test_variants_planted.py`` asserts that the exact
+qwZ and qgZ, not implementations; ``tests/variants/test_variants_planted.py`` asserts that the exact
 oracle of the variant each claims to be catches it): wrong_scale, drops_partial_block,
 blocks_shift_by_rank, int8_sends_bf16, sums_without_dividing.
 
 Planted costs: the values stay right, only what is communicated or kept alive is not (the
-``cost_*`` cases catch them, ``tests/test_cost_contract.py`` asserts it):
+``cost_*`` cases catch them, ``tests/suite/test_cost_contract.py`` asserts it):
 
     syncs_every_micro_batch            set_requires_gradient_sync(False) is ignored: every
                                        micro-batch reduce-scatters (and its optimized_ twin)

@@ -1,5 +1,5 @@
 """Communication variants with a planted lossy bug, for checking that the variants' oracle
-(``tests/test_variants.py``: the plain model with the variant's declared transform) catches each.
+(``tests/variants/test_variants.py``: the plain model with the variant's declared transform) catches each.
 
 Each is a subclass of a correct variant from ``twinshard.variants`` that keeps its declared
 transform and breaks what it does on the wire:

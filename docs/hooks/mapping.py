@@ -10,7 +10,7 @@ For each row and each implementation the status is computed, never written by ha
   it is a class that torch's ``isinstance`` checks would not recognize where that matters;
 - **missing**: twinshard has no such name.
 
-``NOTES`` adds what introspection cannot see (behaviour). ``tests/test_docs.py`` checks that
+``NOTES`` adds what introspection cannot see (behaviour). ``tests/docs/test_docs.py`` checks that
 each note is attached to a row that exists and to a name each implementation it speaks of
 has, so that a note outlives neither the torch name nor twinshard's.
 """

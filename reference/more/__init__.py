@@ -16,7 +16,7 @@ Read it after the core, in this order:
 
 The core (the modules of ``twinshard.reference`` itself) reads without any of this. Each
 feature here is reached from the core at the lines that name it, through the seams below, and
-the core imports nothing else of this package (``tests/test_reference_rules.py`` checks it):
+the core imports nothing else of this package (``tests/engine/test_reference_rules.py`` checks it):
 
     default_device_type,  devices.py          the device of the mesh fully_shard builds itself,
     rows_mesh                                 and rows of N ranks (reshard_after_forward=N)

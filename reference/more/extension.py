@@ -98,7 +98,7 @@ class Extension:
             )
         plain = []
         for x in inputs:  # (rows_i, *rest_i) each, the same shapes on every rank
-            if is_traceable_wrapper_subclass(x):
+            if is_traceable_wrapper_subclass(x):  # (rows_i, *rest_i) as a plain tensor
                 x = torch.empty(x.shape, dtype=x.dtype, device=p.device).copy_(x)
             plain.append(x.to(p.device).contiguous())
         self.shapes = [(x.shape, x.dtype) for x in plain]

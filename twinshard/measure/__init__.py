@@ -3,7 +3,7 @@
 ``twinshard bench``, ``twinshard schedule``, ``twinshard plan`` and ``python -m
 twinshard.measure.fakeaccel`` describe a training job the same way, build and drive its step
 the same way and join a world the same way. A module imports its own layer and those below it,
-never one above (``tests/test_layers.py`` checks it); bottom first:
+never one above (``tests/structure/test_layers.py`` checks it); bottom first:
 
     job.py flags.py hf.py      the job and its one validator, ``Job.problem()``; the flag
                                vocabulary (one spelling and help text per concept, old spellings

@@ -8,7 +8,7 @@ really runs rank 0's step on this CPU while the network is simulated). ``twinsha
 
 - **memory** is deterministic: the plan's probe (``measure.probe``'s categories at their peak,
   recorded under ``FakeTensorMode``) and the bench's measured one are compared to the byte by
-  ``tests/test_plan_measured.py``, in CI;
+  ``tests/measuring/test_plan_measured.py``, in CI;
 - **time** is a measurement on a shared machine, so it is a benchmark, not a test: this module
   runs the job ``--runs`` times and reports, run by run and implementation by implementation,
   the predicted step against the measured step's CPU time (``time.process_time`` of the rank's

@@ -1,0 +1,82 @@
+"""Both implementations under the whole conformance suite, on gloo, with no expected failures.
+
+Each training case compares the implementation, every step, with the plain model (the
+truth). The optimized path is also compared with the reference at world sizes 1 and 2 (bitwise
+in fp32) and with torch's fully_shard at world size 2; torch's fully_shard itself passes the
+suite at 1, 2 and 3 (``tests/suite/test_torch_conformance.py``). The reference runs at 1, 2, 3
+and 2x2 (world size 4 is the optimized run's and the fuzzed test's). The optimized path runs a
+second time with stand-in streams, at world size 2, HSDP 2x2, and HSDP with one shard (2x1,
+3x1) and with one replica (1x2, 1x3), where the reductions take their shortcuts: its
+accelerator schedule on the CPU, every tensor access checked against the stream order
+(compared with the plain model). The whole matrix in that mode is one command: ``twinshard
+conform twinshard.optimized --stand-in-streams --no-oracles --world-sizes
+1,2,3,2x2,4,2x1,1x2,3x1,1x3``. The cost cases (``cost_*``) leave out the meshes that show them
+nothing new (``NOT_COST``).
+
+The runs and their meshes are ``support/suite_runs.py``'s: each mesh of each run is computed
+once per session, when the first test of that mesh asks, so no single test waits for more than
+one mesh; each (run, mesh, case) is then its own test, which fails with the case's worst
+mismatches, or is skipped with the reason the case gives for not applying to that mesh.
+"""
+
+import pytest
+from suite_runs import MESHES, params, rows
+
+from twinshard.conformance.suite import mesh_name
+
+RUNS = ("reference", "optimized", "optimized-standin")
+PARAMS = params(RUNS)
+
+
+@pytest.mark.parametrize("run,mesh,name", PARAMS, ids=[f"{r}-{m}-{n}" for r, m, n in PARAMS])
+def test_case(run, mesh, name):
+    result = rows(run, mesh).get((mesh, name))
+    assert result is not None, f"case {name} did not run on mesh {mesh}"
+    if result["status"] == "SKIP":
+        assert result["reason"], f"case {name} was skipped on mesh {mesh} without a reason"
+        pytest.skip(result["reason"])
+    assert result["compared"] > 0, f"case {name} compared nothing"
+    assert result["ok"], "\n".join(result["failures"][:5])
+
+
+def test_every_group_ran_on_every_mesh():
+    for run in RUNS:
+        found = rows(run)
+        for mesh in (mesh_name(m) for m, _ in MESHES[run]):
+            seen = {
+                r["group"] for (m, _), r in found.items() if m == mesh and r["status"] == "PASS"
+            }
+            assert {
+                "training",
+                "gradients",
+                "mixed_precision",
+                "state_dict",
+                "api",
+                "offload",
+                "errors",
+                "trace",
+            } <= seen, (run, mesh, seen)
+
+
+def test_optimized_was_compared_bitwise_with_the_reference():
+    found = rows("optimized")
+    series = {s for (m, _), r in found.items() if m in ("1", "2") for s in r["worst_by"]}
+    assert "optimized vs reference" in series, series
+    at_two = {s for (m, _), r in found.items() if m == "2" for s in r["worst_by"]}
+    assert any("torch" in s for s in at_two), at_two  # and with torch's fully_shard
+    bitwise = [
+        r
+        for (m, _), r in found.items()
+        if m in ("1", "2")
+        and r["group"] != "mixed_precision"
+        and "optimized vs reference" in r["worst_by"]
+    ]
+    assert bitwise and all(r["worst_by"]["optimized vs reference"]["abs"] == 0.0 for r in bitwise)
+
+
+def test_skips_are_the_cases_own_conditions():
+    found = rows("optimized")
+    skipped = {(m, c) for (m, c), r in found.items() if r["status"] == "SKIP"}
+    assert ("4", "trace_reshard_int") not in skipped  # a shard group of 4: 2 differs from True
+    assert ("4", "cost_reshard_int") not in skipped and ("4", "cost_reshard_int") in found
+    assert ("2x2", "no_all_reduce") not in skipped and ("2", "no_all_reduce") in skipped

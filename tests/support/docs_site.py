@@ -1,0 +1,201 @@
+"""The documentation site for the tests: built once per session (``mkdocs build --strict``, the
+notebooks executed through the cache of docs/hooks/notebooks.py) in the background from the
+session's start (``background.py``: the tests that need it run last), served on 127.0.0.1, and
+rendered in headless Chromium through a probe page that loads the page under test in a
+same-origin frame of a given width and reports what the browser shows: headings, text, every
+image with its decoded and its shown size, every text output's layout, and the page's own
+width. conftest.py makes ``site``, ``server`` and ``browser`` fixtures of every test module.
+Without Chromium the browser tests fail when ``CI`` is set and are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import html
+import http.server
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.parse
+
+import background
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HOOKS = ROOT / "docs" / "hooks"
+CHROMIUM = next(
+    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
+)
+
+
+def load_hook(name: str):
+    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", HOOKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(HOOKS))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(HOOKS))
+    return module
+
+
+# --- the build, the server and the browser -----------------------------------------------------
+_folder: list[pathlib.Path] = []  # where the session's build writes the site
+
+
+def _build_command() -> list[str]:
+    _folder.append(pathlib.Path(tempfile.mkdtemp(prefix="twinshard-site-")))
+    atexit.register(shutil.rmtree, _folder[0], ignore_errors=True)
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict"]  # no -q: it hides warnings
+    return command + ["-f", str(ROOT / "mkdocs.yml"), "-d", str(_folder[0])]
+
+
+# Built in the background from the start of the session (support/background.py), always with
+# the executed notebooks.
+background.register(
+    "site_build",
+    _build_command,
+    env={"NO_MKDOCS_2_WARNING": "1", "TWINSHARD_DOCS_NOTEBOOKS": "execute"},
+)
+
+
+@pytest.fixture(scope="session")
+def site_build() -> tuple[int, str]:
+    return background.result("site_build")
+
+
+@pytest.fixture(scope="session")
+def site(site_build) -> pathlib.Path:
+    code, output = site_build
+    assert code == 0, f"mkdocs build --strict failed:\n{output[-8000:]}"
+    warnings = re.findall(r"^WARNING +- .*$", output, re.M)  # mkdocs' own log lines
+    assert not warnings, "\n".join(warnings)
+    return _folder[0]
+
+
+@pytest.fixture(scope="session")
+def server(site):
+    handler = functools.partial(Quiet, directory=str(site))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    thread.join(10)
+
+
+class Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="session")
+def browser(site, server, tmp_path_factory):
+    """``show(path, width)``: what Chromium shows for a page of the site in a window ``width``
+    pixels wide, as a dict (see PROBE)."""
+    if CHROMIUM is None:
+        message = "Chromium is not installed (Debian: apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(message + "; CI must run the browser tests")
+        pytest.skip(message)
+    (site / "_probe.html").write_text(PROBE, encoding="utf-8")
+    profile = tmp_path_factory.mktemp("chromium-profile")
+
+    def show(path: str, width: int = 1200) -> dict:
+        url = f"{server}/_probe.html?page={urllib.parse.quote(path)}&width={width}"
+        dom = run_chromium(profile, "--dump-dom", "--virtual-time-budget=20000", url)
+        found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
+        assert found, f"the probe page did not report on {path}:\n{dom[-2000:]}"
+
+        result = json.loads(html.unescape(found.group(1)))
+        assert not result.get("error"), f"{path}: {result['error']}"
+        return result
+
+    return show
+
+
+def run_chromium(profile: pathlib.Path, *args: str) -> str:
+    command = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,1400",
+        *args,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"chromium failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+# Loads ?page=PATH in a frame of the same origin, WIDTH pixels wide, and once it has loaded
+# writes a JSON report into <pre id="result">: the page's title, text, heading ids, links; every
+# picture with its decoded size (0 when the browser could not show it) and the width it is shown
+# at; every text output with its white-space rule and whether a line of it wrapped (taller than
+# its lines); how wide the page's content is against the frame; and what clicking the first
+# picture opened (the full-size view of js/figures.js, and the size it shows the picture at).
+PROBE = """<!doctype html><html><body><pre id="result"></pre>
+<iframe id="page" style="height:900px;border:0"></iframe>
+<script>
+const query = new URLSearchParams(location.search);
+const frame = document.getElementById("page");
+frame.style.width = (query.get("width") || "1200") + "px";
+const report = (value) => { document.getElementById("result").textContent = JSON.stringify(value); };
+frame.onload = () => {
+  try {
+    const doc = frame.contentDocument, win = frame.contentWindow;
+    const images = [...doc.querySelectorAll("article img")].map((img) => ({
+      src: img.getAttribute("src").slice(0, 200), width: img.naturalWidth,
+      height: img.naturalHeight, complete: img.complete, shown: img.clientWidth,
+      zoom: img.dataset.zoom === "1"}));
+    const texts = [...doc.querySelectorAll(".jp-OutputArea-output pre")].map((pre) => {
+      const style = win.getComputedStyle(pre), lines = pre.textContent.split("\\n").length;
+      const height = parseFloat(style.lineHeight) * lines;
+      return {white_space: style.whiteSpace, lines: lines, wrapped: pre.scrollHeight > height + 4,
+              width: pre.scrollWidth, box: pre.clientWidth, head: pre.textContent.slice(0, 80)};
+    });
+    const first = doc.querySelector(".jp-RenderedImage img, img.twinshard-figure");
+    let zoom = null;
+    if (first) {
+      first.click();
+      const view = doc.querySelector(".twinshard-zoom img");
+      zoom = view ? {shown: view.clientWidth, natural: view.naturalWidth} : {shown: 0, natural: 0};
+      const open = doc.querySelector(".twinshard-zoom");
+      if (open) open.click();
+      zoom.closed = !doc.querySelector(".twinshard-zoom");
+    }
+    report({
+      title: doc.title,
+      text: doc.querySelector("article") ? doc.querySelector("article").innerText : "",
+      ids: [...doc.querySelectorAll("[id]")].map((e) => e.id),
+      headings: [...doc.querySelectorAll("h1, h2, h3, h4")].map((e) => e.textContent.trim()),
+      links: [...doc.querySelectorAll("a[href]")].map((a) => ({
+        href: a.getAttribute("href"), download: a.hasAttribute("download"),
+        text: a.textContent.trim().slice(0, 60)})),
+      images: images,
+      texts: texts,
+      page_width: doc.documentElement.scrollWidth,
+      frame_width: doc.documentElement.clientWidth,
+      zoom: zoom,
+      outputs: doc.querySelectorAll(".jp-OutputArea-output").length,
+      has_nav: !!doc.querySelector("nav.md-nav"),
+    });
+  } catch (e) { report({error: String(e)}); }
+};
+frame.src = query.get("page");
+</script></body></html>
+"""

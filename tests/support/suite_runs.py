@@ -1,0 +1,105 @@
+"""The conformance suite's runs, each computed once per session and read by every test that
+checks it.
+
+A run is an implementation over a list of meshes, each mesh with its ``run_suite`` options
+(oracles, stand-in streams, case patterns). ``rows(run, mesh)`` gives the rows of one mesh
+once the run's meshes before it have run: the meshes of one run share a scratch folder, and
+world size 2 goes first, since its ``dcp_save`` writes the checkpoints that ``dcp_load`` reads
+at the other sizes. Each mesh is one task in the session's shared world of that size
+(``shared_worlds.py``), so the ranks that checked the reference at a mesh still hold its runs
+(and the plain model's, and torch's) when the optimized path is checked there with the
+reference and torch as oracles (``conformance/shared_runs.py``): nothing is trained twice.
+
+``RUNS`` names the runs of the whole session; ``test_parity.py``, ``test_torch_conformance.py``
+and ``test_conformance.py`` read them. ``TWINSHARD_PARITY_REPORT=PREFIX`` writes each run's
+rows to ``PREFIX.<run>.json`` as they come.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import shutil
+import tempfile
+
+from coverage_scope import unmeasured
+
+from twinshard.conformance.runner import select
+from twinshard.conformance.suite import mesh_name, parse_meshes, run_suite
+
+OPTIMIZED = "twinshard.optimized"
+TORCH = "torch.distributed.fsdp"
+# The cost cases (what is communicated and kept alive) where a neighbouring mesh has nothing
+# new to show them: the reference at 3 (the optimized path runs them there) and the stand-in
+# streams at 3x1 and 1x3 (as at 2x1 and 1x2).
+NOT_COST = [n for n in select(None) if not n.startswith("cost_")]
+
+# name -> (implementation, [(meshes, run_suite options)]); world size 2 first in each run.
+RUNS = {
+    "reference": (
+        "twinshard.reference",
+        [
+            ("2,1", {"oracles": False}),
+            ("3", {"oracles": False, "patterns": NOT_COST}),
+            ("2x2", {"oracles": False}),
+        ],
+    ),
+    "optimized": (
+        OPTIMIZED,
+        [
+            ("2", {"oracles": True}),
+            ("1", {"oracles": ("reference",)}),
+            ("3,2x2,4", {"oracles": False}),
+        ],
+    ),
+    "optimized-standin": (
+        OPTIMIZED,
+        [
+            ("2,2x2,2x1,1x2", {"stand_in_streams": True, "oracles": False}),
+            ("3x1,1x3", {"stand_in_streams": True, "oracles": False, "patterns": NOT_COST}),
+        ],
+    ),
+    # torch's own fully_shard, with its expected failures (test_torch_conformance.py)
+    "torch": (TORCH, [("2,1,3", {"oracles": False})]),
+}
+MESHES = {  # run -> [(mesh, run_suite options)], in the order they run
+    run: [(m, options) for spec, options in parts for m in parse_meshes(spec)]
+    for run, (_, parts) in RUNS.items()
+}
+
+_rows: dict[str, dict] = {}  # run -> {(mesh, case): row} of the meshes run so far
+_folders: dict[str, str] = {}  # run -> the scratch folder its meshes share
+
+
+def params(runs) -> list[tuple[str, str, str]]:
+    """(run, mesh, case) for every case of every mesh of ``runs``, in the order they run."""
+    return [
+        (run, mesh_name(m), n)
+        for run in runs
+        for m, options in MESHES[run]
+        for n in select(options.get("patterns"))
+    ]
+
+
+def rows(run: str, mesh: str | None = None) -> dict:
+    """The rows of ``run`` by (mesh, case), once its meshes up to ``mesh`` (all: None) ran."""
+    impl = RUNS[run][0]
+    found = _rows.setdefault(run, {})
+    if run not in _folders:
+        _folders[run] = tempfile.mkdtemp(prefix=f"twinshard-suite-{run}-")
+        atexit.register(functools.partial(shutil.rmtree, _folders[run], ignore_errors=True))
+    folder = _folders[run]
+    for shape, options in MESHES[run]:
+        name = mesh_name(shape)
+        if not any(m == name for m, _ in found):
+            with unmeasured(impl != OPTIMIZED):  # only the optimized path's lines are measured
+                new = run_suite(impl, [shape], tmpdir=folder, **options)
+            found.update({(r["mesh"], r["case"]): r for r in new})
+            if report := os.environ.get("TWINSHARD_PARITY_REPORT"):
+                with open(f"{report}.{run}.json", "w") as f:
+                    json.dump(list(found.values()), f, indent=1, default=str)
+        if name == mesh:
+            break
+    return found

@@ -1,0 +1,367 @@
+"""Worlds of N ranks started once and reused: each runs many tasks, as ``launch`` runs one.
+
+Starting a rank costs more than most of what tests and notebooks run on it: a new interpreter
+imports torch (1.4-3.7 CPU seconds on a 2-core machine) and joins a process group, and a
+two-rank launch that runs nothing costs 2.7 s. A ``World`` starts its ranks once; ``run(fn,
+*args)`` sends ``fn`` to every rank and returns what each returned, ordered by rank, exactly
+as ``twinshard.launch.launch`` does, and raises the same ``LaunchError`` when a rank raises,
+dies or runs past the deadline (its first line names the task).
+
+A task sees what a launched rank sees. The rank takes the caller's environment, working
+directory and ``sys.path`` as they are when the task is sent (plus ``env``), joins a fresh
+default process group (``gloo``) on a store prefix of the task's own, so no key of an earlier
+task is read, runs ``fn``, meets the other ranks at a barrier and destroys the group. Then it
+puts back what a task may change for the next one (``twinshard.rank_reset``: the default dtype
+and device, grad mode, the switch, module globals a task replaced, dynamo's caches, the
+stand-in streams, threads, the environment) and reports what it had to put back; the caller
+names the task in a warning (``leaks``). The random generators restart from the state the rank
+started with, as in a fresh process. Where a
+run with ``coverage`` asked for it (``COVERAGE_PROCESS_CONFIG`` in the caller's environment at
+the time), the task is measured, else the rank's collector is paused for it.
+
+A failed world is not reused: when a rank raises, dies or hangs, every rank is stopped and the
+world is marked ``broken``; ``Worlds`` (one world per size) starts a new one for the next task.
+A rank that cannot tell its task apart from the next (a device registered for good) also
+breaks its world.
+
+``serving(worlds)`` sends every ``launch`` call that a world can serve to ``worlds``: CPU ranks
+that would be spawned (a function and arguments that pickle by reference), no watchdog, no
+forwarded signals. The rest launch as before; a call that forks keeps forking, since its ranks
+must be copies of the caller. The test suite does this for its whole session
+(``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+from . import devices, fresh_process, launch, supervise
+from .rank_reset import PRELOADED, Snapshot
+
+__all__ = ["STARTUP_ENV", "World", "Worlds", "serving"]
+
+STARTUP_ENV = "TWINSHARD_STARTUP_LIMIT"  # seconds for ranks to start; default 120
+JOIN_LIMIT = 60.0  # seconds for a task's ranks to join its process group
+TEARDOWN_LIMIT = 30.0  # seconds for the barrier after a task and the reset
+COVERAGE_ENV = "COVERAGE_PROCESS_CONFIG"  # set by ``coverage run`` with subprocess patching
+_STORE_PREFIX = "twinshard-task"
+
+
+def startup_limit() -> float:
+    """Seconds that ranks get to start (import torch and connect to the store)."""
+    return float(os.environ.get(STARTUP_ENV, "") or 120.0)
+
+
+class World:
+    """``nprocs`` CPU ranks (gloo) that run tasks until ``close``."""
+
+    def __init__(self, nprocs: int, backend: str = "gloo", start_env: dict | None = None):
+        """``start_env``: variables the ranks start with beside the caller's environment
+        (``Worlds`` passes coverage's, so that a world started while it is paused can still
+        measure later tasks)."""
+        if devices.backend_device(backend, 0).type != "cpu":
+            raise ValueError(f"a World runs host-backend ranks (gloo); got {backend!r}")
+        self.nprocs, self.backend = nprocs, backend
+        self.broken = False
+        self.tasks = 0
+        self.leaks: list[tuple[str, list[str]]] = []  # (task, what its reset put back)
+        ctx = mp.get_context("spawn")
+        listener = launch.listen_for_ranks()
+        port = listener.getsockname()[1]
+        self.procs, self.conns = [], []
+        saved = {k: os.environ.get(k) for k in start_env or {}}
+        os.environ.update(start_env or {})  # a spawned process starts with this environment
+        for rank in range(nprocs):
+            ours, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(rank, nprocs, port, backend, theirs, os.getpid()),
+                name=f"twinshard-world{nprocs}-rank{rank}",
+            )
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.conns.append(ours)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+        self.store = launch.serve_store(listener, timeout=3600.0)
+        try:
+            self._await_all("up", startup_limit(), "start-up")
+        except BaseException:
+            self.close()
+            raise
+
+    def _await_all(self, what: str, limit: float, phase: str, task: str = "") -> list:
+        """The payload of message ``what`` from every rank, within ``limit`` seconds; else
+        ``LaunchError`` naming the ranks that did not send it (and the world is closed)."""
+        got: dict[int, object] = {}
+        deadline = time.monotonic() + limit
+        while len(got) < self.nprocs:
+            pending = [r for r in range(self.nprocs) if r not in got]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.broken = True
+                late = {r: f"had not finished its {phase}" for r in pending}
+                head = f"task {task}: " if task else ""
+                raise supervise.error(f"{head}{phase} limit of {limit:g}s exceeded", late)
+            wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], left)
+            for r in pending:
+                msg, ended = None, False
+                if self.conns[r].poll():
+                    try:
+                        msg = pickle.loads(self.conns[r].recv_bytes())
+                    except (EOFError, OSError):
+                        ended = True
+                if msg is not None and msg[0] == what:
+                    got[r] = msg[1] if len(msg) > 1 else None
+                    continue
+                head = f"task {task} failed" if task else "a world failed to start"
+                if msg is not None and msg[0] == "error":
+                    self.broken = True
+                    raise supervise.error(head, {r: f"{msg[1]}: {msg[2]}\n\n{msg[3]}"})
+                if ended or (msg is None and self.procs[r].exitcode is not None):
+                    self.broken = True
+                    self.procs[r].join(2.0)
+                    code = self.procs[r].exitcode
+                    raise supervise.error(head, {r: f"exited during its {phase} (code {code})"})
+        return [got[r] for r in range(self.nprocs)]
+
+    def run(self, fn, *args, timeout: float = 300.0, env: dict | None = None, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank; the results by rank (see the module
+        docstring). ``LaunchError`` when a rank raises, dies or misses the deadline (then this
+        world is ``broken``: closed for good)."""
+        if self.broken:
+            raise RuntimeError("this world is broken (a task failed in it); start another")
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+        self.tasks += 1
+        task = {
+            "id": f"{os.getpid()}-{id(self)}-{self.tasks}",
+            "name": name,
+            "payload": pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL),
+            "environ": {**os.environ, **{str(k): str(v) for k, v in (env or {}).items()}},
+            "cwd": os.getcwd(),
+            "path": list(sys.path),
+            "measured": COVERAGE_ENV in os.environ,
+            "timeout": timeout,
+        }
+        message = pickle.dumps(("task", task), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(message)
+            results = supervise.await_results(
+                self.procs, self.conns, timeout, startup=JOIN_LIMIT, task=name
+            )
+            leaks = self._await_all("idle", TEARDOWN_LIMIT, "barrier after the task", name)
+        except BaseException:
+            self.broken = True
+            self.close()
+            raise
+        found = sorted({line for lines in leaks for line in lines})
+        if found:
+            self.leaks.append((name, found))
+            warnings.warn(
+                f"task {name} left state behind on the ranks, put back before the next task: "
+                + "; ".join(found),
+                stacklevel=2,
+            )
+        return results
+
+    def close(self) -> None:
+        """Stop the ranks: they leave on their own when they are idle, else they are killed."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send_bytes(pickle.dumps(("close",)))
+        end = time.monotonic() + 10.0
+        if not self.broken:
+            for p in self.procs:
+                p.join(max(0.0, end - time.monotonic()))
+        supervise.stop(self.procs)
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self.broken = True
+        self.store = None
+
+
+class Worlds:
+    """One ``World`` per number of ranks, each started when a task first needs it and
+    replaced when it breaks. ``started`` counts the worlds started, by size."""
+
+    def __init__(self):
+        self.worlds: dict[int, World] = {}
+        self.started: dict[int, int] = {}
+        self.log: list[dict] = []  # every task: its ranks, its name, seconds, whether it failed
+        # coverage's configuration as it is now (``coverage run``), for every world started
+        self.start_env = {k: os.environ[k] for k in (COVERAGE_ENV,) if k in os.environ}
+
+    def world(self, nprocs: int) -> World:
+        found = self.worlds.get(nprocs)
+        if found is None or found.broken:
+            if found is not None:
+                found.close()
+            self.worlds[nprocs] = found = World(nprocs, start_env=self.start_env)
+            self.started[nprocs] = self.started.get(nprocs, 0) + 1
+        return found
+
+    def run(self, fn, nprocs: int, *args, timeout: float = 300.0, env=None, **kwargs) -> list:
+        """``World.run`` on the world of ``nprocs`` ranks."""
+        start, failed = time.monotonic(), True
+        try:
+            results = self.world(nprocs).run(fn, *args, timeout=timeout, env=env, **kwargs)
+            failed = False
+            return results
+        finally:
+            name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+            seconds = round(time.monotonic() - start, 3)
+            self.log.append({"ranks": nprocs, "task": name, "seconds": seconds, "failed": failed})
+
+    def takes(self, backend: str, start_method: str, hang_timeout, forward_signals) -> bool:
+        """Whether a ``launch`` call can run in a world here: its ``backend`` (resolved) is gloo,
+        its ranks would be spawned (``start_method``, as launch picked it: a call that forks
+        wants ranks that are copies of the caller, as it is now), with no watchdog and no
+        signals forwarded."""
+        return (
+            backend == "gloo"
+            and start_method != "fork"
+            and hang_timeout is None
+            and not forward_signals
+        )
+
+    def close(self) -> None:
+        for world in self.worlds.values():
+            world.close()
+        self.worlds.clear()
+
+
+@contextlib.contextmanager
+def serving(worlds: Worlds):
+    """While active, ``twinshard.launch.launch`` runs every call that ``worlds.takes`` in
+    ``worlds``."""
+    previous = launch.shared_worlds
+    launch.shared_worlds = worlds
+    try:
+        yield worlds
+    finally:
+        launch.shared_worlds = previous
+
+
+# --- the ranks' side -------------------------------------------------------------------------
+
+
+def _send(conn, *msg) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _rank_main(rank: int, nprocs: int, port: int, backend: str, conn, parent: int) -> None:
+    """A rank's life: connect to the store, then run tasks until told to close."""
+    try:
+        fresh_process.die_with_parent(parent)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        torch.set_num_threads(1)
+        base = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=300))
+        _Coverage.take()
+        launch.bind_rank_info(rank, nprocs, backend)
+        for name in PRELOADED:  # what nearly every task imports, seen as a fresh process has it
+            importlib.import_module(name)
+        clean = Snapshot()
+        _send(conn, "up")
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        _send(conn, "error", type(e).__qualname__, str(e), traceback.format_exc())
+        fresh_process.leave(1)
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            msg = ("close",)
+        if msg[0] == "close":
+            _Coverage.save()
+            fresh_process.leave(0)
+        _run_task(rank, nprocs, port, backend, base, conn, msg[1], clean)
+
+
+def _run_task(rank, nprocs, port, backend, base, conn, task: dict, clean: Snapshot) -> None:
+    try:
+        clean.enter(task)
+        _Coverage.measure(task["measured"])
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nprocs),
+        )
+        threads = int(os.environ.get("TWINSHARD_THREADS", "1") or "0")
+        torch.set_num_threads(threads if threads > 0 else clean.threads)
+        store = dist.PrefixStore(f"{_STORE_PREFIX}/{task['id']}/", base)
+        timeout = timedelta(seconds=task["timeout"])
+        devices.join_group(
+            backend, rank, store=store, rank=rank, world_size=nprocs, timeout=timeout
+        )
+        _send(conn, "ready")
+        fn, args, kwargs = pickle.loads(task["payload"])
+        result = fn(*args, **kwargs)
+        conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
+    except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
+        kind = f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins.")
+        with contextlib.suppress(Exception):
+            _send(conn, "error", kind, str(e), traceback.format_exc())
+        fresh_process.leave(1)  # peers may be stuck in a collective: the parent stops them
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        leaks = clean.restore()
+        if task["measured"]:
+            _Coverage.save()
+        _send(conn, "idle", leaks)
+    except BaseException as e:  # noqa: BLE001
+        with contextlib.suppress(Exception):
+            _send(conn, "error", type(e).__qualname__, str(e), traceback.format_exc())
+        fresh_process.leave(1)
+
+
+class _Coverage:
+    """This rank's coverage collector, where ``coverage`` started one in it (``coverage run``
+    with subprocess patching): taken while it runs, since ``Coverage.current()`` forgets it once
+    it is paused."""
+
+    collector = None
+    measuring = False
+
+    @classmethod
+    def take(cls) -> None:
+        coverage = sys.modules.get("coverage")
+        cls.collector = coverage.Coverage.current() if coverage else None
+        cls.measuring = cls.collector is not None
+
+    @classmethod
+    def measure(cls, on: bool) -> None:
+        """Start or pause the collector for the next task."""
+        if cls.collector is None or on == cls.measuring:
+            return
+        cls.collector.start() if on else cls.collector.stop()
+        cls.measuring = on
+
+    @classmethod
+    def save(cls) -> None:
+        """Write what the tasks measured so far: a world killed later keeps it."""
+        if cls.collector is not None:
+            cls.collector.save()
