@@ -9,8 +9,10 @@ with the reference and torch as oracles, then torch's own) computes each of them
 it back after: the same tensors, so the same verdicts as computing it again.
 
 ``case_scope`` (the runner, around each case) names what the runs belong to: the case, the
-mesh, the device, and the settings that change what a run computes (stand-in streams, the
-lossy case's variant). ``shared(what, impl, compute)`` returns the run ``what`` of ``impl``
+mesh, the device, and the settings that change what a run computes (the lossy case's variant,
+the guard's checks). The stand-in streams are not among them: the plain model and the oracles
+run with the streams' checks paused, so a case checked on stand-in streams reads the same truth
+and oracles as without. ``shared(what, impl, compute)`` returns the run ``what`` of ``impl``
 (a module name; ``None`` for the plain model) made in this scope before, else ``compute()``.
 ``what`` carries the recipe's ``fingerprint`` (its settings, and for each function its name and
 the plain values it closes over), and the n-th call for the same ``what`` and ``impl`` within
@@ -28,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 
 # Settings that change what a run computes, read from the environment per case.
-SETTINGS = ("TWINSHARD_STANDIN_STREAMS", "TWINSHARD_CONFORM_VARIANT", "TWINSHARD_DEBUG")
+SETTINGS = ("TWINSHARD_CONFORM_VARIANT", "TWINSHARD_DEBUG")
 
 _scope: tuple | None = None  # the current case's key
 _calls: Counter = Counter()  # (what, impl) -> calls so far in the current case

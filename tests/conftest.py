@@ -31,7 +31,7 @@ import background  # noqa: E402
 import shared_worlds  # noqa: E402
 import timing  # noqa: E402
 from coverage_scope import MEASURED_MODULES, unmeasured  # noqa: E402
-from docs_site import browser, server, site  # noqa: E402, F401 - the site's fixtures
+from docs_site import browser, server, site, site_build  # noqa: E402, F401 - the site's fixtures
 from timing import pytest_runtest_logreport, pytest_terminal_summary  # noqa: E402, F401
 from train_support import run_train  # noqa: E402
 
@@ -72,8 +72,10 @@ def pytest_collection_modifyitems(config, items):
             items[:] = kept
     for item in items:
         extra = sum(FIXTURE_LIMITS.get(name, 0) for name in getattr(item, "fixturenames", ()))
-        if extra and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(TEST_LIMIT + extra))
+        if extra:
+            own = item.get_closest_marker("timeout")
+            limit = own.args[0] if own is not None and own.args else TEST_LIMIT
+            item.add_marker(pytest.mark.timeout(limit + extra), append=False)
     # The fixtures built by a process of their own (the site, the fake accelerator's run)
     # start now, on the core the ranks leave idle; the tests that read them run last.
     if not config.option.collectonly:
@@ -100,6 +102,12 @@ def pytest_runtest_protocol(item, nextitem):
     module = getattr(getattr(item, "module", None), "__name__", "").rpartition(".")[2]
     with unmeasured(module not in MEASURED_MODULES), shared_worlds.launches_for(item):
         return (yield)
+
+
+@pytest.fixture(scope="session")
+def full_tier(request) -> bool:
+    """Whether this session runs the full tier (``--full``)."""
+    return request.config.getoption("--full")
 
 
 # One short training run (2 ranks, 40 steps, a checkpoint every 10), shared by the training

@@ -3,8 +3,9 @@
 Each notebook is executed with nbclient in a fresh kernel whose working directory is
 tutorials/, as a reader (or the documentation build) would run it. Any error fails the test,
 including the assertions of a notebook's last cells. The execution is the documentation
-build's (``docs/hooks/notebooks.py``): whichever of the site build and this test comes first
-runs the notebook, and the other reads the executed copy, so CI runs each notebook once. Each
+build's (``docs/hooks/notebooks.py``): this test waits for the session's site build (started in
+the background, ``support/docs_site.py``) and reads the copy it executed, so CI runs each
+notebook once; without that copy (a build that stopped early) it runs the notebook itself. Each
 notebook's run time is printed and kept as a test property (``pytest -rA`` shows them).
 """
 
@@ -85,7 +86,7 @@ def _notebook_runner():
 
 @pytest.mark.timeout(NOTEBOOK_LIMIT + 60)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path, record_property):
+def test_notebook_runs(path, record_property, site_build):
     # raises NotebookFailed, naming the cell, on any error (an assertion included)
     executed = _notebook_runner().executed_copy(path)
     nb = nbformat.read(executed, as_version=4)

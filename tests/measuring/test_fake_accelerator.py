@@ -1,13 +1,15 @@
 """The fake-accelerator run (twinshard.measure.fakeaccel): an accelerator job's hazards, caught on the CPU.
 
 One fresh interpreter (registering the fake accelerator is process-wide and for good, so never
-this test process) runs every configuration below once and prints the results as JSON:
+this test process), started in the background once the session is collected
+(``support/background.py``), runs every configuration below once and prints the results as
+JSON:
 
 - a Llama-style model at world size 8, 64 and HSDP 8x8, bf16 parameters with fp32 reduction,
   for the reference, the optimized path and torch's fully_shard, each with
   reshard_after_forward True, an int (4), and False with CPU offload: zero host syncs, zero
   host tensors in collectives, the CPU run's collectives, memory reported, and the memory model
-  met where it covers the setting;
+  met where it covers the setting (at 64, one setting in the default tier: ``FULL_NAMES``);
 - hazards planted into a hook (``twinshard.measure.fakeaccel.planted``): each is reported, with where
   it came from, so the checks above can fail;
 - the optimized path's stream order on the fake accelerator against the stand-in streams';
@@ -68,6 +70,7 @@ jobs = [Job(**base, **c) for c in spec["configs"]]
 jobs += [(Job(**base, **spec["hazard_config"]), {"planted": h}) for h in spec["hazards"]]
 results = check_all(jobs)
 print(json.dumps(dict(
+    names=spec["names"],
     results=results,
     orders=attempt(stream_orders),
     schedule=attempt(schedule),
@@ -89,12 +92,23 @@ def _configs() -> list[tuple[str, dict]]:
 
 
 CONFIGS = _configs()
+# The full tier: FSDP over 64 ranks again for every implementation and setting, where 8 ranks
+# and HSDP 8x8 already run every one of them through the same checks (the hook path does not
+# depend on the world size); the default tier keeps one (the optimized path, resharded), which
+# test_sizes_follow_the_world compares with 8.
+FULL_NAMES = {n for n, c in CONFIGS if c["world"] == 64 and c["replicas"] == 1}
+FULL_NAMES -= {"optimized-64-reshard"}
 HAZARDS = ["item", "blocking_copy", "host_collective", "device_only_collective"]
 
 
-def _command() -> list[str]:
+def _command(items) -> list[str]:
+    """The run for the collected tests ``items``: the full tier's configurations only where one
+    of its tests was collected."""
+    asked = {getattr(getattr(i, "callspec", None), "params", {}).get("name") for i in items}
+    chosen = [(n, c) for n, c in CONFIGS if n not in FULL_NAMES or n in asked]
     spec = {
-        "configs": [c for _, c in CONFIGS],
+        "names": [n for n, _ in chosen],
+        "configs": [c for _, c in chosen],
         "hazard_config": HAZARD_CONFIG,
         "hazards": HAZARDS,
     }
@@ -118,8 +132,9 @@ def found(fake_accelerator_run) -> dict:
     assert printed, output[-4000:]
     data = json.loads(printed[-1])
     results = data["results"]
-    data["by_name"] = dict(zip([n for n, _ in CONFIGS], results[: len(CONFIGS)]))
-    data["hazards"] = dict(zip(HAZARDS, results[len(CONFIGS) :]))
+    ran = data["names"]
+    data["by_name"] = dict(zip(ran, results[: len(ran)]))
+    data["hazards"] = dict(zip(HAZARDS, results[len(ran) :]))
     print(f"fake-accelerator run: {data['seconds']:.1f} s of checks")
     return data
 
@@ -130,7 +145,7 @@ def _result(found: dict, name: str) -> dict:
     return result
 
 
-NAMES = [n for n, _ in CONFIGS]
+NAMES = [pytest.param(n, marks=[pytest.mark.full] if n in FULL_NAMES else []) for n, _ in CONFIGS]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -169,7 +184,7 @@ def test_memory_per_rank_against_the_model(found, name):
         assert model["ratio"] == pytest.approx(1.0, abs=0.05), model
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if not n.startswith("torch")])
+@pytest.mark.parametrize("name", [p for p in NAMES if not p.values[0].startswith("torch")])
 def test_explicit_syncs_at_most_once_a_step(found, name):
     """twinshard synchronizes the host only to finish offloaded gradients, once a step."""
     result = _result(found, name)

@@ -1,6 +1,8 @@
 """One implementation resolver (``twinshard/impls.py``) for every command: each takes a module
 from outside the project by its import path, as it takes the short names, and refuses a bad name
-naming its flag, before any rank starts."""
+naming its flag, before any rank starts. The commands that start ranks run in a process of their
+own, as a user starts them; the refusals and ``conform`` (whose ranks are the session's shared
+worlds) run in this one."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 import pytest
 
 from twinshard import impls
+from twinshard.cli import main as cli
 
 # One implementation resolver (twinshard/impls.py) for every command: a module from outside the
 # project, given by its import path, runs wherever the short names do.
@@ -80,12 +83,16 @@ def test_the_fake_accelerator_takes_a_module_from_outside(outside, tmp_path):
     assert result["config"]["impl"] == OUTSIDE and "error" not in result
 
 
-def test_conform_takes_a_module_from_outside_and_a_short_name(outside, tmp_path):
-    for impl in (OUTSIDE, "reference"):
-        flags = "--world-sizes 1 --cases one_group --no-oracles".split()
-        done = _twinshard(outside, "conform", impl, *flags, cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        assert "1 pass" in done.stdout
+def test_conform_takes_a_module_from_outside_and_a_short_name(outside, tmp_path, capsys):
+    sys.path.insert(0, outside["PYTHONPATH"].split(os.pathsep)[0])  # in this process and its ranks
+    try:
+        for impl in (OUTSIDE, "reference"):
+            code = cli(["conform", impl, *"--world-sizes 1 --cases one_group --no-oracles".split()])
+            said = capsys.readouterr()
+            assert code == 0, said.out[-2000:] + said.err[-2000:]
+            assert "1 pass" in said.out
+    finally:
+        sys.path.pop(0)
 
 
 BAD = "no_such_fsdp_pkg.fsdp"
@@ -101,20 +108,27 @@ BAD = "no_such_fsdp_pkg.fsdp"
     ],
     ids=lambda v: v[0] if isinstance(v, list) else v,
 )
-def test_a_bad_name_is_refused_naming_the_flag(args, flag, tmp_path):
-    done = _twinshard(None, *args, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr[-2000:]
-    said = done.stderr.strip().splitlines()[-1]
+def test_a_bad_name_is_refused_naming_the_flag(args, flag, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert _exit_status(lambda: cli(args)) == 2, capsys.readouterr().err[-2000:]
+    said = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{flag} {BAD!r}: cannot import {BAD!r}" in said and "importable module" in said
     assert not (tmp_path / "x").exists()
 
 
-def test_the_fake_accelerator_and_conform_refuse_a_bad_name(tmp_path):
+def _exit_status(command) -> int:
+    try:
+        return command()
+    except SystemExit as done:
+        return done.code
+
+
+def test_the_fake_accelerator_and_conform_refuse_a_bad_name(capsys):
     command = [sys.executable, "-m", "twinshard.measure.fakeaccel", "--impls", f"torch,{BAD}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and f"--impls {BAD!r}: cannot import" in done.stderr
-    done = _twinshard(None, "conform", "json", cwd=tmp_path)
-    assert done.returncode == 2 and "json lacks fully_shard" in done.stderr
+    assert _exit_status(lambda: cli(["conform", "json"])) == 2
+    assert "json lacks fully_shard" in capsys.readouterr().err
 
 
 def test_short_names_modules_and_module_objects_resolve_alike():

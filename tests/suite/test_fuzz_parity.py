@@ -28,8 +28,12 @@ from twinshard.conformance.suite import mesh_name
 from twinshard.launch import LaunchError, launch
 
 SEED = 2026
-# mesh -> examples drawn for it: 54 in all, about 2 minutes on 2 busy cores
+# mesh -> examples drawn for it: 54 in all. The default tier checks the first DEFAULT of each
+# mesh's sample (23 in all); the full tier (--full) the rest: more examples of the same kinds of
+# model, mesh and policy on the same meshes, which benchmarks/fuzz_parity.py's long runs cover
+# by the hundred.
 PLAN = {(1,): 12, (2,): 14, (1, 2): 8, (2, 1): 6, (3,): 5, (4,): 4, (2, 2): 5}
+DEFAULT = {(1,): 4, (2,): 5, (1, 2): 3, (2, 1): 3, (3,): 3, (4,): 2, (2, 2): 3}
 # Failures the long run found, each kept as a named example (see the module docstring).
 REGRESSIONS = [
     # fp32 3e-5 off the full-batch truth, as far as the plain model's own data-parallel
@@ -101,14 +105,29 @@ def _report(verdicts: list[dict]) -> str:
     return "\n".join(f"{v['example']}\n  " + "\n  ".join(v["failures"][:3]) for v in failed)
 
 
-@pytest.mark.parametrize("mesh", list(PLAN), ids=mesh_name)
-def test_fuzzed_parity(mesh):
+def _sample(mesh: tuple) -> list[Example]:
     examples = draw(PLAN[mesh], SEED + list(PLAN).index(mesh), mesh)
     assert len(examples) >= PLAN[mesh] - 1, "hypothesis drew fewer examples than planned"
+    return examples
+
+
+def _check(examples: list[Example], mesh: tuple) -> None:
+    assert examples
     verdicts = _verdicts(examples, mesh)
     assert len(verdicts) == len(examples)
     assert all(v["compared"] > 0 for v in verdicts), "an example compared nothing"
     assert all(v["ok"] for v in verdicts), _report(verdicts)
+
+
+@pytest.mark.parametrize("mesh", list(PLAN), ids=mesh_name)
+def test_fuzzed_parity(mesh):
+    _check(_sample(mesh)[: DEFAULT[mesh]], mesh)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("mesh", list(PLAN), ids=mesh_name)
+def test_more_fuzzed_parity(mesh):
+    _check(_sample(mesh)[DEFAULT[mesh] :], mesh)
 
 
 # Gradient sync off on two of three micro-batches, bf16 reduce dtype, 3 ranks: the oracle

@@ -20,9 +20,7 @@ mismatches, or is skipped with the reason the case gives for not applying to tha
 """
 
 import pytest
-from suite_runs import MESHES, params, rows
-
-from twinshard.conformance.suite import mesh_name
+from suite_runs import meshes, params, rows
 
 RUNS = ("reference", "optimized", "optimized-standin")
 PARAMS = params(RUNS)
@@ -39,10 +37,10 @@ def test_case(run, mesh, name):
     assert result["ok"], "\n".join(result["failures"][:5])
 
 
-def test_every_group_ran_on_every_mesh():
+def test_every_group_ran_on_every_mesh(full_tier):
     for run in RUNS:
-        found = rows(run)
-        for mesh in (mesh_name(m) for m, _ in MESHES[run]):
+        found = rows(run, full=full_tier)
+        for mesh in meshes(run, full=full_tier):
             seen = {
                 r["group"] for (m, _), r in found.items() if m == mesh and r["status"] == "PASS"
             }
@@ -58,8 +56,8 @@ def test_every_group_ran_on_every_mesh():
             } <= seen, (run, mesh, seen)
 
 
-def test_optimized_was_compared_bitwise_with_the_reference():
-    found = rows("optimized")
+def test_optimized_was_compared_bitwise_with_the_reference(full_tier):
+    found = rows("optimized", full=full_tier)
     series = {s for (m, _), r in found.items() if m in ("1", "2") for s in r["worst_by"]}
     assert "optimized vs reference" in series, series
     at_two = {s for (m, _), r in found.items() if m == "2" for s in r["worst_by"]}
@@ -74,8 +72,8 @@ def test_optimized_was_compared_bitwise_with_the_reference():
     assert bitwise and all(r["worst_by"]["optimized vs reference"]["abs"] == 0.0 for r in bitwise)
 
 
-def test_skips_are_the_cases_own_conditions():
-    found = rows("optimized")
+def test_skips_are_the_cases_own_conditions(full_tier):
+    found = rows("optimized", full=full_tier)
     skipped = {(m, c) for (m, c), r in found.items() if r["status"] == "SKIP"}
     assert ("4", "trace_reshard_int") not in skipped  # a shard group of 4: 2 differs from True
     assert ("4", "cost_reshard_int") not in skipped and ("4", "cost_reshard_int") in found

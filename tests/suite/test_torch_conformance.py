@@ -6,11 +6,12 @@ world size 2 the optimized run's torch oracle already trained each case, so the 
 those runs back instead of training them again."""
 
 import pytest
-from suite_runs import MESHES, rows
+from suite_runs import meshes, rows
 
-from twinshard.conformance.suite import apply_xfail, default_xfail, load_xfail, mesh_name
+from twinshard.conformance.suite import apply_xfail, default_xfail, load_xfail
 
 EXPECTED = load_xfail(default_xfail("torch.distributed.fsdp"))
+FULL_ONLY = set(meshes("torch")) - set(meshes("torch", full=False))
 
 
 def _rows(mesh: str) -> list[dict]:
@@ -18,16 +19,15 @@ def _rows(mesh: str) -> list[dict]:
     return apply_xfail(found, EXPECTED)
 
 
-@pytest.mark.parametrize("mesh", [mesh_name(m) for m, _ in MESHES["torch"]])
+@pytest.mark.parametrize(
+    "mesh",
+    [pytest.param(m, marks=[pytest.mark.full] if m in FULL_ONLY else []) for m in meshes("torch")],
+)
 def test_torch_fully_shard_passes_with_its_expected_failures(mesh):
     found = _rows(mesh)
     bad = [(r["case"], r["status"], r["failures"][:2]) for r in found]
     bad = [b for b in bad if b[1] not in ("PASS", "XFAIL", "SKIP")]
     assert not bad, bad
     assert all(r["reason"] for r in found if r["status"] in ("XFAIL", "SKIP"))
-    assert sum(r["status"] == "PASS" for r in found) > 30
-
-
-def test_most_cases_pass_under_torch():
-    found = [r for m, _ in MESHES["torch"] for r in _rows(mesh_name(m))]
-    assert sum(r["status"] == "PASS" for r in found) > 100
+    ran = [r for r in found if r["status"] != "SKIP"]
+    assert sum(r["status"] == "PASS" for r in ran) > 0.8 * len(ran), "most cases must pass"

@@ -51,7 +51,7 @@ def load_hook(name: str):
 _folder: list[pathlib.Path] = []  # where the session's build writes the site
 
 
-def _build_command() -> list[str]:
+def _build_command(_items) -> list[str]:
     _folder.append(pathlib.Path(tempfile.mkdtemp(prefix="twinshard-site-")))
     atexit.register(shutil.rmtree, _folder[0], ignore_errors=True)
     command = [sys.executable, "-m", "mkdocs", "build", "--strict"]  # no -q: it hides warnings

@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 
+import pytest
 from coverage_scope import unmeasured
 
 from twinshard.conformance.runner import select
@@ -37,6 +38,9 @@ TORCH = "torch.distributed.fsdp"
 NOT_COST = [n for n in select(None) if not n.startswith("cost_")]
 
 # name -> (implementation, [(meshes, run_suite options)]); world size 2 first in each run.
+# ``FULL`` in the options: only in the full tier (``--full``); each such part says why it only
+# repeats a check the default tier makes.
+FULL = "full"
 RUNS = {
     "reference": (
         "twinshard.reference",
@@ -61,8 +65,10 @@ RUNS = {
             ("3x1,1x3", {"stand_in_streams": True, "oracles": False, "patterns": NOT_COST}),
         ],
     ),
-    # torch's own fully_shard, with its expected failures (test_torch_conformance.py)
-    "torch": (TORCH, [("2,1,3", {"oracles": False})]),
+    # torch's own fully_shard, with its expected failures (test_torch_conformance.py). At 2 its
+    # runs are the optimized run's torch oracle, read back; 1 and 3 only check torch again on
+    # meshes where the reference and the optimized path are checked case by case.
+    "torch": (TORCH, [("2", {"oracles": False}), ("1,3", {"oracles": False, FULL: 1})]),
 }
 MESHES = {  # run -> [(mesh, run_suite options)], in the order they run
     run: [(m, options) for spec, options in parts for m in parse_meshes(spec)]
@@ -73,18 +79,25 @@ _rows: dict[str, dict] = {}  # run -> {(mesh, case): row} of the meshes run so f
 _folders: dict[str, str] = {}  # run -> the scratch folder its meshes share
 
 
-def params(runs) -> list[tuple[str, str, str]]:
-    """(run, mesh, case) for every case of every mesh of ``runs``, in the order they run."""
+def params(runs) -> list:
+    """pytest parameters (run, mesh, case) for every case of every mesh of ``runs``, in the
+    order they run; those of the full tier marked ``full``."""
     return [
-        (run, mesh_name(m), n)
+        pytest.param(run, mesh_name(m), n, marks=[pytest.mark.full] if FULL in options else [])
         for run in runs
         for m, options in MESHES[run]
         for n in select(options.get("patterns"))
     ]
 
 
-def rows(run: str, mesh: str | None = None) -> dict:
-    """The rows of ``run`` by (mesh, case), once its meshes up to ``mesh`` (all: None) ran."""
+def meshes(run: str, full: bool = True) -> list[str]:
+    """The meshes of ``run`` (without those of the full tier: ``full=False``)."""
+    return [mesh_name(m) for m, options in MESHES[run] if full or FULL not in options]
+
+
+def rows(run: str, mesh: str | None = None, full: bool = True) -> dict:
+    """The rows of ``run`` by (mesh, case), once its meshes up to ``mesh`` ran (all: None; all
+    but the full tier's: ``full=False``)."""
     impl = RUNS[run][0]
     found = _rows.setdefault(run, {})
     if run not in _folders:
@@ -93,7 +106,10 @@ def rows(run: str, mesh: str | None = None) -> dict:
     folder = _folders[run]
     for shape, options in MESHES[run]:
         name = mesh_name(shape)
+        if FULL in options and not full:
+            break
         if not any(m == name for m, _ in found):
+            options = {k: v for k, v in options.items() if k != FULL}
             with unmeasured(impl != OPTIMIZED):  # only the optimized path's lines are measured
                 new = run_suite(impl, [shape], tmpdir=folder, **options)
             found.update({(r["mesh"], r["case"]): r for r in new})

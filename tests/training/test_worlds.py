@@ -1,8 +1,8 @@
 """Shared rank worlds (``twinshard.worlds``): a world started once runs many tasks, each as a
 launch would run it, and a task cannot leave anything behind for the next.
 
-Each test here makes worlds of its own (not the session's), so that what it breaks on purpose
-breaks nothing else.
+The tests here use worlds of their own (not the session's): one set shared by the tests that
+break nothing, and fresh ones for each test that breaks a world on purpose.
 """
 
 from __future__ import annotations
@@ -72,8 +72,17 @@ def keys_seen():
     return store.check([f"left-by-{dist.get_rank()}"])
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def worlds():
+    """Worlds that the tests of this module share: none of them breaks one."""
+    found = Worlds()
+    yield found
+    found.close()
+
+
+@pytest.fixture
+def own_worlds():
+    """Worlds for one test, which breaks them on purpose."""
     found = Worlds()
     yield found
     found.close()
@@ -85,15 +94,16 @@ def test_a_task_runs_as_launch_runs_it(worlds):
     second = worlds.run(where_am_i, 2, 2)
     assert [r[:4] for r in second] == [(5.0, 0, 2, None), (5.0, 1, 2, None)]  # env is per task
     assert [r[4] for r in first] == [r[4] for r in second]  # the same processes
-    assert worlds.started == {2: 1} and len(worlds.log) == 2
+    assert worlds.started[2] == 1 and worlds.log[-1]["ranks"] == 2
 
 
 def test_launch_sends_what_a_world_can_serve(worlds):
+    tasks = len(worlds.log)
     with serving(worlds):
         assert [r[0] for r in launch(where_am_i, 3, 0)] == [3.0, 3.0, 3.0]
         # a closure cannot be pickled by name: launch forks for it, as it always did
         assert launch(lambda: get_rank_info().world_size, 2) == [2, 2]
-    assert worlds.started == {3: 1} and [t["ranks"] for t in worlds.log] == [3]
+    assert worlds.started[3] == 1 and [t["ranks"] for t in worlds.log[tasks:]] == [3]
 
 
 def test_a_leaked_default_dtype_is_put_back_and_the_task_named(worlds):
@@ -104,7 +114,7 @@ def test_a_leaked_default_dtype_is_put_back_and_the_task_named(worlds):
     assert "leave_float64_behind" in str(warning.message)
     assert "the default dtype was torch.float64" in str(warning.message)
     assert worlds.run(default_dtype, 2) == ["torch.float32"] * 2  # the next task is clean
-    assert worlds.worlds[2].leaks[0][0].endswith("leave_float64_behind")
+    assert worlds.worlds[2].leaks[-1][0].endswith("leave_float64_behind")
 
 
 def test_a_function_a_task_replaced_is_put_back_and_named(worlds):
@@ -120,22 +130,22 @@ def test_a_task_cannot_read_the_keys_an_earlier_task_posted(worlds):
     assert worlds.run(keys_seen, 2) == [False, False]
 
 
-def test_a_task_that_fails_on_one_rank_replaces_the_world(worlds):
-    pids = [r[4] for r in worlds.run(where_am_i, 2, 0)]
+def test_a_task_that_fails_on_one_rank_replaces_the_world(own_worlds):
+    pids = [r[4] for r in own_worlds.run(where_am_i, 2, 0)]
     with pytest.raises(LaunchError) as info:
-        worlds.run(fail_on_rank_one, 2)
+        own_worlds.run(fail_on_rank_one, 2)
     assert str(info.value).startswith(f"task {__name__}.fail_on_rank_one failed: rank(s) 1")
     assert "ValueError: rank one refuses" in str(info.value)
-    assert worlds.worlds[2].broken
-    after = worlds.run(where_am_i, 2, 0)
-    assert worlds.started == {2: 2} and set(pids).isdisjoint(r[4] for r in after)
+    assert own_worlds.worlds[2].broken
+    after = own_worlds.run(where_am_i, 2, 0)
+    assert own_worlds.started == {2: 2} and set(pids).isdisjoint(r[4] for r in after)
 
 
-def test_a_task_past_its_deadline_is_stopped_and_named(worlds):
+def test_a_task_past_its_deadline_is_stopped_and_named(own_worlds):
     with pytest.raises(LaunchError) as info:
-        worlds.run(sleep_past_the_deadline, 2, timeout=2.0)
+        own_worlds.run(sleep_past_the_deadline, 2, timeout=2.0)
     assert f"task {__name__}.sleep_past_the_deadline: deadline of 2.0s exceeded" in str(info.value)
-    assert [r[0] for r in worlds.run(where_am_i, 2, 0)] == [1.0, 1.0]
+    assert [r[0] for r in own_worlds.run(where_am_i, 2, 0)] == [1.0, 1.0]
 
 
 LEAKY = """

@@ -39,9 +39,9 @@ STEPS = 8  # timed steps per run; their CPU times vary by about 8% from step to 
 TARGET = (0.8, 1.2)  # predicted over measured
 
 
-def bench_config(steps: int = STEPS) -> Job:
+def bench_config(steps: int = STEPS, link: str = "ib") -> Job:
     """The job as ``twinshard bench`` runs it (2 warm-up steps, then ``steps`` timed)."""
-    where = dict(backend="simnet", link="ib", warmup=2, steps=steps)
+    where = dict(backend="simnet", link=link, warmup=2, steps=steps)
     return Job(**JOB, model={"n_layers": LAYERS}, **where)
 
 
@@ -53,14 +53,18 @@ def plan_configs(impls=IMPLS) -> list:
     return [config.job(**JOB, model={"n_layers": LAYERS}, impl=impl, **plan) for impl in impls]
 
 
-def measure_and_plan(impls=IMPLS, steps: int = STEPS) -> tuple[dict, dict]:
+def measure_and_plan(impls=IMPLS, steps: int = STEPS, link: str = "ib") -> tuple[dict, dict]:
     """Bench then plan every implementation: (bench's summary by impl, the plan's row by
-    impl). A plan that failed raises, naming the implementation."""
+    impl). A plan that failed raises, naming the implementation. ``link``: the simulated
+    network's link for the bench ("inf": each collective done when issued, so that every
+    buffer lives as the program holds it; over a slower link the wire holds a collective's
+    input until it is sent, as a real network does, for a time the CPU's load decides)."""
     from twinshard.measure.bench.compare import side_by_side
 
     from .cli import plan
 
-    measured = side_by_side(bench_config(steps), list(impls), 1, progress=False, overlap=False)
+    config = bench_config(steps, link)
+    measured = side_by_side(config, list(impls), 1, progress=False, overlap=False)
     planned = dict(zip(impls, plan(plan_configs(impls), progress=False)))
     for impl, row in planned.items():
         if "error" in row:
