@@ -45,12 +45,16 @@ _KNOCK_ON = (
 
 class LaunchError(RuntimeError):
     """A rank raised, died or missed the deadline. ``ranks``: the ranks that failed
-    first (the likely cause); ``failures``: every failed rank -> what happened."""
+    first (the likely cause); ``failures``: every failed rank -> what happened; ``raised``: the
+    ranks among them that reported an exception."""
 
-    def __init__(self, message: str, ranks: list[int], failures: dict[int, str]):
+    def __init__(
+        self, message: str, ranks: list[int], failures: dict[int, str], raised=frozenset()
+    ):
         super().__init__(message)
         self.ranks = list(ranks)
         self.failures = dict(failures)
+        self.raised = frozenset(raised)
 
 
 class HangError(LaunchError):
@@ -75,7 +79,7 @@ def stop(procs: list, gently: bool = True) -> None:
             p.join(max(0.0, end - time.monotonic()))
 
 
-def error(headline: str, failures: dict[int, str]) -> LaunchError:
+def error(headline: str, failures: dict[int, str], raised=frozenset()) -> LaunchError:
     """``LaunchError`` with ``headline``, the ranks that failed first, then those that probably
     failed as a consequence (a peer's connection closed), each with what it reported."""
 
@@ -88,7 +92,7 @@ def error(headline: str, failures: dict[int, str]) -> LaunchError:
     if later:
         message += f"; then rank(s) {', '.join(map(str, later))}, probably as a consequence"
     message += "".join(f"\n\n--- rank {r} ---\n{failures[r]}" for r in first + later)
-    return LaunchError(message, first, failures)
+    return LaunchError(message, first, failures, raised)
 
 
 def process_state(pid: int) -> str | None:
@@ -216,7 +220,7 @@ def await_results(
     ``startup`` seconds to get ready (default: ``timeout`` or the watchdog's, plus a margin),
     then ``timeout`` for the function. ``task`` names what the ranks run in the error's first
     line (``twinshard.worlds``: ranks that run many tasks)."""
-    n, ready, results, failures = len(procs), set(), {}, {}
+    n, ready, results, failures, raised = len(procs), set(), {}, {}, set()
     prefix = "" if task is None else f"task {task}: "
 
     def poll(rank: int) -> None:
@@ -242,6 +246,7 @@ def await_results(
                     results[rank] = msg[1]
                 else:
                     failures[rank] = f"{msg[1]}: {msg[2]}\n\n{msg[3].rstrip()}"
+                    raised.add(rank)
 
     def wait_and_poll(until: float) -> list[int]:
         pending = [r for r in range(n) if r not in results and r not in failures]
@@ -272,6 +277,7 @@ def await_results(
         end = time.monotonic() + _DRAIN
         while wait_and_poll(end) and time.monotonic() < end:
             pass
-        raise error("launch failed" if task is None else f"task {task} failed", failures)
+        headline = "launch failed" if task is None else f"task {task} failed"
+        raise error(headline, failures, raised)
 
     return [results[r] for r in range(n)]

@@ -19,7 +19,9 @@ started with, as in a fresh process. Where a
 run with ``coverage`` asked for it (``COVERAGE_PROCESS_CONFIG`` in the caller's environment at
 the time), the task is measured, else the rank's collector is paused for it.
 
-A failed world is not reused: when a rank raises, dies or hangs, every rank is stopped and the
+A task that raises on every rank leaves its world usable: each rank drops the task's process
+group (no collective: the ranks may have stopped at different ones) and puts its state back.
+When a task fails on some ranks only, or a rank dies or hangs, every rank is stopped and the
 world is marked ``broken``; ``Worlds`` (one world per size) starts a new one for the next task.
 A rank that cannot tell its task apart from the next (a device registered for good) also
 breaks its world.
@@ -34,23 +36,16 @@ must be copies of the caller. The test suite does this for its whole session
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import sys
 import time
-import traceback
 import warnings
-from datetime import timedelta
 from multiprocessing.connection import wait
 
-import torch
-import torch.distributed as dist
-
-from . import devices, fresh_process, launch, supervise
-from .rank_reset import PRELOADED, Snapshot
+from . import devices, launch, supervise
+from .world_rank import rank_main
 
 __all__ = ["STARTUP_ENV", "World", "Worlds", "serving"]
 
@@ -58,7 +53,6 @@ STARTUP_ENV = "TWINSHARD_STARTUP_LIMIT"  # seconds for ranks to start; default 1
 JOIN_LIMIT = 60.0  # seconds for a task's ranks to join its process group
 TEARDOWN_LIMIT = 30.0  # seconds for the barrier after a task and the reset
 COVERAGE_ENV = "COVERAGE_PROCESS_CONFIG"  # set by ``coverage run`` with subprocess patching
-_STORE_PREFIX = "twinshard-task"
 
 
 def startup_limit() -> float:
@@ -78,6 +72,7 @@ class World:
         self.nprocs, self.backend = nprocs, backend
         self.broken = False
         self.tasks = 0
+        self.last_cpu = 0.0  # CPU seconds the ranks spent on the last task
         self.leaks: list[tuple[str, list[str]]] = []  # (task, what its reset put back)
         ctx = mp.get_context("spawn")
         listener = launch.listen_for_ranks()
@@ -88,7 +83,7 @@ class World:
         for rank in range(nprocs):
             ours, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(
-                target=_rank_main,
+                target=rank_main,
                 args=(rank, nprocs, port, backend, theirs, os.getpid()),
                 name=f"twinshard-world{nprocs}-rank{rank}",
             )
@@ -168,12 +163,18 @@ class World:
             results = supervise.await_results(
                 self.procs, self.conns, timeout, startup=JOIN_LIMIT, task=name
             )
-            leaks = self._await_all("idle", TEARDOWN_LIMIT, "barrier after the task", name)
+            ends = self._await_all("idle", TEARDOWN_LIMIT, "barrier after the task", name)
+        except supervise.LaunchError as error:
+            if len(error.raised) < self.nprocs or not self._recover(name):
+                self.broken = True
+                self.close()
+            raise
         except BaseException:
             self.broken = True
             self.close()
             raise
-        found = sorted({line for lines in leaks for line in lines})
+        self.last_cpu = sum(cpu for _, cpu in ends)  # CPU seconds of all ranks on the task
+        found = sorted({line for lines, _ in ends for line in lines})
         if found:
             self.leaks.append((name, found))
             warnings.warn(
@@ -182,6 +183,17 @@ class World:
                 stacklevel=2,
             )
         return results
+
+    def _recover(self, name: str) -> bool:
+        """After a task that raised on every rank: each rank drops the task's process group
+        and puts its state back; whether all did (else the world is not reused)."""
+        try:
+            for conn in self.conns:
+                conn.send_bytes(pickle.dumps(("recover",)))
+            self._await_all("idle", TEARDOWN_LIMIT, "recovery after the task", name)
+        except (supervise.LaunchError, OSError):
+            return False
+        return True
 
     def close(self) -> None:
         """Stop the ranks: they leave on their own when they are idle, else they are killed."""
@@ -224,13 +236,17 @@ class Worlds:
         """``World.run`` on the world of ``nprocs`` ranks."""
         start, failed = time.monotonic(), True
         try:
-            results = self.world(nprocs).run(fn, *args, timeout=timeout, env=env, **kwargs)
+            world = self.world(nprocs)
+            results = world.run(fn, *args, timeout=timeout, env=env, **kwargs)
             failed = False
             return results
         finally:
             name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
             seconds = round(time.monotonic() - start, 3)
-            self.log.append({"ranks": nprocs, "task": name, "seconds": seconds, "failed": failed})
+            cpu = 0.0 if failed else round(self.worlds[nprocs].last_cpu, 3)
+            self.log.append(
+                {"ranks": nprocs, "task": name, "seconds": seconds, "cpu": cpu, "failed": failed}
+            )
 
     def takes(self, backend: str, start_method: str, hang_timeout, forward_signals) -> bool:
         """Whether a ``launch`` call can run in a world here: its ``backend`` (resolved) is gloo,
@@ -260,108 +276,3 @@ def serving(worlds: Worlds):
         yield worlds
     finally:
         launch.shared_worlds = previous
-
-
-# --- the ranks' side -------------------------------------------------------------------------
-
-
-def _send(conn, *msg) -> None:
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _rank_main(rank: int, nprocs: int, port: int, backend: str, conn, parent: int) -> None:
-    """A rank's life: connect to the store, then run tasks until told to close."""
-    try:
-        fresh_process.die_with_parent(parent)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        torch.set_num_threads(1)
-        base = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=300))
-        _Coverage.take()
-        launch.bind_rank_info(rank, nprocs, backend)
-        for name in PRELOADED:  # what nearly every task imports, seen as a fresh process has it
-            importlib.import_module(name)
-        clean = Snapshot()
-        _send(conn, "up")
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        _send(conn, "error", type(e).__qualname__, str(e), traceback.format_exc())
-        fresh_process.leave(1)
-    while True:
-        try:
-            msg = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            msg = ("close",)
-        if msg[0] == "close":
-            _Coverage.save()
-            fresh_process.leave(0)
-        _run_task(rank, nprocs, port, backend, base, conn, msg[1], clean)
-
-
-def _run_task(rank, nprocs, port, backend, base, conn, task: dict, clean: Snapshot) -> None:
-    try:
-        clean.enter(task)
-        _Coverage.measure(task["measured"])
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(nprocs),
-        )
-        threads = int(os.environ.get("TWINSHARD_THREADS", "1") or "0")
-        torch.set_num_threads(threads if threads > 0 else clean.threads)
-        store = dist.PrefixStore(f"{_STORE_PREFIX}/{task['id']}/", base)
-        timeout = timedelta(seconds=task["timeout"])
-        devices.join_group(
-            backend, rank, store=store, rank=rank, world_size=nprocs, timeout=timeout
-        )
-        _send(conn, "ready")
-        fn, args, kwargs = pickle.loads(task["payload"])
-        result = fn(*args, **kwargs)
-        conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
-    except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
-        kind = f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins.")
-        with contextlib.suppress(Exception):
-            _send(conn, "error", kind, str(e), traceback.format_exc())
-        fresh_process.leave(1)  # peers may be stuck in a collective: the parent stops them
-    try:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-        leaks = clean.restore()
-        if task["measured"]:
-            _Coverage.save()
-        _send(conn, "idle", leaks)
-    except BaseException as e:  # noqa: BLE001
-        with contextlib.suppress(Exception):
-            _send(conn, "error", type(e).__qualname__, str(e), traceback.format_exc())
-        fresh_process.leave(1)
-
-
-class _Coverage:
-    """This rank's coverage collector, where ``coverage`` started one in it (``coverage run``
-    with subprocess patching): taken while it runs, since ``Coverage.current()`` forgets it once
-    it is paused."""
-
-    collector = None
-    measuring = False
-
-    @classmethod
-    def take(cls) -> None:
-        coverage = sys.modules.get("coverage")
-        cls.collector = coverage.Coverage.current() if coverage else None
-        cls.measuring = cls.collector is not None
-
-    @classmethod
-    def measure(cls, on: bool) -> None:
-        """Start or pause the collector for the next task."""
-        if cls.collector is None or on == cls.measuring:
-            return
-        cls.collector.start() if on else cls.collector.stop()
-        cls.measuring = on
-
-    @classmethod
-    def save(cls) -> None:
-        """Write what the tasks measured so far: a world killed later keeps it."""
-        if cls.collector is not None:
-            cls.collector.save()

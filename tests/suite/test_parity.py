@@ -2,9 +2,11 @@
 
 Each training case compares the implementation, every step, with the plain model (the
 truth). The optimized path is also compared with the reference at world sizes 1 and 2 (bitwise
-in fp32) and with torch's fully_shard at world size 2; torch's fully_shard itself passes the
-suite at 1, 2 and 3 (``tests/suite/test_torch_conformance.py``). The reference runs at 1, 2, 3
-and 2x2 (world size 4 is the optimized run's and the fuzzed test's). The optimized path runs a
+in fp32), 3 and HSDP 2x2 (within the tolerance), and with torch's fully_shard at world size 2;
+torch's fully_shard itself passes the suite at 2 (and at 1 and 3 in the full tier,
+``tests/suite/test_torch_conformance.py``). The reference runs every case at 1 and 2, and at 3
+and 2x2 in the full tier (in the default tier it trains there as the optimized path's oracle;
+world size 4 is the optimized run's and the fuzzed test's). The optimized path runs a
 second time with stand-in streams, at world size 2, HSDP 2x2, and HSDP with one shard (2x1,
 3x1) and with one replica (1x2, 1x3), where the reductions take their shortcuts: its
 accelerator schedule on the CPU, every tensor access checked against the stream order

@@ -1,6 +1,7 @@
 """torch's own ``fully_shard`` passes the conformance suite against the plain model at world
-sizes 1, 2 and 3, with the expected failures of ``conformance/xfail/torch.distributed.fsdp.txt``
-(each with its reason): the cases are right about FSDP, not only about twinshard. The run is
+size 2 (and 1 and 3 in the full tier), with the expected failures of
+``conformance/xfail/torch.distributed.fsdp.txt`` (each with its reason): the cases are right
+about FSDP, not only about twinshard. The run is
 ``support/suite_runs.py``'s ``torch`` run (its ranks run outside coverage, see conftest); at
 world size 2 the optimized run's torch oracle already trained each case, so the ranks read
 those runs back instead of training them again."""

@@ -31,13 +31,18 @@ def file_of(nodeid: str) -> str:
 
 
 def table(tests: list[dict], procs: list[dict], tasks: list[dict] = (), slowest: int = 25) -> str:
-    """The breakdown as text: the files by time, then the ``slowest`` tests."""
+    """The breakdown as text: the files by time, then the ``slowest`` tests. Columns: seconds
+    of the file's tests (setup and teardown included), tests, failed, tasks sent to the shared
+    worlds and the CPU seconds their ranks spent on them, processes started (by the file's
+    tests) and how many were ranks, and those processes' CPU seconds (a shared world's ranks
+    count for the test that started the world)."""
     files: dict[str, dict] = defaultdict(
         lambda: {
             "seconds": 0.0,
             "tests": 0,
             "failed": 0,
             "tasks": 0,
+            "task_cpu": 0.0,
             "procs": 0,
             "ranks": 0,
             "cpu": 0.0,
@@ -50,6 +55,7 @@ def table(tests: list[dict], procs: list[dict], tasks: list[dict] = (), slowest:
         row["failed"] += t["outcome"] == "failed"
     for t in tasks:
         files[file_of(t.get("test", ""))]["tasks"] += 1
+        files[file_of(t.get("test", ""))]["task_cpu"] += t.get("cpu", 0.0)
     for p in procs:
         if p["how"] == "session":
             continue
@@ -62,12 +68,13 @@ def table(tests: list[dict], procs: list[dict], tasks: list[dict] = (), slowest:
     def line(name: str, r: dict) -> str:
         return (
             f"{name[-48:]:<48} {r['seconds']:>8.1f} {r['tests']:>6} {r['failed']:>6}"
-            f" {r['tasks']:>6} {r['procs']:>6} {r['ranks']:>6} {r['cpu']:>11.1f}"
+            f" {r['tasks']:>6} {r['task_cpu']:>9.1f} {r['procs']:>6} {r['ranks']:>6}"
+            f" {r['cpu']:>11.1f}"
         )
 
     lines = [
-        f"{'file':<48} {'seconds':>8} {'tests':>6} {'failed':>6} {'tasks':>6} {'procs':>6}"
-        f" {'ranks':>6} {'their cpu s':>11}"
+        f"{'file':<48} {'seconds':>8} {'tests':>6} {'failed':>6} {'tasks':>6} {'task cpu':>9}"
+        f" {'procs':>6} {'ranks':>6} {'their cpu s':>11}"
     ]
     lines += [line(n, r) for n, r in sorted(files.items(), key=lambda kv: -kv[1]["seconds"])]
     if total:

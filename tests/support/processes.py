@@ -3,7 +3,7 @@
 Every Python process of the session writes one line to a JSON-lines log when it starts and one
 when it ends: the test running when it was started (pytest's ``PYTEST_CURRENT_TEST``, which
 children inherit), how it was started (``exec`` for a new interpreter, ``fork``), and at the end
-its CPU seconds and whether it was a rank (``RANK`` set). A process killed by a signal writes no
+its CPU seconds and whether it was a rank (``RANK`` set, or a rank's process name). A process killed by a signal writes no
 end line; it is still counted. New interpreters load ``startup/sitecustomize.py``, which calls
 ``install``; the pytest process calls it from conftest.py; forks are caught by
 ``os.register_at_fork``.
@@ -69,10 +69,17 @@ def _ended(*_args) -> None:
             "event": "end",
             "pid": os.getpid(),
             "cpu": round(usage.ru_utime + usage.ru_stime, 3),
-            "rank": "RANK" in os.environ,
+            "rank": "RANK" in os.environ or "rank" in _process_name(),
             "time": time.time(),
         }
     )
+
+
+def _process_name() -> str:
+    """multiprocessing's name for this process (``twinshard-rank1``, ``twinshard-world2-rank0``:
+    a shared world's rank, whose environment holds ``RANK`` only while it runs a task)."""
+    module = sys.modules.get("multiprocessing")
+    return module.current_process().name if module else ""
 
 
 def _patch_exit() -> None:

@@ -46,16 +46,19 @@ RUNS = {
         "twinshard.reference",
         [
             ("2,1", {"oracles": False}),
-            ("3", {"oracles": False, "patterns": NOT_COST}),
-            ("2x2", {"oracles": False}),
+            # The reference again at 3 and 2x2: the optimized path is checked there case by
+            # case, with the reference as its oracle, so the reference trains every training
+            # case there in the default tier too (compared with the optimized path).
+            ("3", {"oracles": False, "patterns": NOT_COST, FULL: 1}),
+            ("2x2", {"oracles": False, FULL: 1}),
         ],
     ),
     "optimized": (
         OPTIMIZED,
         [
             ("2", {"oracles": True}),
-            ("1", {"oracles": ("reference",)}),
-            ("3,2x2,4", {"oracles": False}),
+            ("1,3,2x2", {"oracles": ("reference",)}),
+            ("4", {"oracles": False}),
         ],
     ),
     "optimized-standin": (

@@ -25,7 +25,7 @@ _outcome: dict[str, str] = {}
 def start() -> None:
     """Fresh logs, and every later Python process of the session logging itself."""
     FOLDER.mkdir(parents=True, exist_ok=True)
-    for name in ("tests.jsonl", "processes.jsonl"):
+    for name in ("tests.jsonl", "processes.jsonl", "tasks.jsonl"):
         (FOLDER / name).unlink(missing_ok=True)
     os.environ[processes.LOG_ENV] = str(FOLDER / "processes.jsonl")
     path = os.environ.get("PYTHONPATH", "")
@@ -41,6 +41,8 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the main process has every test's report
+        return
     with open(FOLDER / "tests.jsonl", "w") as f:
         for nodeid, seconds in _seconds.items():
             f.write(

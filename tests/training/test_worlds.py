@@ -55,6 +55,11 @@ def fail_on_rank_one():
     dist.barrier()  # rank 0 waits here for a peer that is gone
 
 
+def fail_everywhere():
+    dist.barrier()
+    raise ValueError(f"rank {dist.get_rank()} refuses")
+
+
 def sleep_past_the_deadline():
     import time
 
@@ -139,6 +144,16 @@ def test_a_task_that_fails_on_one_rank_replaces_the_world(own_worlds):
     assert own_worlds.worlds[2].broken
     after = own_worlds.run(where_am_i, 2, 0)
     assert own_worlds.started == {2: 2} and set(pids).isdisjoint(r[4] for r in after)
+
+
+def test_a_task_that_fails_on_every_rank_keeps_its_world(own_worlds):
+    pids = [r[4] for r in own_worlds.run(where_am_i, 2, 0)]
+    with pytest.raises(LaunchError) as info:
+        own_worlds.run(fail_everywhere, 2)
+    assert str(info.value).startswith(f"task {__name__}.fail_everywhere failed: rank(s) ")
+    assert info.value.raised == {0, 1}
+    assert [r[4] for r in own_worlds.run(where_am_i, 2, 0)] == pids
+    assert own_worlds.started == {2: 1}
 
 
 def test_a_task_past_its_deadline_is_stopped_and_named(own_worlds):
