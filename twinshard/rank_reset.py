@@ -10,6 +10,8 @@ first state. After it, ``restore`` puts back:
 - module globals (``WATCHED``): a replaced function, class or module (a task that wrapped
   ``dist.all_reduce``) is named and put back; the other globals of twinshard's modules imported
   when the rank started (``PRELOADED``: caches, counters) are put back silently;
+- torch's process-wide hooks (``HOOK_MODULES``: every module's forward and backward hooks,
+  every optimizer's step hooks) a task registered and left, named and removed;
 - the caches of ``reset_caches`` (dynamo's compiled code, the stand-in streams, the guard's
   settings), the environment, the directory and the thread count.
 
@@ -20,11 +22,13 @@ the world is replaced.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import sys
 import types
 import warnings
+import weakref
 
 import torch
 
@@ -44,20 +48,31 @@ class Snapshot:
         self.device_backend = torch._C._get_privateuse1_backend_name()
         # (a module's globals, whether they are as a fresh process has them)
         self.modules: dict[str, tuple[dict, bool]] = {}
+        self.contents: dict[tuple[str, str], object] = {}  # (module, global) -> a copy
         self._watch_new_modules(fresh=True)
+        self.hooks = {key: dict(hooks) for key, hooks in _hook_registries()}
 
     def _watch_new_modules(self, fresh: bool) -> None:
         """Take the globals of every module of ``WATCHED`` imported since the last look."""
         for name, module in list(sys.modules.items()):
             if name.startswith(WATCHED) and name not in self.modules and module is not None:
                 self.modules[name] = (dict(vars(module)), fresh)
+                if fresh and name.startswith("twinshard"):  # and what its containers held
+                    for key, value in vars(module).items():
+                        if isinstance(value, CONTAINERS):
+                            self.contents[name, key] = _contents(value)
 
     def _put_back_globals(self) -> list[str]:
         """Module globals a task rebound: put back. A replaced function, class or module is
         named (a task that wrapped ``dist.all_reduce`` and left it wrapped); the other globals
-        of twinshard's modules imported when the rank started (``PRELOADED``: caches, counters)
-        are put back silently, as a fresh process has them."""
+        of twinshard's modules imported when the rank started (``PRELOADED``: caches, counters,
+        and what their dicts, sets and weak registries held) are put back silently, as a
+        fresh process has them."""
         found = []
+        for (name, key), held in self.contents.items():
+            value = vars(sys.modules[name]).get(key)
+            if isinstance(value, CONTAINERS) and _contents(value) != held:
+                _refill(value, held)
         for name, (saved, fresh) in self.modules.items():
             module = sys.modules.get(name)
             if module is None:
@@ -86,13 +101,32 @@ class Snapshot:
         if self.rng[2] is not None:
             sys.modules["numpy"].random.set_state(self.rng[2])
 
+    def _put_back_hooks(self) -> list[str]:
+        """torch's process-wide hooks (every module's forward hooks, every optimizer's step
+        hooks) a task registered and left: removed, and named, but twinshard's own (the
+        guard's, once per process, forgotten with its module's globals)."""
+        found = []
+        for key, hooks in _hook_registries():
+            saved = self.hooks.get(key, {})
+            if hooks.keys() == saved.keys():
+                continue
+            added = [h for k, h in hooks.items() if k not in saved]
+            theirs = [h for h in added if not getattr(h, "__module__", "").startswith("twinshard")]
+            if theirs:
+                found.append(f"{key} held {len(theirs)} more hook(s), removed")
+            hooks.clear()
+            hooks.update(saved)
+        return found
+
     def restore(self) -> list[str]:
-        found = self._put_back_globals()
+        gc.collect()  # the task's models, held in cycles: gone before their weak registries
+        found = self._put_back_hooks()
         for name, get, put in RESET:
             now = get()
             if now != self.values[name]:
                 found.append(f"{name} was {now!r}, set back to {self.values[name]!r}")
                 put(self.values[name])
+        found += self._put_back_globals()
         reset_caches()
         os.environ.clear()
         os.environ.update(self.environ)
@@ -143,6 +177,46 @@ RESET = [
     ),
     ("the switch (torch.distributed.fsdp.fully_shard)", _switched, _switch_back),
 ]
+
+
+CONTAINERS = (
+    dict,
+    set,
+    list,
+    weakref.WeakKeyDictionary,
+    weakref.WeakValueDictionary,
+    weakref.WeakSet,
+)
+
+
+def _contents(container):
+    if isinstance(container, dict | weakref.WeakKeyDictionary | weakref.WeakValueDictionary):
+        return list(container.items())
+    return list(container)
+
+
+def _refill(container, held: list) -> None:
+    container.clear()
+    if isinstance(container, list):
+        container.extend(held)
+    elif isinstance(container, set | weakref.WeakSet):
+        container.update(held)
+    else:
+        container.update(held)
+
+
+# Modules of torch whose process-wide hook registries (their ``_global...`` dicts) a task may
+# add to: a hook left there would run in every later task.
+HOOK_MODULES = ("torch.nn.modules.module", "torch.optim.optimizer")
+
+
+def _hook_registries():
+    """(name, dict) of every process-wide hook registry of ``HOOK_MODULES``."""
+    for name in HOOK_MODULES:
+        module = sys.modules.get(name)
+        for key, value in vars(module).items() if module is not None else ():
+            if key.startswith("_global") and isinstance(value, dict):
+                yield f"{name}.{key}", value
 
 
 def reset_caches() -> None:
