@@ -14,8 +14,9 @@ raises or dies, the parent terminates the rest, since they may be blocked in a c
 that will never finish, and raises ``LaunchError`` naming the rank, with the exception
 type and the child's traceback, or the exit code of a rank that died without a report.
 A wall-clock deadline covers the rest: the ranks get ``timeout`` + 60 s to start and join
-the group, then ``fn`` gets ``timeout`` seconds and a little slack, so a collective's own
-timeout (also ``timeout``) can fire first. With ``hang_timeout``, a watchdog
+the group (at most ``TWINSHARD_STARTUP_LIMIT`` seconds, 120 by default; the error names the
+ranks that did not), then ``fn`` gets ``timeout`` seconds and a little slack, so a
+collective's own timeout (also ``timeout``) can fire first. With ``hang_timeout``, a watchdog
 (``twinshard.watchdog``) stops a run in which no rank made progress for that long, dumps
 every rank's Python stack and raises ``HangError`` naming the stalled rank.
 

@@ -28,6 +28,15 @@ from multiprocessing.connection import wait
 from . import watchdog
 
 _STARTUP_MARGIN = 60.0  # extra seconds for the ranks to start and join the group
+STARTUP_ENV = "TWINSHARD_STARTUP_LIMIT"  # the most seconds ranks get to start; default 120
+
+
+def startup_limit() -> float:
+    """The most seconds that ranks get to start (import torch, join their group), whatever the
+    function's own deadline: a rank that cannot start is named within it."""
+    return float(os.environ.get(STARTUP_ENV, "") or 120.0)
+
+
 _EXIT_GRACE = 10.0  # how long a rank that has reported gets to exit by itself
 _KILL_GRACE = 2.0  # how long to wait after SIGTERM before SIGKILL
 _POLL = 0.5  # the longest the parent sleeps between checks
@@ -217,7 +226,8 @@ def await_results(
 ) -> list:
     """Each rank's result, once every rank has reported "ready" (joined its group) and then
     its result; ``LaunchError`` as soon as one raises or dies, or when time runs out:
-    ``startup`` seconds to get ready (default: ``timeout`` or the watchdog's, plus a margin),
+    ``startup`` seconds to get ready (default: ``timeout`` or the watchdog's, plus a margin,
+    at most ``startup_limit()``),
     then ``timeout`` for the function. ``task`` names what the ranks run in the error's first
     line (``twinshard.worlds``: ranks that run many tasks)."""
     n, ready, results, failures, raised = len(procs), set(), {}, {}, set()
@@ -261,6 +271,7 @@ def await_results(
     # With a watchdog, starting up may take its timeout (plus the margin), not fn's deadline.
     if startup is None:
         startup = min(timeout, watch.hang_timeout if watch else timeout) + _STARTUP_MARGIN
+        startup = min(startup, startup_limit())
     deadline, all_ready = time.monotonic() + startup, False
     while not failures and (pending := wait_and_poll(deadline)):
         if not all_ready and len(ready) == n:

@@ -47,17 +47,11 @@ from multiprocessing.connection import wait
 from . import devices, launch, supervise
 from .world_rank import rank_main
 
-__all__ = ["STARTUP_ENV", "World", "Worlds", "serving"]
+__all__ = ["World", "Worlds", "serving"]
 
-STARTUP_ENV = "TWINSHARD_STARTUP_LIMIT"  # seconds for ranks to start; default 120
 JOIN_LIMIT = 60.0  # seconds for a task's ranks to join its process group
 TEARDOWN_LIMIT = 30.0  # seconds for the barrier after a task and the reset
 COVERAGE_ENV = "COVERAGE_PROCESS_CONFIG"  # set by ``coverage run`` with subprocess patching
-
-
-def startup_limit() -> float:
-    """Seconds that ranks get to start (import torch and connect to the store)."""
-    return float(os.environ.get(STARTUP_ENV, "") or 120.0)
 
 
 class World:
@@ -98,7 +92,7 @@ class World:
                 os.environ[k] = v
         self.store = launch.serve_store(listener, timeout=3600.0)
         try:
-            self._await_all("up", startup_limit(), "start-up")
+            self._await_all("up", supervise.startup_limit(), "start-up")
         except BaseException:
             self.close()
             raise

@@ -117,6 +117,18 @@ def test_steady_progress_is_not_a_stall():
     assert launch(slow_but_steady, 2, 10, hang_timeout=5.0) == [0, 1]
 
 
+def test_ranks_that_do_not_start_in_time_are_named(monkeypatch):
+    """The start-up limit holds whatever the function's deadline (600 s here): spawned ranks
+    cannot import torch in a fifth of a second."""
+    monkeypatch.setenv("TWINSHARD_STARTUP_LIMIT", "0.2")
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(slow_but_steady, 2, 1, timeout=600)
+    assert time.monotonic() - started < 30
+    assert str(info.value).startswith("start-up limit of 0.2s exceeded: rank(s) 0, 1")
+    assert "had not finished starting up" in info.value.failures[0]
+
+
 def test_bad_hang_timeout_is_a_value_error():
     with pytest.raises(ValueError, match="hang_timeout"):
         launch(slow_but_steady, 1, 1, hang_timeout=0)
