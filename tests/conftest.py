@@ -9,11 +9,9 @@ time limits, and the fixtures several modules use.
   ``TWINSHARD_FRESH_RANKS=1`` starts fresh ranks for every launch, to hunt a state leak.
 - Tiers: the default run checks every case, mesh and planted bug once; tests marked ``full``
   only repeat a check on more combinations and run with ``--full`` (README.md, "Tiers").
-- Both cores: the README's command runs two pytest-xdist workers, each given whole groups of
-  tests (``support/workers.py``: what is computed once stays in one worker). Without xdist,
-  fixtures that run in a process of their own (the documentation site's build, the fake
-  accelerator's run) start in the background once collection is done, and the tests that read
-  them run last (``support/background.py``).
+- Both cores: fixtures that run in a process of their own (the documentation site's build, the
+  fake accelerator's run) start in the background once collection is done, on the core the
+  ranks leave idle, and the tests that read them run last (``support/background.py``).
 - Time limits: each test gets ``TEST_LIMIT`` seconds, plus the budget of each expensive
   session fixture it asks for (``FIXTURE_LIMITS``), so that the first test to need one can
   build it; the whole session stops at pytest-timeout's ``session_timeout``.
@@ -32,14 +30,12 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 import background  # noqa: E402
 import shared_worlds  # noqa: E402
 import timing  # noqa: E402
-import workers  # noqa: E402
 from coverage_scope import MEASURED_MODULES, unmeasured  # noqa: E402
 from docs_site import browser, server, site, site_build  # noqa: E402, F401 - the site's fixtures
 from timing import pytest_runtest_logreport, pytest_terminal_summary  # noqa: E402, F401
 from train_support import run_train  # noqa: E402
 
-if workers.worker() is None:  # the main process (xdist's workers append to its logs)
-    timing.start()
+timing.start()
 
 TEST_LIMIT = 300  # seconds; also pyproject.toml's timeout
 # Session fixtures whose first user builds them, and the seconds each may add to its limit.
@@ -80,9 +76,7 @@ def pytest_collection_modifyitems(config, items):
             own = item.get_closest_marker("timeout")
             limit = own.args[0] if own is not None and own.args else TEST_LIMIT
             item.add_marker(pytest.mark.timeout(limit + extra), append=False)
-    if workers.worker() is not None:  # under xdist: each group to one worker
-        workers.group_tests(items)
-    elif not config.option.collectonly:
+    if not config.option.collectonly:
         # The fixtures built by a process of their own (the site, the fake accelerator's run)
         # start now, on the core the ranks leave idle; the tests that read them run last.
         waiting = set(background.start_needed(items))

@@ -128,8 +128,8 @@ def fake_accelerator_run() -> tuple[int, str]:
 def found(fake_accelerator_run) -> dict:
     code, output = fake_accelerator_run
     assert code == 0, output[-4000:]
-    printed = [line for line in output.splitlines() if line.startswith('{"results"')]
-    assert printed, output[-4000:]
+    printed = [line for line in output.splitlines() if line.startswith('{"names"')]
+    assert printed, f"the run printed no line of results:\n{output[-4000:]}"
     data = json.loads(printed[-1])
     results = data["results"]
     ran = data["names"]

@@ -28,7 +28,7 @@ RUNS = ("reference", "optimized", "optimized-standin")
 PARAMS = params(RUNS)
 
 
-@pytest.mark.parametrize("run,mesh,name", PARAMS, ids=[f"{r}-{m}-{n}" for r, m, n in PARAMS])
+@pytest.mark.parametrize("run,mesh,name", PARAMS, ids=["-".join(p.values) for p in PARAMS])
 def test_case(run, mesh, name):
     result = rows(run, mesh).get((mesh, name))
     assert result is not None, f"case {name} did not run on mesh {mesh}"

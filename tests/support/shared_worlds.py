@@ -59,7 +59,7 @@ def finish(folder: pathlib.Path) -> None:
         return
     _session.pop("serving").__exit__(None, None, None)
     worlds.close()
-    with open(folder / "tasks.jsonl", "a") as f:  # each xdist worker adds its own
+    with open(folder / "tasks.jsonl", "a") as f:
         for record in worlds.log:
             f.write(json.dumps(record) + "\n")
 
