@@ -42,6 +42,13 @@ def _send(conn, *msg) -> None:
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def _report(conn, e: BaseException) -> None:
+    """Tell the world's process that ``e`` was raised here, as far as the pipe still works."""
+    kind = f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins.")
+    with contextlib.suppress(Exception):
+        _send(conn, "error", kind, str(e), traceback.format_exc())
+
+
 def rank_main(rank: int, nprocs: int, port: int, backend: str, conn, parent: int) -> None:
     """A rank's life: connect to the store, then run tasks until told to close."""
     try:
@@ -57,7 +64,7 @@ def rank_main(rank: int, nprocs: int, port: int, backend: str, conn, parent: int
         clean = Snapshot()
         _send(conn, "up")
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        _send(conn, "error", type(e).__qualname__, str(e), traceback.format_exc())
+        _report(conn, e)
         fresh_process.leave(1)
     while True:
         try:
@@ -94,9 +101,7 @@ def run_task(rank, nprocs, port, backend, base, conn, task: dict, clean: Snapsho
         result = fn(*args, **kwargs)
         conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
-        kind = f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins.")
-        with contextlib.suppress(Exception):
-            _send(conn, "error", kind, str(e), traceback.format_exc())
+        _report(conn, e)
         _await_recovery(conn, clean, cpu)  # or leave: peers may be stuck in a collective
         return
     try:
@@ -108,8 +113,7 @@ def run_task(rank, nprocs, port, backend, base, conn, task: dict, clean: Snapsho
             _Coverage.save()
         _send(conn, "idle", (leaks, time.process_time() - cpu))
     except BaseException as e:  # noqa: BLE001
-        with contextlib.suppress(Exception):
-            _send(conn, "error", type(e).__qualname__, str(e), traceback.format_exc())
+        _report(conn, e)
         fresh_process.leave(1)
 
 
@@ -128,8 +132,7 @@ def _await_recovery(conn, clean: Snapshot, cpu: float) -> None:
             dist.destroy_process_group()
         _send(conn, "idle", (clean.restore(), time.process_time() - cpu))
     except BaseException as e:  # noqa: BLE001
-        with contextlib.suppress(Exception):
-            _send(conn, "error", type(e).__qualname__, str(e), traceback.format_exc())
+        _report(conn, e)
         fresh_process.leave(1)
 
 
