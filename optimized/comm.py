@@ -115,7 +115,8 @@ class CommContext:
     post_optim_event: Any = None  # set_post_optim_event: the next all-gather waits on it
     copied_in: Any = None  # recorded on the copy-in stream right after the last copy-in
     hold_gathered: bool = False  # forward on a device: see [Note: in forward, a gathered ...]
-    in_backward: bool = False  # from the first pre-backward hook to the end of backward
+    in_forward: bool = False  # from the first group's pre-forward to the root's post-forward
+    in_backward: bool = False  # from the first all-gather of backward to its end
     resharded: Any = None  # recorded on the compute stream after the latest reshard
     first_gather_of_backward: bool = False  # set as backward starts, until its first all-gather
     freed_own: bool = False  # a reshard freed a parameter's own all-gather output since the
@@ -242,6 +243,28 @@ class CommContext:
         if event is not None:
             self.copy_in_stream.wait_event(event)
         self.streams.release(buffers, where)
+
+    def start_forward(self) -> None:
+        """A forward starts (the first group's pre-forward hook): the orders groups run in are
+        recorded anew, and gathered buffers are held; see [Note: in forward, a gathered
+        buffer goes one all-gather later]."""
+        self.in_forward, self.in_backward = True, False
+        self.current_order, self.current_post_order = [], []
+        self.hold_gathered = not self.async_op
+
+    def finish_forward(self) -> None:
+        """The root's forward is over: the last gathered buffer of forward goes, and this
+        forward's orders are those of the next step's prefetches."""
+        self.in_forward = self.hold_gathered = False
+        self.release_held()
+        self.forward_order = self.current_order
+        self.backward_order = self.current_post_order[::-1]
+
+    def start_backward(self) -> None:
+        """Backward starts (before its first all-gather), once; see [Note: the first
+        all-gather of backward is copied out where ...]."""
+        if not self.in_backward:
+            self.in_backward = self.first_gather_of_backward = True
 
     def set_post_optim_event(self, event) -> None:
         """Let the next all-gather's copy-in wait on ``event`` (recorded after the optimizer

@@ -22,19 +22,20 @@ backward continues into earlier layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from twinshard.api import profiled, without_grad
+from twinshard.api import MixedPrecisionPolicy, profiled, without_grad
 from twinshard.comm_memory import SymmetricMemory
-from twinshard.reference.more.kept_shards import keep_shard_in, shard_is_kept, shard_storage_shape
-from twinshard.reference.more.replaced import on_meta
-from twinshard.reference.param_group import ParamGroup
-from twinshard.reference.sharded_param import ParamState
-from twinshard.storages import memory_key, starts
+from twinshard.reference.mesh import MeshInfo
+from twinshard.reference.param_group import TrainingState
+from twinshard.reference.sharded_param import ParamState, ShardedParam
 
 from .collectives import AllGatherResult, all_gather, copy_out
 from .comm import CommContext
+from .kept_blocks import KeptBlocks
 from .meshes import gather_each_mesh, mesh_parts
 from .reduction import accumulate, reduce_scatter
 
@@ -43,44 +44,41 @@ from .reduction import accumulate, reduce_scatter
 SEPARATE_GROUPS: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 # Read at every unshard, once per parameter. On Python 3.11 a member read from the Enum class
-# goes through its metaclass (77 ns against 29 ns for a global); these two loops reading globals
-# took about 70,000 instructions off each group and step (benchmarks/instructions.py).
-SHARDED, UNSHARDED = ParamState.SHARDED, ParamState.UNSHARDED
+# goes through its metaclass (77 ns against 29 ns for a global); the loops reading globals here
+# and in ``kept_blocks.py`` took about 70,000 instructions off each group and step
+# (benchmarks/instructions.py).
+UNSHARDED = ParamState.UNSHARDED
 
 
-class FlatParamGroup(ParamGroup):
-    """The reference's ``ParamGroup`` with batched, asynchronous collectives."""
+class FlatParamGroup(KeptBlocks):
+    """The reference's ``ParamGroup`` with batched, asynchronous collectives, keeping its
+    blocks in storage of its own (``KeptBlocks``, ``kept_blocks.py``)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        info: MeshInfo,
+        post_forward: MeshInfo | None,
+        mp: MixedPrecisionPolicy,
+        device: torch.device,
+    ):
+        super().__init__(params, info, post_forward, mp, device)
         self.comm: CommContext | None = None  # the root's, shared; set at its first forward
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
         self.holds_unsharded = False  # copied out since the last reshard
-        self.wait_in_unshard = True  # False: ``unshard`` only issues (the root's pre-forward)
         self.holds_own = False  # the parameter's memory is the copy-in stream's (one-parameter)
+        self.root_group = False  # the root's: see [Note: a prefetch reads the shards when ...]
+        self.prefetched = False  # a forward prefetch whose copy-in is not yet ordered
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.reductions_in_flight = 1  # set_reduce_scatter_max_input_buffers
         self.comm_memory = None  # set_allocate_memory_from_process_group_for_comm, ...symm_mem
         self.views: dict = {}  # see [Note: the copy-out views are kept]
-        # see [Note: the group keeps its blocks padded]; False where a parameter cannot be kept
-        # so, and for a group of mixed dtypes (a frozen float8 weight beside float32 ones): its
-        # blocks are gathered as bytes, each from its own tensor; and for a group on several
-        # meshes (``meshes.py``)
-        dtypes = [p.sharded_param.dtype for p in self.params]
-        self.one_mesh = len(mesh_parts(self.params)) == 1
-        self.can_keep_shards = self.one_mesh and dtypes.count(dtypes[0]) == len(dtypes)
-        self.can_keep_shards &= all(shard_storage_shape(p) is not None for p in self.params)
-        # per parameter: its padded block, flat, (chunk * rest,); None until it moves in
-        self.kept_blocks: list = [None] * len(self.params)
-        self.kept_dtypes: list = []  # their compute dtypes; set when they move in
-        self.gathered_kept = False  # whether the last all-gather took every block as kept
-        self.moved_blocks = False  # keep_shards moved blocks since the last all-gather
         self.gathered_from: dict = {}  # per ShardedParam: the DTensor its last all-gather read
         # each parameter's block, (numel, shape): fixed when the parameter was sharded
         self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}
-        self.kept_numel = sum(numel for numel, _ in self.blocks.values())  # all blocks, per rank
-        self.keep_shards_now()  # see [Note: the kept blocks alias the sharded parameters]
+        self.one_mesh = len(mesh_parts(self.params)) == 1
+        self.setup_kept_blocks(self.one_mesh)
 
     def use_comm(self, comm: CommContext) -> None:
         """Share ``comm`` (the root's) from now on."""
@@ -168,7 +166,15 @@ class FlatParamGroup(ParamGroup):
             mesh = params[0].all_gather_mesh(self.post_forward_info)
             comm, custom = self.own_comm(), self.comms.all_gather
             self.in_flight = all_gather(
-                params, dtypes, mesh, comm, custom, kept, written, self.comm_memory, self.views
+                params,
+                dtypes,
+                mesh,
+                comm,
+                custom=custom,
+                kept=kept,
+                after_current=written,
+                memory=self.comm_memory,
+                views=self.views,
             )
 
     def replaced_since_gather(self, params: list) -> bool:
@@ -191,107 +197,6 @@ class FlatParamGroup(ParamGroup):
                 replaced = True
         return replaced
 
-    def kept_shards(self, params: list) -> tuple[list, int] | None:
-        """Each parameter's padded block, flat, in storage the group keeps, ready to be
-        concatenated into the all-gather as they are, and their total numel; None where each
-        block is taken through ``all_gather_inputs`` (a group that cannot be kept so, of mixed
-        dtypes, or with only a post-forward piece to gather).
-
-        [Note: the group keeps its blocks padded]
-        Each parameter's block lives padded to ``chunk`` rows in a tensor the group allocated,
-        and the sharded ``DTensor``'s local tensor is a view of its first rows
-        (``keep_shard_in``, ``reference/more/kept_shards.py``), so the optimizer steps that tensor. The copy-in is then
-        one concatenation (with the cast to the compute dtype) instead of taking, padding and
-        flattening each block at every unshard, which on small parameters costs more than the
-        data it moves. Blocks are moved in at the first unshard, and again for a parameter the
-        user gave new memory since (``shard_is_kept``). One tensor per parameter,
-        not one buffer for the group: a view at an offset into a larger storage cannot be
-        pickled once ``state_dict`` detaches it (torch.save of such a ``DTensor`` fails), while
-        a view of the first rows can; DCP saves only the view."""
-        if not self.can_keep_shards or len(params) != len(self.params):
-            return None
-        for p in params:  # loops, not any()/all() over generators: a group checks at every unshard
-            if p.state is not SHARDED:
-                return None
-        for p in params:
-            if not shard_is_kept(p):
-                return self.keep_shards()
-        return self.kept_blocks, self.kept_numel
-
-    def param_dtypes(self, params: list) -> list:
-        """The reference's ``param_dtypes``; for the whole group, when its last all-gather
-        took every block as kept, the dtypes found when they moved in, without asking each
-        ``DTensor`` again. A kept block cannot change dtype, and the gradients to reduce were
-        computed from that all-gather. The reductions ask twice per step (``reduce_dtypes``)."""
-        if params is self.params and self.gathered_kept:
-            return self.kept_dtypes
-        return super().param_dtypes(params)
-
-    def keep_shards(self) -> tuple[list, int] | None:
-        """Move every block not yet kept (or given new memory since) into a new tensor of
-        the group, in the parameter's dtype, as ``kept_shards`` returns them; None for a group
-        whose dtypes became mixed."""
-        for p in self.params:
-            p.refresh()  # adopt parameters the user replaced, before their dtype is read
-            if shard_storage_shape(p) is None:  # the all-gather extension, set on it since
-                self.can_keep_shards = False  # its shard gathers itself from now on
-                return None
-        dtypes = [p.sharded_param.dtype for p in self.params]
-        if dtypes.count(dtypes[0]) != len(dtypes):
-            return None
-        for i, p in enumerate(self.params):
-            if not shard_is_kept(p):
-                storage = self.storage_for(i, p, dtypes[0])  # (chunk, *rest)
-                keep_shard_in(p, storage)
-                self.kept_blocks[i] = storage.view(-1)  # (chunk * rest,)
-                self.moved_blocks = True  # on the current stream: the copy-in waits for it
-        self.kept_dtypes = super().param_dtypes(self.params)  # compute dtypes, asked anew
-        return self.kept_blocks, self.kept_numel
-
-    @without_grad
-    def keep_shards_now(self) -> None:
-        """Move the blocks into the group's storage now, not at the next unshard: called when
-        the group is made and whenever the module's sharded parameters may have been given new
-        tensors (the module's conversions: ``to``, ``float``, ``to_empty``; a load with
-        ``assign=True``). Nothing to do for a group that cannot keep its blocks, or while a
-        parameter is still on the meta device (``to_empty`` comes back here).
-
-        [Note: the kept blocks alias the sharded parameters]
-        What a user holds of a sharded parameter's data (a ``state_dict()`` or
-        ``get_model_state_dict`` taken before the first step, ``to_local()``, ``.data``, a
-        ``detach()``) is a view of the local tensor it had at that moment. Trainers rely on it
-        staying the parameter's: torchtitan takes the model's state dict once, before its first
-        step, and saves that dict at every checkpoint. Moving a block into new storage at the
-        first unshard left every such view with the initial values (and writes through it
-        lost). So the storage is taken here, at the two moments torch's ``fully_shard`` pads
-        too (construction, and after anything that replaced the local tensor), and never
-        again behind the user's back. A block that already is a whole padded block of its own
-        (rows divide evenly, contiguous, on the device, in the group's dtype) is adopted as
-        it is, with no copy: a tensor loaded with ``assign=True`` stays the parameter's, as
-        under torch. Only a parameter replaced outside these moments (the module's parameter dict
-        written directly) is moved at its next unshard, as before."""
-        if not self.can_keep_shards or any(on_meta(p) for p in self.params):
-            return
-        self.wait_for_unshard()  # an all-gather in flight reads the blocks being replaced
-        self.keep_shards()
-
-    def storage_for(self, i: int, p, dtype: torch.dtype) -> torch.Tensor:
-        """Where parameter ``i``'s block is kept from now on, (chunk, *rest): its old storage
-        when the local tensor still starts it (a conversion that changed nothing), the local
-        tensor itself when it is a whole padded block that no other parameter keeps (rows that
-        divide evenly; see [Note: the kept blocks alias the sharded parameters]), else new."""
-        local, old = p.sharded_param.to_local(), self.kept_blocks[i]  # a view: the same memory
-        shape = shard_storage_shape(p)  # ``refresh`` put ``local`` on the device, in ``dtype``
-        if not local.is_contiguous():
-            return torch.empty(shape, dtype=dtype, device=self.device)
-        if old is not None and starts(local, old) and old.dtype == dtype:
-            return old.view(shape)
-        memory = memory_key(local)
-        others = [memory_key(b) for k, b in enumerate(self.kept_blocks) if k != i and b is not None]
-        if local.shape == shape and local.storage_offset() == 0 and memory not in others:
-            return local
-        return torch.empty(shape, dtype=dtype, device=self.device)
-
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather in flight, if any, and copy the parameters out of it."""
         result, self.in_flight = self.in_flight, None
@@ -301,13 +206,41 @@ class FlatParamGroup(ParamGroup):
             with profiled("twinshard::copy_out"):
                 copy_out(result, self.comm)
 
-    def unshard(self) -> None:
-        """Blocking unshard, as the reference's (used by the hooks and ``unshard()``); see
-        [Note: in forward, the next all-gather goes out before the copy-out] in ``state.py``
-        for the one place it does not wait."""
+    def unshard(self, meanwhile: Callable[[], None] | None = None) -> None:
+        """Issue the group's all-gather, run ``meanwhile`` (the contract's "issue now, wait
+        later": the hooks pass their state's ``while_gathering``, which issues the next
+        group's all-gather), and wait. In forward ``meanwhile`` runs before the wait, in
+        backward after it: see [Note: in forward, the next all-gather goes out before the
+        copy-out] in ``state.py``. Without ``meanwhile`` (``unshard()``, a forward recomputed in
+        backward) it is the reference's blocking unshard."""
+        if meanwhile is not None and self.state is TrainingState.PRE_BACKWARD:
+            self.own_comm().start_backward()  # before backward's first all-gather
         self.unshard_async()
-        if self.wait_in_unshard:
-            self.wait_for_unshard()
+        early = meanwhile is not None and self.state is TrainingState.FORWARD
+        if early:
+            meanwhile()
+        self.wait_for_unshard()
+        if early and self.prefetched and self.root_group:  # the parent's code runs next
+            self.order_prefetch()
+        elif meanwhile is not None and not early:
+            meanwhile()
+
+    def order_prefetch(self) -> None:
+        """Order the current stream after the copy-in of the forward prefetch this group's
+        hook issued; see [Note: a prefetch reads the shards when it is issued]."""
+        self.comm.after_copy_in()
+        self.prefetched = False
+
+    def post_forward(self) -> None:
+        """Note the order groups finish forward in, and order the current stream after this
+        group's prefetch (the next group's pre-hooks and the parent's code run next); then the
+        reference's."""
+        finished = self.own_comm().current_post_order
+        if self.state is TrainingState.FORWARD and self not in finished:
+            finished.append(self)
+        if self.prefetched:
+            self.order_prefetch()
+        super().post_forward()
 
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded parameters (the reference's ``reshard``), first finishing an
@@ -359,14 +292,14 @@ class FlatParamGroup(ParamGroup):
                 params,
                 dtype,
                 info,
-                self.all_reduce_grads,
-                self.reduce_ops(dtype, info),
-                comm,
-                self.blocks,
-                self.comms.reduce_scatter,
-                self.reduce_unused,
-                self.reduce_scatter_group if own else None,
-                self.reduce_scatter_memory() if own else None,
+                all_reduce=self.all_reduce_grads,
+                ops=self.reduce_ops(dtype, info),
+                comm=comm,
+                blocks=self.blocks,
+                custom=self.comms.reduce_scatter,
+                keep_unused=self.reduce_unused,
+                group=self.reduce_scatter_group if own else None,
+                memory=self.reduce_scatter_memory() if own else None,
             )
             if result is not None:
                 self.usage.update(zip(result.params, result.used))

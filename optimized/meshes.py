@@ -39,7 +39,18 @@ def gather_each_mesh(group, params: list, written: bool) -> AllGatherResult:
         memory = group.comm_memory if part[0].info is group.info else None
         views = group.views.setdefault(id(part[0].info), {})
         dtypes = group.param_dtypes(part)
-        results.append(all_gather(part, dtypes, mesh, comm, custom, None, written, memory, views))
+        results.append(
+            all_gather(
+                part,
+                dtypes,
+                mesh,
+                comm,
+                custom=custom,
+                after_current=written,
+                memory=memory,
+                views=views,
+            )
+        )
     chained = None
     for result in reversed(results):
         own = result.own or (chained is not None and chained.own)

@@ -26,19 +26,23 @@ alive during the copy-out, one more group's worth than backward, which waits fir
 holds the unsharded gradients of at least one group on top, so with groups of equal size the
 step's peak does not grow. (On a device the copy-out follows each all-gather on a stream of
 its own; [Note: the copy-out on a stream of its own] in ``collectives.py``.) The root's
-pre-forward does the same in another order: the reference's pre-forward, which starts the
-step's count (the guard names collectives by it), issues the root's all-gather
-(``wait_in_unshard`` off), then the next group's goes out and only then does the root wait
-for its own. Waiting first, the root's copy-out stood between the two all-gathers: 1.3 ms of
-link idle a step in the plan of Llama 2 70B with 6 blocks on 64 A100s, which made that plan
-1.3 ms slower than torch's.
+pre-forward does the same: its own all-gather, then the next group's, then the wait for its
+own. Waiting first, the root's copy-out stood between the two all-gathers: 1.3 ms of link idle
+a step in the plan of Llama 2 70B with 6 blocks on 64 A100s, which made that plan 1.3 ms
+slower than torch's. The reference decides when this happens and the optimized path how,
+through the contract's one seam for "issue now, wait later": the reference's hooks hand
+``while_gathering`` to ``ParamGroup.unshard``, which the reference runs after its blocking
+all-gathers and ``FlatParamGroup.unshard`` runs between issuing and waiting (in backward after
+the wait, as above).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
-from twinshard.reference.param_group import TrainingState
+from twinshard.api import MixedPrecisionPolicy
+from twinshard.reference.param_group import ParamGroup, TrainingState
 from twinshard.reference.state import FSDPState as ReferenceState
 from twinshard.reference.state import get_state
 
@@ -46,28 +50,21 @@ from .comm import CommContext
 from .flat_group import FlatParamGroup, finish_reduce
 
 
-def unguarded(hook):
-    """A reference hook without its ``torch.compiler.disable`` guard (the function that
-    ``functools.wraps`` keeps as ``__wrapped__``). The hooks below carry the guard themselves,
-    and entering it a second time costs about 5,000 instructions per hook call."""
-    return getattr(hook, "__wrapped__", hook)
-
-
-REFERENCE_PRE_FORWARD = unguarded(ReferenceState.pre_forward)
-REFERENCE_POST_FORWARD = unguarded(ReferenceState.post_forward)
-REFERENCE_PRE_BACKWARD = unguarded(ReferenceState.pre_backward)
-
-
 class FSDPState(ReferenceState):
     """Reference hooks (``twinshard.reference.state.FSDPState``) with prefetch and a shared
     communication context."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        group: ParamGroup | None,
+        mp: MixedPrecisionPolicy,
+        auto_reshard_after_forward: bool,
+    ):
+        super().__init__(modules, group, mp, auto_reshard_after_forward)
         self.forward_hint: list | None = None  # explicit set_modules_to_forward_prefetch
         self.backward_hint: list | None = None
         self.comm: CommContext | None = None
-        self.prefetched = False  # a forward prefetch whose copy-in the hook has not ordered
 
     def lazy_init(self) -> None:
         if self.is_root is not None:
@@ -79,6 +76,8 @@ class FSDPState(ReferenceState):
         self.comm = self.comm or CommContext(device)  # set already by share_comm_ctx
         for state in self.all_states:
             state.use_comm(self.comm)
+        if isinstance(self.group, FlatParamGroup):
+            self.group.root_group = True  # its prefetch is ordered as soon as it has waited
 
     def use_comm(self, comm: CommContext) -> None:
         """Share the root's ``comm`` (streams, work in flight) with this module's group."""
@@ -86,81 +85,38 @@ class FSDPState(ReferenceState):
         if self.group is not None:
             self.group.use_comm(comm)
 
-    # --- forward ----------------------------------------------------------------------------
-    @torch.compiler.disable
-    def pre_forward(self, module, args, kwargs):
-        self.lazy_init()
-        recompute = self.group is not None and self.group.state is TrainingState.PRE_BACKWARD
-        if self.is_root and not recompute:
-            self.comm.current_order, self.comm.current_post_order = [], []
-            self.comm.in_backward = False
-            # see [Note: in forward, a gathered buffer goes one all-gather later] in comm.py
-            self.comm.hold_gathered = not self.comm.async_op
-        # see [Note: in forward, the next all-gather goes out before the copy-out]
-        early = self.group is not None and not recompute
-        if early and not self.is_root:
-            self.group.unshard_async()  # this group's own all-gather, unless prefetched
-            self.prefetch(self.forward_hint, self.comm.forward_order)
-        elif early:  # the reference's pre-forward starts the step, then issues the gather
-            self.group.wait_in_unshard = False
-        try:
-            args, kwargs = REFERENCE_PRE_FORWARD(self, module, args, kwargs)
-        finally:
-            if self.group is not None:
-                self.group.wait_in_unshard = True
-        if self.group is not None and self.group.state is TrainingState.FORWARD:
+    # --- the seam: what runs while this group's all-gather is in flight -----------------------
+    def while_gathering(self) -> None:
+        """Issue the all-gathers of the groups that run next (``ParamGroup.unshard``'s
+        ``meanwhile``). In forward, the first group's also starts the step's record of the
+        order groups run in; in backward, the next group's copy-in is ordered as in [Note: in
+        backward, a copy-in waits for the last reshard] in ``comm.py``."""
+        if self.group.state is TrainingState.FORWARD:
+            if not self.comm.in_forward:
+                self.comm.start_forward()
             if self.group not in self.comm.current_order:
                 self.comm.current_order.append(self.group)  # the order groups start forward
-            if not early or self.is_root:
-                self.prefetch(self.forward_hint, self.comm.forward_order)
-        if early and self.is_root:
-            self.group.wait_for_unshard()
-        if self.prefetched and (self.is_root or not early):  # the parent's code runs next
-            self.order_prefetch()
-        return args, kwargs
-
-    def order_prefetch(self) -> None:
-        """Order the current stream after the copy-in of the forward prefetch this hook
-        issued; see [Note: a prefetch reads the shards when it is issued] in
-        ``flat_group.py``."""
-        self.comm.after_copy_in()
-        self.prefetched = False
-
-    @torch.compiler.disable
-    def post_forward(self, module, args, output):
-        if self.group is not None and self.group.state is TrainingState.FORWARD:
-            finished = self.comm.current_post_order
-            if self.group not in finished:
-                finished.append(self.group)  # the order groups finish forward
-        if self.prefetched:  # the next group's pre-hooks and the parent's code run next
-            self.order_prefetch()
-        output = REFERENCE_POST_FORWARD(self, module, args, output)
-        if self.is_root:
-            self.comm.hold_gathered = False
-            self.comm.release_held()  # the last gathered buffer of forward
-            self.comm.forward_order = self.comm.current_order
-            self.comm.backward_order = self.comm.current_post_order[::-1]
-            for state in self.all_states:  # a prefetch nobody used must not linger
-                group = state.group
-                if group is not None and group.in_flight is not None and group is not self.group:
-                    group.reshard()
-        return output
-
-    # --- backward ---------------------------------------------------------------------------
-    @torch.compiler.disable
-    def pre_backward(self, grad: torch.Tensor) -> None:
-        REFERENCE_PRE_BACKWARD(self, grad)
-        # see [Note: in backward, a copy-in waits for the last reshard] in comm.py
-        if not self.comm.in_backward:
-            self.comm.in_backward = self.comm.first_gather_of_backward = True
-        if self.group is not None:
+            self.prefetch(self.forward_hint, self.comm.forward_order)
+        else:
+            self.comm.start_backward()
             self.prefetch(self.backward_hint, self.comm.backward_order, backward=True)
+
+    # --- the ends of forward and backward, and an aborted iteration ---------------------------
+    def finish_forward(self) -> None:
+        """The reference's end of forward (the root's), then the order of this forward is
+        kept for the next step's prefetches, and a prefetch nobody used is freed."""
+        super().finish_forward()
+        self.comm.finish_forward()  # the last gathered buffer of forward goes too
+        for state in self.all_states:  # a prefetch nobody used must not linger
+            group = state.group
+            if group is not None and group.in_flight is not None and group is not self.group:
+                group.reshard()
 
     def reset(self) -> None:
         super().reset()
         if self.is_root and self.comm is not None:
             self.comm.discard_pending()  # the failed iteration's reductions are dropped
-            self.comm.hold_gathered = self.comm.in_backward = False
+            self.comm.hold_gathered = self.comm.in_backward = self.comm.in_forward = False
             self.comm.release_held()
 
     def finish_groups(self) -> list:
@@ -179,15 +135,15 @@ class FSDPState(ReferenceState):
     # --- prefetch ---------------------------------------------------------------------------
     def prefetch(self, hint: list | None, order: list, backward: bool = False) -> None:
         """Issue the all-gathers of the groups that run next; see [Note: implicit prefetch].
-        Sets ``prefetched`` where one was issued in forward, whose copy-in the forward hook
-        orders the current stream after, at its end (see [Note: a prefetch reads the shards
-        when it is issued] in ``flat_group.py``)."""
+        Marks this group ``prefetched`` where one was issued in forward, whose copy-in the
+        current stream is ordered after later (see [Note: a prefetch reads the shards when it
+        is issued] in ``flat_group.py``)."""
         for group in self.prefetch_targets(hint, order):
             if backward and not group.unshard_in_backward:
                 continue  # set_unshard_in_backward(False): backward does not need them
             if isinstance(group, FlatParamGroup) and group is not self.group:
                 issued = group.prefetch(order_now=False)
-                self.prefetched = self.prefetched or (issued and not backward)
+                self.group.prefetched = self.group.prefetched or (issued and not backward)
 
     def prefetch_targets(self, hint: list | None, order: list) -> list:
         """The groups to all-gather now, while this one computes: the modules of ``hint`` (an

@@ -56,8 +56,17 @@ def fully_shard(
     piece; ``None`` (default) means ``True``, except for the root, which keeps them.
     """
     impl = Implementation(ParamGroup, FSDPState, FSDPModule)  # the reference's three
-    options = (mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
-    return shard_module(module, impl, *options, shard_placement_fn, dp_mesh_dims)
+    return shard_module(
+        module,
+        impl,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        shard_placement_fn=shard_placement_fn,
+        dp_mesh_dims=dp_mesh_dims,
+    )
 
 
 class Implementation:
@@ -71,6 +80,7 @@ class Implementation:
 def shard_module(
     module,
     impl: Implementation,
+    *,
     mesh,
     reshard_after_forward,
     mp_policy,
@@ -99,7 +109,10 @@ def shard_module(
     for p, where in owners.items():
         dim, own = shard_placement(shard_placement_fn, p, where)  # Shard(dim), and its mesh
         p_info = meshes.setdefault(own, mesh_info(own)) if own is not None else info
-        params.append(ShardedParam(p, where, p_info, info.device, cpu_offload, dim, mp))
+        layout = more.choose_layout(
+            p, info=p_info, device=info.device, dim=dim, offload=cpu_offload, mp=mp, fqn=where[0][1]
+        )
+        params.append(ShardedParam(p, owners=where, info=p_info, device=info.device, layout=layout))
     for p in owners:  # the original tensor: a tie elsewhere still holds it (_collect_params)
         p._twinshard_sharded_by = id(modules[0])  # an int: the tensor stays picklable
     for m in modules:
@@ -107,7 +120,11 @@ def shard_module(
             for name, b in buffer_owner._buffers.items():
                 if b is not None and b.device.type != "meta":
                     buffer_owner._buffers[name] = b.to(info.device)
-    group = impl.group_type(params, info, post_forward, mp, info.device) if params else None
+    group = None
+    if params:
+        group = impl.group_type(
+            params=params, info=info, post_forward=post_forward, mp=mp, device=info.device
+        )
     state = impl.state_type(modules, group, mp, auto)
     if group is not None:
         for m in group.modules_with_params():

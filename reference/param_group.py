@@ -13,6 +13,7 @@ at a time and waits for each; the optimized implementation batches and overlaps 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum, auto
 
 import torch
@@ -87,11 +88,19 @@ class ParamGroup:
 
     # --- unshard / reshard ----------------------------------------------------------------------
     @without_grad
-    def unshard(self) -> None:
-        """All-gather every parameter of the group (a no-op for those already unsharded)."""
+    def unshard(self, meanwhile: Callable[[], None] | None = None) -> None:
+        """All-gather every parameter of the group (a no-op for those already unsharded).
+
+        ``meanwhile`` is the contract's one seam for "issue now, wait later": a step that may
+        run once the group's all-gathers are issued and must run before the group computes.
+        Here every all-gather blocks, so it runs after them; an implementation that issues
+        and waits apart (``twinshard.optimized``) may run it in between. The hooks pass their
+        state's ``while_gathering``, which the reference leaves None."""
         with profiled("twinshard::unshard"):
             for p, dtype in zip(self.params, self.param_dtypes(self.params)):
                 self.unshard_param(p, dtype)
+        if meanwhile is not None:
+            meanwhile()
 
     def unshard_param(self, p: ShardedParam, dtype: torch.dtype) -> None:
         """The contract's unshard steps for one parameter: an all-gather per input (one block
@@ -112,9 +121,9 @@ class ParamGroup:
                 p.reshard(self.post_forward_info if after_forward and p.info is self.info else None)
 
     # --- forward: unshard before, reshard after ---------------------------------------------------
-    def pre_forward(self) -> None:
+    def pre_forward(self, meanwhile: Callable[[], None] | None = None) -> None:
         self.state = TrainingState.FORWARD
-        self.unshard()
+        self.unshard(meanwhile)
 
     def post_forward(self) -> None:
         if self.post_forward_info is not None:
@@ -122,13 +131,15 @@ class ParamGroup:
         self.state = TrainingState.IDLE
 
     # --- backward: unshard before, reshard and reduce after ------------------------------------------
-    def pre_backward(self) -> None:
+    def pre_backward(self, meanwhile: Callable[[], None] | None = None) -> None:
         if self.state is TrainingState.PRE_BACKWARD:
             return  # one output's hook already did it
         self.state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             with profiled("twinshard::pre_backward"):
-                self.unshard()
+                self.unshard(meanwhile)
+        elif meanwhile is not None:
+            meanwhile()  # nothing of this group's to gather; the step still runs
 
     @without_grad
     def post_backward(self) -> None:

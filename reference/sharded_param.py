@@ -28,8 +28,9 @@ time around blocking collectives, ``twinshard.optimized`` around its batched one
     reshard   reshard
     reduce    take_grad -> reduce_scatter_input -> (reduce-scatter) -> combine_partial_sum
               -> (all-reduce) -> accumulate_grad                (``ParamGroup.reduce_param``)
-Each ``more.`` below reaches the second reading (tensor parallel, the all-gather extension,
-offload, replaced parameters, HSDP partial sums).
+What differs between features (tensor parallel, ``Shard(dim)``, offload, the all-gather
+extension, HSDP partial sums) is the parameter's ``Layout`` (``layout.py``), chosen once when it
+is sharded: this file has no branch for any of them.
 """
 
 from __future__ import annotations
@@ -40,10 +41,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from twinshard.api import CPUOffloadPolicy
-
 from . import more
 from .collectives import pad_rows, padded_rows
+from .layout import Layout
 from .mesh import MeshInfo, as_dtensor
 
 
@@ -56,37 +56,25 @@ class ParamState(Enum):
 class ShardedParam:
     """Shards one parameter at construction and moves it between its states."""
 
-    extension: more.Extension | None = None  # the all-gather extension's, once it is used
-    extended = False  # whether the unshard in progress goes through the extension
-    grad_in_flight = False  # offload: a copy to host memory not yet waited for
-
     def __init__(
         self,
         param: nn.Parameter,
         owners: list[tuple[nn.Module, str]],
         info: MeshInfo,
         device: torch.device,
-        offload: CPUOffloadPolicy | None,
-        dim: int = 0,
-        mp=None,  # the group's MixedPrecisionPolicy, for an all-gather extension
+        layout: Layout,
     ):
         self.owners = owners  # every (module, attribute) that holds it: tied weights share one
         self.fqn = owners[0][1]  # replaced by the full name at the root's first forward
         self.info = info  # its mesh: the group's, or its own (a ShardPlacementResult)
         self.device = device  # where compute happens
-        self.shard_device = torch.device("cpu") if offload is not None else device
-        # Pinned host memory lets the copy to an accelerator run without staging.
-        self.pin = offload is not None and offload.pin_memory and device.type != "cpu"
-        # tensor parallel: a DTensor's TP piece is what FSDP cuts and gathers (second reading)
-        self.tp = more.tp_layout(param, info, self.fqn) if isinstance(param, DTensor) else None
-        whole = param.to_local() if self.tp is not None else param
-        self.mp = mp
+        self.layout = layout  # the plain one, or a feature's (second reading)
+        whole = layout.piece(param)  # what is cut: the parameter (or its tensor-parallel piece)
         self.shape = param.shape  # the global shape
         self.stride = torch.empty(param.shape, device="meta").stride()  # of the whole tensor
-        self.dim = dim % param.dim()  # the dim cut into blocks ("rows"; 0 unless Shard(dim))
-        self.rows = whole.shape[self.dim]  # how many rows are cut into blocks
-        rows_shape = self.rows_first(torch.empty(whole.shape, device="meta")).shape
-        self.chunk = padded_rows(rows_shape[0], info.shard_size)  # rows in each rank's block
+        rows_shape = layout.rows_first(torch.empty(whole.shape, device="meta")).shape
+        self.rows = rows_shape[0]  # how many rows are cut into blocks
+        self.chunk = padded_rows(self.rows, info.shard_size)  # rows in each rank's block
         self.block_shape = torch.Size((self.chunk, *rows_shape[1:]))  # one rank's padded block
         self.start = min(info.shard_rank * self.chunk, self.rows)  # this rank's first row
         self.local_rows = min(self.chunk, self.rows - self.start)  # its rows, padding not counted
@@ -94,41 +82,50 @@ class ShardedParam:
         self.all_gather_buffer: torch.Tensor | None = None  # (S * chunk, *rest); holds it
         self.post_forward_block: torch.Tensor | None = None  # SHARDED_POST_FORWARD piece
         self.grad_to_reduce: torch.Tensor | None = None  # (rows, *rest) unreduced gradient sum
-        self.partial_sum: torch.Tensor | None = None  # HSDP: reduce-scattered, not all-reduced
         self.sharded_param = nn.Parameter(self._shard(whole), requires_grad=param.requires_grad)
         self.state = ParamState.SHARDED
         self._register(self.sharded_param)
 
     # --- construction and the module attribute ----------------------------------------------
-    def rows_first(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` viewed with the sharded dim first: (rows, *rest), as every block and collective
-        sees it; ``t`` itself for ``Shard(0)``. (Its own inverse: it also turns it back.)"""
-        return t.transpose(0, self.dim) if self.dim else t
-
     def _shard(self, param: torch.Tensor) -> DTensor:
         """Cut this rank's block of rows out of the full parameter and wrap it as a DTensor."""
-        rows = self.rows_first(param.detach())  # (rows, *rest)
+        rows = self.layout.rows_first(param.detach())  # (rows, *rest)
         block = rows.narrow(0, self.start, self.local_rows)  # (local_rows, *rest)
-        block = self.rows_first(block)  # the parameter's own layout
-        device = param.device if param.device.type == "meta" else self.shard_device
+        block = self.layout.rows_first(block)  # the parameter's own layout (its own inverse)
+        device = param.device if param.device.type == "meta" else self.layout.shard_device
         # our own, contiguous memory, not a view of the full tensor
         block = block.to(device).clone(memory_format=torch.contiguous_format)
-        if self.pin and device.type == "cpu":
-            block = block.pin_memory()
-        mesh, placements, stride = self.info.mesh, self.info.placements(self.dim), self.stride
-        if self.tp is not None:  # a 2-D (dp, tp) DTensor (second reading)
-            mesh, placements, stride = self.tp.sharded_spec(self.info, self.dim)
-        return as_dtensor(block, mesh, placements, self.shape, stride)
+        mesh, placements, stride = self.layout.shard_spec(self.info, self.stride)
+        return as_dtensor(self.layout.kept_shard(block), mesh, placements, self.shape, stride)
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Writing _parameters directly skips nn.Module.__setattr__'s checks on every swap.
         for module, name in self.owners:
             module._parameters[name] = tensor
 
+    @property
+    def local_shard(self) -> torch.Tensor:
+        """The sharded ``DTensor``'s local tensor, (local_rows, *rest), the object itself (not
+        ``to_local()``: for a parameter it makes a new view at every call, torch 2.13)."""
+        return self.sharded_param._local_tensor
+
+    def adopt_local(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` (local_rows, *rest), holding this rank's rows in memory the caller
+        owns, the sharded ``DTensor``'s local tensor. The ``DTensor`` stays the same object,
+        so an optimizer holding it steps ``tensor`` from now on (``twinshard.optimized`` keeps
+        a group's blocks so: ``optimized/kept_blocks.py``)."""
+        self.sharded_param._local_tensor = tensor
+
     def refresh(self) -> None:
         """Adopt the module's sharded parameter if the user replaced it (``to_empty``,
-        ``load_state_dict(assign=True)``, DCP), or refuse it (second reading)."""
-        more.adopt_replaced(self)
+        ``load_state_dict(assign=True)``, DCP), and the layout its shard asks for now
+        (``more.layout_for_shard`` refuses a replacement of another shape, or one on meta)."""
+        current = self.owners[0][0]._parameters[self.owners[0][1]]
+        self.layout = more.layout_for_shard(self, current)
+        if current is not self.sharded_param:
+            self.sharded_param = current
+            self._register(current)
+        self.layout.settle(self)
 
     # --- unshard and reshard ----------------------------------------------------------------
     def all_gather_mesh(self, post_forward: MeshInfo | None) -> MeshInfo:
@@ -137,35 +134,18 @@ class ShardedParam:
         return post_forward if self.state is ParamState.SHARDED_POST_FORWARD else self.info
 
     def all_gather_inputs(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """What this rank contributes to the all-gather, on the compute device: the one block
-        of ``all_gather_input`` (chunk, *rest), or the inputs of a shard that gathers itself
-        (``fsdp_pre_all_gather``). A post-forward piece is always a plain block."""
-        self.extended = False
-        if self.post_forward_block is None:
-            self.refresh()  # the shard the module holds now decides
-            self.extended = more.gathers_itself(self)  # the all-gather extension
-            if self.extended:
-                self.extension = self.extension or more.Extension()
-                return self.extension.inputs(self, dtype)
-        return [self.all_gather_input(dtype)]
-
-    def all_gather_input(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's part of the all-gather, on the compute device, in ``dtype``: the kept
-        post-forward piece, or the sharded block padded to ``chunk`` rows."""
-        if self.state is ParamState.SHARDED_POST_FORWARD:
-            return self.post_forward_block  # (S * chunk / N, *rest)
-        self.refresh()
-        # not ``to_local()``: for a parameter it makes a new view at every call (torch 2.13)
-        local = self.rows_first(self.sharded_param._local_tensor)  # (<= chunk, *rest)
-        local = local.to(self.device, dtype, non_blocking=self.pin)  # pinned: the host goes on
-        return pad_rows(local, self.chunk).contiguous()  # (chunk, *rest)
+        """What this rank contributes to the all-gather, on the compute device: its block
+        (chunk, *rest) in ``dtype``, the kept post-forward piece, or what the layout hands
+        over instead (a shard that gathers itself: the all-gather extension)."""
+        if self.post_forward_block is not None:
+            return [self.post_forward_block]  # (S * chunk / N, *rest)
+        self.refresh()  # the shard the module holds now decides
+        return self.layout.gather_inputs(self, dtype)
 
     def all_gather_outputs(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """The tensors the all-gather fills, with their memory (re)allocated, one per tensor of
         ``all_gather_inputs`` (called right before): ``all_gather_output`` for a plain block."""
-        if self.extended:
-            return self.extension.all_gather_outputs(self)
-        return [self.all_gather_output(dtype)]
+        return self.layout.gather_outputs(self, dtype)
 
     def all_gather_output(self, dtype: torch.dtype) -> torch.Tensor:
         """The tensor the all-gather fills, (S * chunk, *rest), with its memory (re)allocated:
@@ -176,14 +156,9 @@ class ShardedParam:
             # ``.data`` gives the parameter its own version counter, so that writing the
             # all-gather into the buffer does not look like an in-place change to autograd.
             view = self.all_gather_buffer.data.narrow(0, 0, self.rows)  # (rows, *rest)
-            whole = self.rows_first(view)  # in the parameter's own layout
-            if self.dim:  # (rows, *rest) transposed: the parameter gets contiguous memory
-                self.own = torch.empty_like(whole, memory_format=torch.contiguous_format)
-                self.gathered, whole = whole, self.own.data  # copied at each unshard; ``.data``
-                self.own_bytes = whole.untyped_storage().nbytes()  # as above
+            whole = self.layout.unsharded(self.layout.rows_first(view))  # the parameter's layout
             self.unsharded_param = nn.Parameter(
-                self.tp.unsharded(whole) if self.tp is not None else whole,
-                requires_grad=self.sharded_param.requires_grad,
+                whole, requires_grad=self.sharded_param.requires_grad
             )
             # its memory, and how many bytes of it, kept for the resizes of every later step
             self.all_gather_storage = self.all_gather_buffer.untyped_storage()
@@ -196,11 +171,9 @@ class ShardedParam:
         """Once ``all_gather_outputs`` hold the gathered rows: put the unsharded parameter on
         the module and drop the post-forward piece."""
         self.post_forward_block = None
-        if self.extended:  # the extension makes the parameter from what it gathered
-            self.extension.finish(self)
-        if self.dim:  # filled from the gathered rows, as torch's Shard(dim) parameters are
-            self.own.untyped_storage().resize_(self.own_bytes)
-            self.own.copy_(self.gathered)  # (rows along dim, ...) in the parameter's layout
+        made = self.layout.finish(self)  # the all-gather extension makes it at the first one
+        if made is not None:
+            self.unsharded_param = made
         self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
         self._register(self.unsharded_param)
         self.state = ParamState.UNSHARDED
@@ -210,19 +183,11 @@ class ShardedParam:
         ``post_forward`` (an int ``reshard_after_forward``), keep this rank's 1/N piece."""
         if self.state is not ParamState.UNSHARDED:
             return
-        buffer = self.all_gather_buffer  # (S * chunk, *rest)
-        if self.extended:  # (it refuses to keep a post-forward piece)
-            self.extension.free(self, post_forward is not None and post_forward is not self.info)
-        else:
-            if post_forward is not None and post_forward is not self.info:
-                piece = buffer.shape[0] // post_forward.shard_size
-                start = post_forward.shard_rank * piece
-                self.post_forward_block = buffer[start : start + piece].clone()  # (S*chunk/N, ...)
-            self.all_gather_storage.resize_(0)  # the memory FSDP saves
-        if self.dim:
-            self.own.untyped_storage().resize_(0)
+        keep_piece = post_forward is not None and post_forward is not self.info
+        if keep_piece:
+            self.post_forward_block = self.layout.piece_to_keep(self, post_forward)
+        self.layout.free(self)  # the memory FSDP saves
         self._register(self.sharded_param)
-        keep_piece = self.post_forward_block is not None
         self.state = ParamState.SHARDED_POST_FORWARD if keep_piece else ParamState.SHARDED
 
     # --- the gradient: take it, reduce it, add it to the sharded one ------------------------
@@ -237,10 +202,7 @@ class ShardedParam:
         grad = self.unsharded_param.grad if self.unsharded_param is not None else None
         if grad is None:
             return
-        if self.tp is not None:  # a DTensor, of which we take our piece
-            grad = grad.to_local()
-        if hasattr(grad, "__tensor_flatten__"):  # (rows, *rest) plain: collectives move no subclass
-            grad = torch.empty(grad.shape, dtype=reduce_dtype, device=self.device).copy_(grad)
+        grad = self.layout.local_grad(grad, reduce_dtype)  # (rows, *rest), a plain tensor
         self.unsharded_param.grad = None
         if self.grad_to_reduce is not None:  # a gradient that widens into the sum: not copied
             wide = torch.promote_types(grad.dtype, reduce_dtype) == reduce_dtype
@@ -263,23 +225,21 @@ class ShardedParam:
             if not self.sharded_param.requires_grad or alone:
                 return None  # frozen, or alone: nothing to keep in step with
             return torch.zeros((rows, *self.block_shape[1:]), dtype=dtype, device=self.device)
-        grad = pad_rows(self.rows_first(self.grad_to_reduce), rows)  # (S * chunk, *rest)
+        grad = pad_rows(self.layout.rows_first(self.grad_to_reduce), rows)  # (S * chunk, *rest)
         self.grad_to_reduce = None
         return grad.contiguous()
 
     def combine_partial_sum(self, block: torch.Tensor, all_reduce: bool) -> torch.Tensor | None:
         """HSDP: the reduce-scattered ``block`` (chunk, *rest) plus what earlier backwards kept
-        back, to all-reduce now; None when ``all_reduce`` is False (second reading)."""
-        return more.combine_partial_sum(self, block, all_reduce)
+        back, to all-reduce now; None when ``all_reduce`` is False (the HSDP layout's)."""
+        return self.layout.combine_partial_sum(block, all_reduce)
 
     def accumulate_grad(self, block: torch.Tensor) -> None:
         """Add a reduced block (chunk, *rest) to the sharded ``DTensor`` gradient, dropping the
-        padding rows and moving it to the shard's dtype and device."""
+        padding rows and moving it to the shard's layout, dtype and memory."""
         if self.local_rows < self.chunk:  # (slicing costs a microsecond even when it keeps all)
             block = block[: self.local_rows]  # (local_rows, *rest)
-        block = self.rows_first(block).to(dtype=self.sharded_param.dtype)  # (rows, *rest)
-        if self.shard_device != self.device:  # offloaded (second reading)
-            block = more.grad_to_host(self, block)
+        block = self.layout.grad_block(self, block)  # (local_rows, *rest) as the shard
         if self.sharded_param.grad is None:
             # Laid out like its parameter, it takes the parameter's spec as it is: ``from_local``
             # (a new spec, checked) and the class (its ``__init__`` is compiler-guarded) cost more.
@@ -295,6 +255,7 @@ class ShardedParam:
 
     def discard_grads(self) -> None:
         """Drop every gradient not yet reduced (after an aborted iteration)."""
-        self.grad_to_reduce = self.partial_sum = None
+        self.grad_to_reduce = None
+        self.layout.discard()
         if self.unsharded_param is not None:
             self.unsharded_param.grad = None

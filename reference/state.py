@@ -44,6 +44,10 @@ def get_state(module: nn.Module) -> FSDPState | None:
 class FSDPState:
     """What ``fully_shard`` attaches to one module: its parameter group, policy and hooks."""
 
+    # What runs while this group's all-gather is in flight, handed to ``ParamGroup.unshard``
+    # (the contract's "issue now, wait later"): nothing here, where collectives block.
+    while_gathering = None
+
     def __init__(
         self,
         modules: list[nn.Module],
@@ -61,7 +65,6 @@ class FSDPState:
         self.root: FSDPState | None = None
         self.all_states: list[FSDPState] = []  # root only: every state in its subtree
         self.callback_queued = False  # root only
-        self.is_last_backward = True  # root only; the reference finishes every backward
         for module in modules:
             module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self.post_forward, prepend=False)
@@ -112,7 +115,7 @@ class FSDPState:
             self.modules_to_run = {id(m) for m in self.modules}
         if self.group is not None:
             args, kwargs = self._plant_post_backward(args, kwargs)  # first: once a pass
-            self.group.pre_forward()
+            self.group.pre_forward(self.while_gathering)
         return args, kwargs
 
     @torch.compiler.disable
@@ -125,13 +128,17 @@ class FSDPState:
             return cast_output(self.mp, output)  # other modules of the group still to run
         if self.group is not None:
             self.group.post_forward()
-        if self.is_root:  # groups whose modules did not all run forward are finished here
-            for state in self.all_states:
-                if state.modules_to_run:
-                    state.modules_to_run.clear()
-                    if state.group is not None:
-                        state.group.post_forward()
+        if self.is_root:
+            self.finish_forward()
         return cast_output(self.mp, output)
+
+    def finish_forward(self) -> None:
+        """The root's end of forward: groups whose modules did not all run are finished."""
+        for state in self.all_states:
+            if state.modules_to_run:
+                state.modules_to_run.clear()
+                if state.group is not None:
+                    state.group.post_forward()
 
     def reset(self) -> None:
         """After an aborted iteration: nothing half-done is left, every group is idle."""
@@ -146,7 +153,7 @@ class FSDPState:
         """Tensor hook on an output: backward is about to enter this module."""
         self.root.queue_final_callback()
         if self.group is not None:
-            self.group.pre_backward()
+            self.group.pre_backward(self.while_gathering)
 
     @torch.compiler.disable
     def post_backward(self) -> None:

@@ -16,17 +16,18 @@ hands in inputs of the same shapes; where the rows do not divide over the ranks,
 have the padded block's shape (chunk, *rest), as torch asks: the extension pads. Every rank
 checks that (each knows the rows do not divide): an error everywhere, no collective that waits.
 
-As for a plain parameter (``sharded_param.py``, which calls ``gathers_itself`` at each unshard and
-the ``Extension`` below where the shard does) the unsharded parameter is one object for the
-whole run: the first call's ``tensor``, its padding rows cut off. Resharding frees the memory
+As for a plain parameter the unsharded parameter is one object for the whole run (the
+``Extension`` layout below, chosen by ``layouts.layout_for_shard`` at the first unshard that
+finds the methods): the first call's ``tensor``, its padding rows cut off. Resharding frees the memory
 of the outputs and of ``inner`` (the plain tensors the unsharded parameter is made of); the
 next unshard allocates it again, the all-gather fills the same outputs, and the
 post-all-gather writes into the same parameter. The outputs are handed over as ``.data``
 views, so that the all-gather writing into them is no in-place change autograd would see.
 
 Collectives move plain tensors: an input that is itself a subclass is copied into a plain
-tensor first (what its ``copy_`` writes is what is sent). A subclass parameter without the
-two methods cannot be gathered as one tensor and is refused at its first unshard, by name.
+tensor first (what its ``copy_`` writes is what is sent), and so is a gradient that is one. A
+subclass parameter without the two methods cannot be gathered as one tensor and is refused at
+its first unshard, by name.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from twinshard.api import FSDPUsageError
 
+from ..layout import Layout
+from .shard_dim import ShardDim
+from .tensor_parallel import TensorParallel
 
-def gathers_itself(p) -> bool:
-    """Whether the shard the module of ``p`` (a ``ShardedParam``) holds now defines
-    ``fsdp_pre_all_gather``; a tensor subclass that does not, and cannot be gathered as one
-    tensor, is refused by name."""
-    shard = p.sharded_param._local_tensor
+
+def gathers_itself(p, shard: torch.Tensor) -> bool:
+    """Whether ``shard``, the local tensor of the parameter of ``p`` (a ``ShardedParam``),
+    defines ``fsdp_pre_all_gather``; a tensor subclass that does not, and cannot be gathered
+    as one tensor, is refused by name."""
     if hasattr(shard, "fsdp_pre_all_gather"):
         return True
     if is_traceable_wrapper_subclass(shard):
@@ -57,18 +61,20 @@ def gathers_itself(p) -> bool:
     return False
 
 
-class Extension:
-    """What one parameter's all-gather extension keeps from one unshard to the next: the
-    tensors the all-gather fills and the memory the unsharded parameter is made of."""
+class Extension(Layout):
+    """The layout of a shard that gathers itself: what its all-gather fills and the memory the
+    unsharded parameter is made of, kept from one unshard to the next."""
 
-    def __init__(self):
+    plain = False
+
+    def setup(self, **_) -> None:
         self.outputs: list | None = None  # per input, the tensor its all-gather fills
         self.storages: list = []  # [(storage, bytes)]: freed at reshard, allocated at unshard
 
-    def inputs(self, p, dtype: torch.dtype) -> list[torch.Tensor]:
+    def gather_inputs(self, p, dtype: torch.dtype) -> list[torch.Tensor]:
         """The inputs of the shard's ``fsdp_pre_all_gather``, plain and on the compute device
         (``ShardedParam.all_gather_inputs``)."""
-        if p.tp is not None or p.dim:
+        if isinstance(self, (TensorParallel, ShardDim)):
             raise FSDPUsageError(
                 f"parameter '{p.fqn}' defines fsdp_pre_all_gather, which twinshard supports "
                 "for Shard(0) parameters without tensor parallelism; drop shard_placement_fn "
@@ -80,13 +86,13 @@ class Extension:
                 "set the all-gather extension before the first forward or unshard (after "
                 "to_empty and loading the weights is fine)"
             )
-        pre = p.sharded_param._local_tensor.fsdp_pre_all_gather
+        pre = p.local_shard.fsdp_pre_all_gather
         mesh = p.info.mesh  # the shard group's 1D mesh, for HSDP too
         mesh = mesh if p.info.replicate_group is None else mesh[mesh.mesh_dim_names[1]]
         if len(inspect.signature(pre).parameters) == 1:  # the first form: the mesh alone
             inputs, self.metadata = pre(mesh)
         else:
-            inputs, self.metadata = pre(mesh, p.shape, p.stride, p.owners[0][0], p.mp)
+            inputs, self.metadata = pre(mesh, p.shape, p.stride, p.owners[0][0], self.mp)
         self.dtype = dtype
         uneven = p.rows % p.info.shard_size != 0
         if uneven and any(x.shape != p.block_shape for x in inputs):
@@ -104,7 +110,7 @@ class Extension:
         self.shapes = [(x.shape, x.dtype) for x in plain]
         return plain
 
-    def all_gather_outputs(self, p) -> list[torch.Tensor]:
+    def gather_outputs(self, p, dtype: torch.dtype) -> list[torch.Tensor]:
         """The tensors the all-gather fills, (S * rows_i, *rest_i) for each input, with their
         memory (re)allocated (``ShardedParam.all_gather_outputs``)."""
         if self.outputs is None:
@@ -117,27 +123,36 @@ class Extension:
             storage.resize_(nbytes)
         return self.outputs
 
-    def finish(self, p) -> None:
-        """Make the unsharded parameter from the gathered outputs (``finish_unshard``)."""
+    def finish(self, p) -> nn.Parameter | None:
+        """Make the unsharded parameter from the gathered outputs (``finish_unshard``): a new
+        one at the first unshard, the same one (written by the shard) at every later one."""
         outputs = tuple(o.data for o in self.outputs)  # see the module docstring
-        post = p.sharded_param._local_tensor.fsdp_post_all_gather
+        post = p.local_shard.fsdp_post_all_gather
         if p.unsharded_param is not None:
             post(outputs, self.metadata, self.dtype, out=p.unsharded_param)
-            return
+            return None
         tensor, inner = post(outputs, self.metadata, self.dtype)
         whole = torch.as_strided(tensor, p.shape, p.stride, 0)  # (rows, *rest): no padding
-        p.unsharded_param = nn.Parameter(whole, requires_grad=p.sharded_param.requires_grad)
         storages = {}  # each memory once: the outputs and ``inner`` may share it
         for t in (*self.outputs, *inner):
             storages.setdefault(t.untyped_storage()._cdata, t.untyped_storage())
         self.storages = [(s, s.nbytes()) for s in storages.values()]
+        return nn.Parameter(whole, requires_grad=p.sharded_param.requires_grad)
 
-    def free(self, p, keep_piece: bool) -> None:
+    def piece_to_keep(self, p, post_forward) -> torch.Tensor:
+        raise FSDPUsageError(
+            f"parameter '{p.fqn}' defines fsdp_pre_all_gather, whose all-gather cannot "
+            "run over fewer ranks in backward; use reshard_after_forward=True or False"
+        )
+
+    def free(self, p) -> None:
         """Free what the unshard allocated (``reshard``)."""
-        if keep_piece:
-            raise FSDPUsageError(
-                f"parameter '{p.fqn}' defines fsdp_pre_all_gather, whose all-gather cannot "
-                "run over fewer ranks in backward; use reshard_after_forward=True or False"
-            )
         for storage, _ in self.storages:
             storage.resize_(0)
+
+    def local_grad(self, grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        """A gradient that is a tensor subclass, as a plain tensor (rows, *rest): collectives
+        move no subclass."""
+        if hasattr(grad, "__tensor_flatten__"):
+            grad = torch.empty(grad.shape, dtype=reduce_dtype, device=self.device).copy_(grad)
+        return super().local_grad(grad, reduce_dtype)

@@ -71,8 +71,8 @@ class FSDPModule(FSDPModuleContract):
             group.divide_factor = float(factor)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        # The reference finishes all gradient work inside every backward, so this only records it.
-        get_state(self).is_last_backward = is_last_backward
+        # The reference finishes all gradient work inside every backward: nothing to change.
+        pass
 
     # --- when parameters are freed and gathered ------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:

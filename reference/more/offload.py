@@ -1,10 +1,11 @@
 """Second reading. CPU offload: shards and gradients in host memory, computed on the device.
 
-With ``offload_policy=CPUOffloadPolicy()`` a parameter's shard lives in host memory
-(``ShardedParam.shard_device`` is the CPU) while forward and backward run on the compute
-device. The core does the two moves itself: an unshard copies the shard to the device before
-the all-gather (``all_gather_input``), and ``refresh`` brings a shard that ``module.to_empty``
-put on the device back to the host. What is left is the gradient's way back, here.
+With ``offload_policy=CPUOffloadPolicy()`` a parameter's shard lives in host memory while
+forward and backward run on the compute device. The ``Offload`` layout makes the moves: its
+shard is kept on the host (``shard_device``), an unshard copies it to the device before the
+all-gather (the plain layout's ``gather_inputs``, without waiting where the memory is pinned),
+a reduced gradient goes back to the host (``grad_block``), and a shard that ``module.to_empty``
+put on the device goes back too (``settle``).
 
 On an accelerator the host memory is pinned (``pin_memory=True``, the default), so a copy
 between host and device runs without staging, and the host need not wait for it. A new
@@ -17,15 +18,45 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import Layout
 
-def grad_to_host(p, block: torch.Tensor) -> torch.Tensor:
-    """Copy a reduced block (local_rows, *rest) of the offloaded ``ShardedParam`` ``p`` to host
-    memory, without waiting where nothing reads it before the end of backward."""
-    hooks = p.sharded_param._post_accumulate_grad_hooks
-    if not p.pin or p.sharded_param.grad is not None or hooks:
-        return block.to(p.shard_device)
-    p.grad_in_flight = True
-    return block.to(p.shard_device, non_blocking=True)  # torch pins what it copies to
+
+class Offload(Layout):
+    """The layout of a parameter whose shard lives in host memory."""
+
+    plain = False
+
+    def setup(self, *, offload, **_) -> None:
+        self.shard_device = torch.device("cpu")
+        # Pinned host memory lets the copy to an accelerator run without staging.
+        self.pin = offload.pin_memory and self.device.type != "cpu"
+        self.non_blocking = self.pin  # pinned: the host goes on
+        self.grad_in_flight = False  # a copy to host memory not yet waited for
+        self.plain = self.device.type == "cpu"  # there the host's memory is the device's
+
+    def kept_shard(self, block: torch.Tensor) -> torch.Tensor:
+        return block.pin_memory() if self.pin and block.device.type == "cpu" else block
+
+    def grad_block(self, p, block: torch.Tensor) -> torch.Tensor:
+        """The reduced block copied to host memory, without waiting where nothing reads it
+        before the end of backward."""
+        block = super().grad_block(p, block)
+        hooks = p.sharded_param._post_accumulate_grad_hooks
+        if not self.pin or p.sharded_param.grad is not None or hooks:
+            return block.to(self.shard_device)
+        self.grad_in_flight = True
+        return block.to(self.shard_device, non_blocking=True)  # torch pins what it copies to
+
+    def settle(self, p) -> None:
+        """A shard moved with the module (``to_empty``) goes back to host memory."""
+        local = p.local_shard
+        if local.device != self.shard_device:
+            p.adopt_local(self.kept_shard(local.to(self.shard_device)))
+
+    def took_copies(self) -> bool:
+        """Whether a gradient was copied to host memory without waiting; forgets it."""
+        found, self.grad_in_flight = self.grad_in_flight, False
+        return found
 
 
 def wait_for_grad_copies(groups: list) -> None:
@@ -38,9 +69,7 @@ def wait_for_grad_copies(groups: list) -> None:
 
 def copies_in_flight(group) -> bool:
     """Whether ``group`` copied a gradient to host memory without waiting; forgets them."""
-    if not group.params or not group.params[0].pin:  # one offload policy per group
+    layouts = [p.layout for p in group.params]
+    if not layouts or not getattr(layouts[0], "pin", False):  # one offload policy per group
         return False
-    found = any([p.grad_in_flight for p in group.params])
-    for p in group.params:
-        p.grad_in_flight = False
-    return found
+    return any([layout.took_copies() for layout in layouts])

@@ -3,43 +3,16 @@
 A sharded parameter is a ``DTensor`` on the module, and torch's ways of filling a model do not
 always write into it: ``model.to_empty(device=...)``, ``load_state_dict(assign=True)`` and DCP
 put a new ``DTensor`` on the module instead. So before each all-gather the core asks
-``ShardedParam.refresh``, which calls ``adopt_replaced`` here: a replacement of the same shape
-becomes the sharded parameter from then on; anything else is refused by name, and so is a
-parameter still on meta. ``check_materialized`` refuses meta parameters once, at the root's
-first forward, naming them as torch's ``fully_shard`` does; ``on_meta`` serves it and the
-optimized path.
+``ShardedParam.refresh``: a replacement of the same shape becomes the sharded parameter from
+then on; anything else is refused by name (``layouts.layout_for_shard``), and so is a parameter
+still on meta. ``check_materialized`` refuses meta parameters once, at the root's first
+forward, naming them as torch's ``fully_shard`` does; ``on_meta`` serves it and the optimized
+path.
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor import DTensor
-
 from twinshard.api import FSDPUsageError
-
-
-def adopt_replaced(p) -> None:
-    """Make the module's parameter the sharded parameter of ``p`` (a ``ShardedParam``) if the
-    user replaced it, refusing one that is no ``DTensor`` of the same shape, or on meta; move
-    an offloaded shard that moved with the module (``to_empty``) back to host memory."""
-    current = p.owners[0][0]._parameters[p.owners[0][1]]
-    if current is not p.sharded_param:
-        if not isinstance(current, DTensor) or current.shape != p.shape:
-            raise FSDPUsageError(
-                f"parameter '{p.fqn}' was replaced by a {type(current).__name__} of shape "
-                f"{tuple(current.shape)} outside fully_shard; load values with "
-                "load_state_dict or copy_ into the existing DTensor instead"
-            )
-        p.sharded_param = current
-        p._register(current)
-    if p.sharded_param.is_meta:
-        raise FSDPUsageError(
-            f"parameter '{p.fqn}' is still on the meta device; materialize it first, "
-            "e.g. model.to_empty(device=...) and then initialize or load the weights"
-        )
-    local = p.sharded_param._local_tensor
-    if local.device != p.shard_device:  # offloaded, then moved with the module (to_empty)
-        local = local.to(p.shard_device)
-        p.sharded_param._local_tensor = local.pin_memory() if p.pin else local
 
 
 def on_meta(p) -> bool:

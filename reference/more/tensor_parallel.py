@@ -17,12 +17,10 @@ Two things change around it:
 
 A parameter on the whole SPMD mesh (``dp_mesh_dims``, ``spmd_dims.py``) is unsharded on that
 mesh, as torch's is; with dp dims only (torchtitan's ``full_dtensor``) its local tensor is the
-whole parameter. ``TPLayout`` holds what a parameter needs; ``tp_layout`` finds it.
+whole parameter. The ``TensorParallel`` layout holds what a parameter needs.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -31,66 +29,69 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from twinshard.api import FSDPUsageError
 
+from ..layout import Layout
 from .spmd_dims import dp_dims
 
 
-@dataclass
-class TPLayout:
-    mesh: DeviceMesh  # the parameter's own: the unsharded parameter lives (and computes) here
-    placements: tuple  # its placements there
-    tp_placements: tuple  # those of its TP dims (none: a whole-mesh parameter, dp dims only)
-    spmd_mesh: DeviceMesh  # (dp..., tp...): where the sharded parameter lives
-    shape: torch.Size  # the whole (global) parameter
-    stride: tuple
-    keeps_layout: bool = False  # replicate-only dp_mesh_dims: sharded is its own layout
+class TensorParallel(Layout):
+    """The layout of a ``DTensor`` parameter (tensor parallelism, or the whole SPMD mesh)."""
 
-    def sharded_placements(self, info, dim: int) -> tuple:
-        """Placements of the sharded parameter on the spmd mesh, FSDP cutting ``dim``."""
-        cut_by_tp = any(isinstance(p, Shard) and p.dim == dim for p in self.tp_placements)
+    plain = False
+
+    def setup(self, *, param: DTensor, info, fqn: str, **_) -> None:
+        """Find where the parameter lives and how FSDP's placement joins its own."""
+        own = mesh, placements = param.device_mesh, tuple(param.placements)  # the unsharded's
+        replicated, sharded, replicate_only = dp_dims(info.mesh)
+        dp_names = (*replicated, *sharded)
+        names = tuple(mesh.mesh_dim_names or ())
+        if any(name in names for name in dp_names):  # on the whole mesh: drop its dp dims
+            keep = [i for i, name in enumerate(names) if name not in dp_names]
+            if any(not placements[i].is_replicate() for i, n in enumerate(names) if n in dp_names):
+                raise FSDPUsageError(f"parameter '{fqn}' must be replicated on the dp mesh dims")
+            placements = tuple(placements[i] for i in keep)
+            mesh = mesh[tuple(names[i] for i in keep)] if keep else None  # None: dp dims only
+        if any(not isinstance(p, (Shard, Replicate)) for p in placements):
+            raise FSDPUsageError(f"parameter '{fqn}': TP placements {placements} unsupported")
+        # DDP: the parameter keeps its layout
+        spmd = param.device_mesh if replicate_only else spmd_mesh(info.mesh, mesh, dp_names)
+        if spmd is None:
+            raise FSDPUsageError(
+                f"parameter '{fqn}' is a DTensor on a mesh not cut from the fully_shard mesh's "
+                f"parent after its dims {dp_names}; build one named mesh (dp, tp or pp, dp, tp, "
+                "say), pass mesh['tp'] to parallelize_module and mesh['dp'] to fully_shard"
+            )
+        self.tp_mesh, self.tp_own_placements = own  # the unsharded parameter lives here
+        self.tp_placements = placements  # of its TP dims (none: a whole-mesh parameter)
+        self.spmd_mesh = spmd  # (dp..., tp...): where the sharded parameter lives
+        self.tp_shape, self.tp_stride = param.shape, param.stride()  # the whole parameter
+        self.keeps_layout = replicate_only  # replicate-only dp_mesh_dims: sharded as it is
+
+    def piece(self, param: DTensor) -> torch.Tensor:
+        return param.to_local()  # the TP piece plays the part of the parameter
+
+    def shard_spec(self, info, stride: tuple) -> tuple:
+        """The spmd mesh, its placements there (FSDP cutting ``dim`` over the ranks of
+        ``info``), the whole parameter's stride."""
+        if self.keeps_layout:  # nothing sharded: the parameter's own layout
+            return self.tp_mesh, self.tp_own_placements, self.tp_stride
+        cut_by_tp = any(isinstance(p, Shard) and p.dim == self.dim for p in self.tp_placements)
         tp_size = self.spmd_mesh.size() // info.mesh.size()
-        fsdp = _StridedShard(dim, split_factor=tp_size) if cut_by_tp else Shard(dim)
+        fsdp = _StridedShard(self.dim, split_factor=tp_size) if cut_by_tp else Shard(self.dim)
         # the dims before FSDP's replicate (HSDP's one, or each dp_mesh_dims names)
         replicate = (Replicate(),) * (self.spmd_mesh.ndim - len(self.tp_placements) - 1)
-        return (*replicate, fsdp, *self.tp_placements)
+        return self.spmd_mesh, (*replicate, fsdp, *self.tp_placements), self.tp_stride
 
-    def sharded_spec(self, info, dim: int) -> tuple:
-        """Where the sharded parameter lives: the spmd mesh, its placements there (FSDP cutting
-        ``dim`` over the ranks of ``info``, a ``MeshInfo``), the whole parameter's stride."""
-        if self.keeps_layout:  # nothing sharded: the parameter's own layout
-            return self.mesh, self.placements, self.stride
-        return self.spmd_mesh, self.sharded_placements(info, dim), self.stride
-
-    def unsharded(self, piece: torch.Tensor) -> DTensor:
+    def unsharded(self, whole: torch.Tensor) -> DTensor:
         """The gathered TP piece as the DTensor the layers expect."""
+        piece = super().unsharded(whole)
+        mesh, placements = self.tp_mesh, self.tp_own_placements
+        shape, stride = self.tp_shape, self.tp_stride
         return DTensor.from_local(
-            piece, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+            piece, mesh, placements, run_check=False, shape=shape, stride=stride
         )
 
-
-def tp_layout(param: DTensor, info, where: str) -> TPLayout:
-    """The TP layout of ``param``, a DTensor (tensor parallelism, or the whole SPMD mesh),
-    sharded over ``info`` (a ``MeshInfo``)."""
-    own = mesh, placements = param.device_mesh, tuple(param.placements)  # own: the unsharded's
-    replicated, sharded, replicate_only = dp_dims(info.mesh)
-    dp_names = (*replicated, *sharded)
-    names = tuple(mesh.mesh_dim_names or ())
-    if any(name in names for name in dp_names):  # on the whole mesh: drop its dp dims
-        keep = [i for i, name in enumerate(names) if name not in dp_names]
-        if any(not placements[i].is_replicate() for i, n in enumerate(names) if n in dp_names):
-            raise FSDPUsageError(f"parameter '{where}' must be replicated on the dp mesh dims")
-        placements = tuple(placements[i] for i in keep)
-        mesh = mesh[tuple(names[i] for i in keep)] if keep else None  # None: dp dims only
-    if any(not isinstance(p, (Shard, Replicate)) for p in placements):
-        raise FSDPUsageError(f"parameter '{where}': TP placements {placements} unsupported")
-    # DDP: the parameter keeps its layout
-    spmd = param.device_mesh if replicate_only else spmd_mesh(info.mesh, mesh, dp_names)
-    if spmd is None:
-        raise FSDPUsageError(
-            f"parameter '{where}' is a DTensor on a mesh not cut from the fully_shard mesh's "
-            f"parent after its dims {dp_names}; build one named mesh (dp, tp or pp, dp, tp, say), "
-            "pass mesh['tp'] to parallelize_module and mesh['dp'] to fully_shard"
-        )
-    return TPLayout(*own, placements, spmd, param.shape, param.stride(), replicate_only)
+    def local_grad(self, grad: DTensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        return super().local_grad(grad.to_local(), reduce_dtype)  # our piece of it
 
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, dp_names: tuple):

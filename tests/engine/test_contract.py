@@ -17,7 +17,6 @@ import re
 import pytest
 import torch.nn as nn
 
-from twinshard.reference.more import kept_shards
 from twinshard.reference.sharded_param import ShardedParam
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -34,11 +33,12 @@ CONTRACT = (
     "accumulate_grad",
     "refresh",
     "has_new_grad",
+    "local_shard",
+    "adopt_local",
 )
-# Offered by the reference's second reading (reference/more/kept_shards.py, functions of a
-# ShardedParam) for an implementation that keeps the blocks in storage of its own; the
-# reference keeps each block on its own and does not call them.
-OFFERED = ("shard_storage_shape", "keep_shard_in", "shard_is_kept")
+# What an implementation that keeps the blocks in storage of its own (optimized/kept_blocks.py)
+# uses; the reference calls them too (the offload layout moves a shard with ``adopt_local``).
+KEPT = ("local_shard", "adopt_local", "refresh")
 REFERENCE_FILES = sorted((ROOT / "reference").rglob("*.py"))  # both readings
 BATCHED = (
     "all_gather_mesh",
@@ -136,9 +136,13 @@ def test_optimized_collectives_call_the_contract(name):
     assert f".{name}(" in "".join((ROOT / "optimized" / f).read_text() for f in files)
 
 
-@pytest.mark.parametrize("name", OFFERED)
-def test_offered_functions_are_documented_and_used_by_the_optimized_path(name):
-    doc = getattr(kept_shards, name).__doc__
-    assert doc and len(doc.split()) >= 8, f"kept_shards.{name} needs a docstring"
-    assert not hasattr(ShardedParam, name), f"{name} is the second reading's, not the core's"
-    assert re.search(rf"(?<![.\w]){name}\(p\b", (ROOT / "optimized" / "flat_group.py").read_text())
+@pytest.mark.parametrize("name", KEPT)
+def test_the_kept_blocks_use_the_contract(name):
+    """The kept blocks live on the optimized side and reach a parameter only through the
+    contract; nothing of them is left in the reference."""
+    source = (ROOT / "optimized" / "kept_blocks.py").read_text()
+    assert re.search(rf"\bp\.{name}\b", source), f"kept_blocks.py does not use {name}"
+    reference = "\n".join(p.read_text() for p in REFERENCE_FILES)
+    old = r"shard_storage_shape|keep_shard_in|shard_is_kept|kept_local"
+    leftovers = re.findall(rf"\b(?:{old})\b", reference)
+    assert not leftovers, f"the reference still defines the kept blocks' {leftovers}"

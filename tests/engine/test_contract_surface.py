@@ -40,6 +40,7 @@ def _members(file: str, cls: str) -> set[str]:
     tree = ast.parse((ROOT / "reference" / file).read_text())
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
     names = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+    names |= {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets}  # seams
     for n in ast.walk(node):
         if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
             if isinstance(n.value, ast.Name) and n.value.id == "self":
@@ -77,9 +78,12 @@ class _Uses(ast.NodeVisitor):
                 self.found.append((module, alias.name, "imports", node.lineno))
 
     def extended(self, node) -> str | None:
-        """The reference class that the name ``node`` stands for, if it is one."""
+        """The reference class that the name ``node`` stands for, if it is one, or that a
+        class of the optimized path it stands for extends (``KeptBlocks``)."""
         if isinstance(node, ast.Name) and self.imported.get(node.id) in EXTENDED:
             return EXTENDED[self.imported[node.id]][1]
+        if isinstance(node, ast.Name):
+            return OWN_SUBCLASSES.get(node.id)
         return None
 
     def visit_ClassDef(self, node):
@@ -118,6 +122,24 @@ class _Uses(ast.NodeVisitor):
             if any(node.attr in MEMBERS[c] for c in ([cls] if cls else MEMBERS)):
                 self.found.append((cls, node.attr, how, node.lineno))
         self.generic_visit(node)
+
+
+def _own_subclasses() -> dict[str, str]:
+    """The optimized path's classes that extend a reference class, by name: uses through
+    their subclasses are uses of the reference class too."""
+    found = {}
+    for path in OPTIMIZED:
+        visitor = _Uses()
+        tree = ast.parse(path.read_text())
+        visitor.visit(tree)
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            if base := next((c for b in cls.bases if (c := visitor.extended(b))), None):
+                found[cls.name] = base
+    return found
+
+
+OWN_SUBCLASSES: dict[str, str] = {}
+OWN_SUBCLASSES.update(_own_subclasses())
 
 
 def uses_of_the_reference(source: str) -> list[tuple]:
@@ -190,16 +212,24 @@ def test_overridden_methods_are_reached_through_the_reference():
             assert calls, f"the reference never reaches {of}.{name}: overriding it changes nothing"
 
 
-def test_wrapped_hooks_are_compile_disabled_in_the_reference():
-    """The optimized hooks call the reference's ``__wrapped__``: the reference's hook must be
-    the ``torch.compiler.disable`` wrapper of a plain function, or the optimized hook would
-    silently get the guarded one."""
+def test_the_optimized_hooks_are_the_references():
+    """The reference decides when: the optimized path overrides none of the reference's
+    compile-disabled hooks and calls none through its ``__wrapped__``; it changes how through
+    the seams (``ParamGroup.unshard``'s ``meanwhile``, ``FSDPState.while_gathering``)."""
     wrapped = [name for (of, name), how in documented_surface().items() if "__wrapped__" in how]
-    assert wrapped
-    for name in wrapped:
-        hook = getattr(FSDPState, name)
-        assert inspect.isfunction(getattr(hook, "__wrapped__", None)), name
-        assert hook.__wrapped__.__name__ == name
+    assert not wrapped, f"rows that call a reference hook through __wrapped__: {wrapped}"
+    hooks = [n for n, f in vars(FSDPState).items() if hasattr(f, "__wrapped__")]
+    assert {"pre_forward", "post_forward", "pre_backward"} <= set(hooks)
+    for path in OPTIMIZED:
+        tree = ast.parse(path.read_text())
+        found = [n.lineno for n in ast.walk(tree) if getattr(n, "attr", None) == "__wrapped__"]
+        assert not found, f"{path.name} lines {found} reach around a hook's guard"
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            if any(getattr(b, "id", None) == "ReferenceState" for b in cls.bases):
+                overridden = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+                assert not overridden & set(hooks), (
+                    f"{path.name} overrides {overridden & set(hooks)}"
+                )
 
 
 def test_shard_module_gets_named_things():

@@ -74,20 +74,19 @@ def _events(impl_name: str, n_blocks: int = 3) -> list[tuple[str, str]]:
 
 
 OPTIMIZED = [
-    # forward: every pre-forward, the root's too, issues its group's all-gather and
-    # prefetches the next group's before it waits for its own (the root's own all-gather
-    # inside the reference's pre-forward, which starts the step)
+    # forward: every group's pre-forward, the root's too, issues its all-gather, prefetches
+    # the next group's (the reference's ``while_gathering`` seam) and then waits for its own
     ("pre_forward", "root"),
     ("all-gather", "root"),
     ("all-gather", "blocks.0"),
     ("wait", "root"),
-    ("all-gather", "blocks.1"),
     ("pre_forward", "blocks.0"),
+    ("all-gather", "blocks.1"),
     ("wait", "blocks.0"),
     ("post_forward", "blocks.0"),
     ("reshard", "blocks.0"),
-    ("all-gather", "blocks.2"),
     ("pre_forward", "blocks.1"),
+    ("all-gather", "blocks.2"),
     ("wait", "blocks.1"),
     ("post_forward", "blocks.1"),
     ("reshard", "blocks.1"),

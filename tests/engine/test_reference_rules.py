@@ -149,6 +149,7 @@ def test_reference_depends_only_on_torch_and_the_api():
                     "torch",
                     "twinshard",
                     "__future__",
+                    "collections",
                     "typing",
                     "enum",
                     "dataclasses",

@@ -53,7 +53,7 @@ def _policies(state) -> str:
         return text + ", no parameters of its own"
     after = group.post_forward_info
     keep = "keep" if after is None else "reshard" if after is group.info else after.shard_size
-    shards = sorted({p.shard_device.type for p in group.params})
+    shards = sorted({p.layout.shard_device.type for p in group.params})
     return f"{text}, mesh {tuple(group.info.mesh.shape)}, after forward {keep}, shards on {shards}"
 
 
