@@ -60,9 +60,8 @@ class FlatParamGroup(KeptBlocks):
         info: MeshInfo,
         post_forward: MeshInfo | None,
         mp: MixedPrecisionPolicy,
-        device: torch.device,
     ):
-        super().__init__(params, info, post_forward, mp, device)
+        super().__init__(params, info, post_forward, mp)
         self.comm: CommContext | None = None  # the root's, shared; set at its first forward
         self.in_flight: AllGatherResult | None = None  # issued, not yet copied out
         self.holds_unsharded = False  # copied out since the last reshard

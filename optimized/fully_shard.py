@@ -18,11 +18,12 @@ from twinshard.api import (
     OffloadPolicy,
     UnshardHandle,
     check_fsdp_modules,
+    register_fsdp_forward_method,
 )
 from twinshard.comm_memory import ProcessGroupMemory, SymmetricMemory
 from twinshard.reference.fully_shard import Implementation, shard_module
 from twinshard.reference.more.fsdp_module import FSDPModule as ReferenceModule
-from twinshard.reference.more.fsdp_module import register_fsdp_forward_method, states_below
+from twinshard.reference.more.fsdp_module import states_below
 from twinshard.reference.state import get_state
 
 from .comm import CommContext

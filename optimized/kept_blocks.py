@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from twinshard.api import without_grad
-from twinshard.reference.more.replaced import on_meta
+from twinshard.reference.more.layouts import on_meta
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
 from twinshard.storages import memory_key, starts

@@ -12,9 +12,9 @@ in this order:
     mesh.py             which ranks hold which piece (FSDP on 1D meshes, HSDP on 2D)
     collectives.py      all-gather, reduce-scatter, all-reduce: padding rows to split evenly
     sharded_param.py    one parameter: sharded, unsharded, how memory is freed; its gradient
+    layout.py           the three moments where features differ, for a plain parameter
     param_group.py      one fully_shard call's parameters through a training step
-    mixed_precision.py  the dtype casts of MixedPrecisionPolicy
-    state.py            the hooks that find out when forward and backward reach a module
+    state.py            the hooks: when forward and backward reach a module; mixed precision
     fully_shard.py      the entry point
 
 The second reading, ``more/``, holds what FSDP2 does beyond that, each feature reached from the
@@ -22,14 +22,13 @@ core through a named seam (``more/__init__.py`` lists them):
 
     more/fsdp_module.py      the FSDPModule methods and torch's hooks into an implementation
     more/devices.py          the device of the default mesh, from the accelerator API
-    more/replaced.py         to_empty, load_state_dict(assign=True) and meta parameters
-    more/partial_sum.py      HSDP without an all-reduce at every backward
     more/usage.py            parameters used on some ranks only
     more/comm_hooks.py       the user's own all-gather and reduce-scatter
+    more/layouts.py          a parameter's layout from its features; HSDP's partial sums;
+                             parameters replaced (to_empty, assign=True loads) or on meta
     more/offload.py          shards and gradients in host memory
-    more/tensor_parallel.py  FSDP over tensor parallelism, then more/spmd_dims.py: dp_mesh_dims
+    more/tensor_parallel.py  FSDP over tensor parallelism and dp_mesh_dims, and Shard(dim)
     more/extension.py        parameters that gather themselves (float8 weights)
-    more/kept_shards.py      a shard in storage the optimized path owns (not called here)
 """
 
 from twinshard.api import (
@@ -39,10 +38,11 @@ from twinshard.api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     UnshardHandle,
+    register_fsdp_forward_method,
 )
 
 from .fully_shard import fully_shard
-from .more.fsdp_module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
+from .more.fsdp_module import FSDPModule, share_comm_ctx
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "FSDPUsageError",
            "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard",

@@ -7,11 +7,10 @@ group size S, so that it splits into S blocks of ``chunk = ceil(rows / S)`` rows
     reduce-scatter  every rank's (S * chunk, *rest) gradient  ->  the sum of block r on rank r
     all-reduce      HSDP only: the sum of a block over the replicas (mesh columns)
 
-The padding rows are zero in the parameter and are never read by the model, so they add
-nothing to any sum. The functions return when the data is in place: the reference has one
-stream and no asynchronous work, which is what makes it easy to step through. In debug mode
-(``TWINSHARD_DEBUG=1``) each first checks that every rank of the group issues the same one
-(``about``: the parameter's name, for the guard's message).
+The padding rows are zero and never read by the model, so they add nothing to any sum. Each
+function returns when the data is in place (one stream, nothing asynchronous: easy to step
+through). With ``TWINSHARD_DEBUG=1`` each first checks that every rank of the group issues the
+same one (``about``: the parameter's name, for the guard's message).
 """
 
 from __future__ import annotations
@@ -32,15 +31,6 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def padded_rows(rows: int, shard_size: int) -> int:
     """Rows per shard block: ``ceil(rows / shard_size)``."""
     return -(-rows // shard_size)
-
-
-def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """Append zero rows so ``tensor`` has ``rows`` rows (no copy when it already has)."""
-    missing = rows - tensor.shape[0]
-    if missing == 0:
-        return tensor
-    zeros = tensor.new_zeros((missing, *tensor.shape[1:]))  # (missing, *rest)
-    return torch.cat([tensor, zeros], dim=0)  # (rows, *rest)
 
 
 def all_gather_rows(

@@ -6,32 +6,32 @@ Apply it bottom-up: to each transformer block, then to the root. Each call
    shared by several modules, such as tied weights, is collected once),
 2. shards each one (``ShardedParam``): rank r keeps row-block r as a ``DTensor``,
 3. attaches an ``FSDPState`` whose hooks unshard, reshard and reduce (``state.py``),
-4. changes the module's class so that it also is an ``FSDPModule``, with the methods of the
-   interface (``fsdp_module.py``; ``twinshard.api.FSDPModule`` documents each one).
+4. makes the module an ``FSDPModule`` too (``twinshard.api.FSDPModule`` documents its methods).
 
-A list of modules (``fully_shard([norm, head])``) makes one group of all their parameters: it
-is gathered when the first of them starts forward and freed when the last one has finished.
+A list of modules (``fully_shard([norm, head])``) makes one group of all their parameters,
+gathered when the first of them starts forward, freed when the last one has finished.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 
 from twinshard.api import (
     CPUOffloadPolicy,
-    FSDPUsageError,
     MixedPrecisionPolicy,
     OffloadPolicy,
     as_mp_policy,
     as_offload_policy,
-    is_container_without_forward,
+    fsdp_class,
     shard_placement,
 )
 
 from . import more
 from .mesh import default_mesh, mesh_info, post_forward_mesh_info
-from .more.fsdp_module import FSDPModule, fsdp_class
+from .more.fsdp_module import FSDPModule, check_module, raise_split_tie
 from .param_group import ParamGroup
 from .sharded_param import ShardedParam
 from .state import FSDPState, get_state
@@ -69,12 +69,13 @@ def fully_shard(
     )
 
 
-class Implementation:
+class Implementation(NamedTuple):
     """The types that make an implementation: a ``ParamGroup`` schedules one group's
     collectives, an ``FSDPState`` holds the hooks, an ``FSDPModule`` adds the methods."""
 
-    def __init__(self, group_type: type, state_type: type, module_type: type):
-        self.group_type, self.state_type, self.module_type = group_type, state_type, module_type
+    group_type: type
+    state_type: type
+    module_type: type
 
 
 def shard_module(
@@ -89,11 +90,10 @@ def shard_module(
     shard_placement_fn,
     dp_mesh_dims=None,
 ) -> nn.Module:
-    """The steps of ``fully_shard`` for ``impl``'s types. With ``ShardedParam``'s methods, what
-    ``twinshard.optimized`` uses of these is the contract between the trees (docs/concepts.md)."""
+    """The steps of ``fully_shard`` for ``impl``'s types (the contract: docs/concepts.md)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
-        _check_module(m)
+        check_module(m)  # an nn.Module with a forward, sharded once
     mesh = mesh if mesh is not None else default_mesh()
     if dp_mesh_dims is not None:  # ``mesh`` is the whole SPMD mesh: take its data-parallel part
         mesh = more.data_parallel_mesh(mesh, dp_mesh_dims, reshard_after_forward)
@@ -112,7 +112,7 @@ def shard_module(
         layout = more.choose_layout(
             p, info=p_info, device=info.device, dim=dim, offload=cpu_offload, mp=mp, fqn=where[0][1]
         )
-        params.append(ShardedParam(p, owners=where, info=p_info, device=info.device, layout=layout))
+        params.append(ShardedParam(p, where, p_info, layout))
     for p in owners:  # the original tensor: a tie elsewhere still holds it (_collect_params)
         p._twinshard_sharded_by = id(modules[0])  # an int: the tensor stays picklable
     for m in modules:
@@ -120,11 +120,7 @@ def shard_module(
             for name, b in buffer_owner._buffers.items():
                 if b is not None and b.device.type != "meta":
                     buffer_owner._buffers[name] = b.to(info.device)
-    group = None
-    if params:
-        group = impl.group_type(
-            params=params, info=info, post_forward=post_forward, mp=mp, device=info.device
-        )
+    group = impl.group_type(params, info, post_forward, mp) if params else None
     state = impl.state_type(modules, group, mp, auto)
     if group is not None:
         for m in group.modules_with_params():
@@ -137,21 +133,6 @@ def shard_module(
         m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()  # for replicate()
         m.__class__ = fsdp_class(impl.module_type, type(m))
     return module
-
-
-def _check_module(module: nn.Module) -> None:
-    if not isinstance(module, nn.Module):
-        raise FSDPUsageError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if is_container_without_forward(module):
-        raise FSDPUsageError(
-            f"fully_shard does not support containers without forward ({type(module).__name__}); "
-            "apply it to each module inside, or to the module that calls them"
-        )
-    if get_state(module) is not None:
-        raise FSDPUsageError(
-            f"fully_shard was already applied to this {type(module).__name__}; "
-            "apply it once per module"
-        )
 
 
 def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[dict, list]:
@@ -171,21 +152,9 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[dict, list]
             if p is None or p in ignored:
                 continue
             if hasattr(p, "_twinshard_sharded_by"):
-                _raise_split_tie(modules[0], prefix + name, p)
+                raise_split_tie(modules[0], prefix + name, p)
             owners.setdefault(p, []).append((m, name))
         for child_name, child in m._modules.items():
             if child is not None and get_state(child) is None:
                 todo.append((f"{prefix}{child_name}.", child))
     return owners, managed
-
-
-def _raise_split_tie(module: nn.Module, fqn: str, p: nn.Parameter) -> None:
-    owner = p._twinshard_sharded_by
-    where = next((n for n, m in module.named_modules() if id(m) == owner), None)
-    where = f"'{where}'" if where is not None else "a module outside this one"
-    raise FSDPUsageError(
-        f"parameter '{fqn}' of this {type(module).__name__} is the same tensor as a parameter "
-        f"of {where}, which fully_shard already sharded as its own "
-        "group; a parameter shared by two modules (tied weights) must be in one group: apply "
-        "fully_shard to a module that holds both (and not to either one alone), or untie them"
-    )

@@ -93,10 +93,8 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
 
 
 def post_forward_mesh_info(reshard_after_forward, info: MeshInfo) -> MeshInfo | None:
-    """The group to keep parameters sharded over between forward and backward.
-
-    ``None`` means: keep them unsharded. ``info`` itself means: reshard fully (True).
-    """
+    """The group to keep parameters sharded over between forward and backward: ``None``, keep
+    them unsharded; ``info`` itself, reshard fully (True)."""
     if not isinstance(reshard_after_forward, (bool, int)):
         raise FSDPUsageError(
             f"reshard_after_forward must be a bool or an int (a group size), "

@@ -43,12 +43,11 @@ class ParamGroup:
         info: MeshInfo,
         post_forward: MeshInfo | None,
         mp: MixedPrecisionPolicy,
-        device: torch.device,
     ):
         self.params, self.info = params, info
         self.post_forward_info = post_forward  # None: keep unsharded after forward
         self.mp = mp
-        self.device = device
+        self.device = info.device  # where compute happens
         self.state = TrainingState.IDLE
         self.reduce_grads = True  # set_requires_gradient_sync
         self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
@@ -73,11 +72,10 @@ class ParamGroup:
 
     def gradient_divisors(self, dtype: torch.dtype, info: MeshInfo) -> tuple[float | None, float]:
         """What gradients reduced in ``dtype`` over ``info``'s ranks are divided by before the sum
-        and after it: in all ``set_gradient_divide_factor``'s factor, else the number of those
-        ranks (the sum becomes a mean).
-        In fp16 a sum of N gradients can overflow where their mean would not, so each is first
-        divided by the smallest power of two whose square reaches the factor (exact), the sum by
-        the rest, as torch's ``fully_shard`` splits it; fp32 and bf16 divide the sum once."""
+        and after it: in all ``set_gradient_divide_factor``'s factor, else the ranks (a mean).
+        An fp16 sum may overflow where the mean would not: each gradient is first divided by
+        the least power of two whose square reaches the factor (exact), the sum by the rest,
+        as torch's ``fully_shard`` splits it; fp32 and bf16 divide the sum once."""
         factor = self.divide_factor or info.shard_size * info.replicate_size
         if dtype in (torch.float32, torch.bfloat16):
             return None, factor
@@ -89,13 +87,10 @@ class ParamGroup:
     # --- unshard / reshard ----------------------------------------------------------------------
     @without_grad
     def unshard(self, meanwhile: Callable[[], None] | None = None) -> None:
-        """All-gather every parameter of the group (a no-op for those already unsharded).
-
-        ``meanwhile`` is the contract's one seam for "issue now, wait later": a step that may
-        run once the group's all-gathers are issued and must run before the group computes.
-        Here every all-gather blocks, so it runs after them; an implementation that issues
-        and waits apart (``twinshard.optimized``) may run it in between. The hooks pass their
-        state's ``while_gathering``, which the reference leaves None."""
+        """All-gather every parameter of the group (a no-op for those already unsharded), then
+        run ``meanwhile``: the contract's seam for "issue now, wait later", a step due before
+        the group computes that an implementation issuing and waiting apart may run in between
+        (the hooks pass their state's ``while_gathering``: None here)."""
         with profiled("twinshard::unshard"):
             for p, dtype in zip(self.params, self.param_dtypes(self.params)):
                 self.unshard_param(p, dtype)

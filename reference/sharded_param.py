@@ -42,8 +42,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import more
-from .collectives import pad_rows, padded_rows
-from .layout import Layout
+from .collectives import padded_rows
+from .layout import Layout, pad_rows
 from .mesh import MeshInfo, as_dtensor
 
 
@@ -61,14 +61,13 @@ class ShardedParam:
         param: nn.Parameter,
         owners: list[tuple[nn.Module, str]],
         info: MeshInfo,
-        device: torch.device,
         layout: Layout,
     ):
         self.owners = owners  # every (module, attribute) that holds it: tied weights share one
         self.fqn = owners[0][1]  # replaced by the full name at the root's first forward
         self.info = info  # its mesh: the group's, or its own (a ShardPlacementResult)
-        self.device = device  # where compute happens
         self.layout = layout  # the plain one, or a feature's (second reading)
+        self.device = layout.device  # where compute happens
         whole = layout.piece(param)  # what is cut: the parameter (or its tensor-parallel piece)
         self.shape = param.shape  # the global shape
         self.stride = torch.empty(param.shape, device="meta").stride()  # of the whole tensor
@@ -105,21 +104,19 @@ class ShardedParam:
 
     @property
     def local_shard(self) -> torch.Tensor:
-        """The sharded ``DTensor``'s local tensor, (local_rows, *rest), the object itself (not
-        ``to_local()``: for a parameter it makes a new view at every call, torch 2.13)."""
+        """The sharded ``DTensor``'s local tensor (local_rows, *rest): the object itself, not
+        ``to_local()``, which makes a new view at every call (torch 2.13)."""
         return self.sharded_param._local_tensor
 
     def adopt_local(self, tensor: torch.Tensor) -> None:
-        """Make ``tensor`` (local_rows, *rest), holding this rank's rows in memory the caller
-        owns, the sharded ``DTensor``'s local tensor. The ``DTensor`` stays the same object,
-        so an optimizer holding it steps ``tensor`` from now on (``twinshard.optimized`` keeps
-        a group's blocks so: ``optimized/kept_blocks.py``)."""
+        """Make ``tensor`` (local_rows, *rest), this rank's rows in memory the caller owns,
+        the sharded ``DTensor``'s local tensor: an optimizer holding the ``DTensor`` (the same
+        object) steps ``tensor`` from now on (``optimized/kept_blocks.py`` keeps blocks so)."""
         self.sharded_param._local_tensor = tensor
 
     def refresh(self) -> None:
-        """Adopt the module's sharded parameter if the user replaced it (``to_empty``,
-        ``load_state_dict(assign=True)``, DCP), and the layout its shard asks for now
-        (``more.layout_for_shard`` refuses a replacement of another shape, or one on meta)."""
+        """Adopt the module's parameter if the user replaced it (``to_empty``, DCP, assigning
+        loads), and the layout its shard asks for now (``more.layout_for_shard``)."""
         current = self.owners[0][0]._parameters[self.owners[0][1]]
         self.layout = more.layout_for_shard(self, current)
         if current is not self.sharded_param:

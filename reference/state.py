@@ -16,6 +16,11 @@ it completes whatever post_backward did not run and returns every group to idle.
 The first module to run forward is the root. At that moment every ``fully_shard`` call has
 been made, so the root looks at its whole subtree once ("lazy init").
 
+Mixed precision happens here too, where a sharded module begins or ends (unlike autocast, the
+activations saved for backward are in low precision): inputs are cast to ``param_dtype``, the
+dtype parameters are gathered and computed in; outputs to ``output_dtype`` when set. Gradients
+are reduced in ``reduce_dtype`` and land in the sharded parameters' own dtype.
+
 Every hook is marked ``torch.compiler.disable``: a compiled module (``block.compile()``) runs its
 hooks inside the compiled call, and the collectives and storage tricks of FSDP must run as
 written, outside the graph, with the compiled forward and backward seeing plain tensors.
@@ -33,8 +38,23 @@ from twinshard.api import FSDPUsageError, MixedPrecisionPolicy, map_tensors, pro
 from twinshard.guard import check_model, forward_started
 
 from . import more
-from .mixed_precision import cast_inputs, cast_output
 from .param_group import ParamGroup, TrainingState
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
+def cast_inputs(mp: MixedPrecisionPolicy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Cast floating-point forward inputs to ``param_dtype`` (if the policy says so)."""
+    if not (mp.cast_forward_inputs and mp.param_dtype is not None):
+        return args, kwargs
+    return _cast_floats(args, mp.param_dtype), _cast_floats(kwargs, mp.param_dtype)
+
+
+def cast_output(mp: MixedPrecisionPolicy, output: Any) -> Any:
+    """Cast floating-point forward outputs to ``output_dtype`` (if set)."""
+    return output if mp.output_dtype is None else _cast_floats(output, mp.output_dtype)
 
 
 def get_state(module: nn.Module) -> FSDPState | None:
@@ -44,9 +64,7 @@ def get_state(module: nn.Module) -> FSDPState | None:
 class FSDPState:
     """What ``fully_shard`` attaches to one module: its parameter group, policy and hooks."""
 
-    # What runs while this group's all-gather is in flight, handed to ``ParamGroup.unshard``
-    # (the contract's "issue now, wait later"): nothing here, where collectives block.
-    while_gathering = None
+    while_gathering = None  # ``ParamGroup.unshard``'s ``meanwhile``: nothing, collectives block
 
     def __init__(
         self,

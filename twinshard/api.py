@@ -43,6 +43,8 @@ __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",  # noqa: F822 - defined in twinshard/fsdp_module.py, see __getattr__ below
     "CommHooks",  # noqa: F822
+    "fsdp_class",  # noqa: F822
+    "register_fsdp_forward_method",  # noqa: F822
     "DataParallelMeshDims",
     "ShardPlacementResult",
     "UnshardHandle",
@@ -293,9 +295,10 @@ def _own_mesh(mesh_info: Any, where: list, p: nn.Parameter):
 
 
 def __getattr__(name: str) -> Any:
-    """``FSDPModule`` and ``CommHooks`` live in ``twinshard/fsdp_module.py`` (which uses the
-    names above); they are part of this interface and load on first use."""
-    if name in ("FSDPModule", "CommHooks"):
+    """``FSDPModule``, ``CommHooks``, ``fsdp_class`` and ``register_fsdp_forward_method`` live
+    in ``twinshard/fsdp_module.py`` (which uses the names above); they are part of this
+    interface and load on first use."""
+    if name in ("FSDPModule", "CommHooks", "fsdp_class", "register_fsdp_forward_method"):
         from twinshard import fsdp_module
 
         return getattr(fsdp_module, name)

@@ -1,14 +1,10 @@
 """Second reading. The device a rank computes on, for the mesh ``fully_shard`` builds itself.
 
-Without a mesh, ``fully_shard`` builds a 1D one over every rank (``mesh.default_mesh``) on the
-device type this rank computes on. As in PyTorch's FSDP2, the accelerator API says which: the
-backend's name does not, since a group made with no backend, or with ``"cpu:gloo,cuda:nccl"``,
-reaches the GPU as well as one made with ``"nccl"``.
-
-An int ``reshard_after_forward`` of N needs a mesh of the same ranks in rows of N
-(``rows_mesh``), built from the mesh's rank tensor on the host even under a ``FakeTensorMode``
-(torch's fake process group with a memory estimator's fake mode), where that tensor's values
-could not be read.
+Without a mesh, ``fully_shard`` builds a 1D one over every rank on the device type this rank
+computes on, which, as in PyTorch's FSDP2, the accelerator API says: not the backend's name
+(no backend, or ``"cpu:gloo,cuda:nccl"``, reaches the GPU as ``"nccl"`` does). An int
+``reshard_after_forward`` of N needs the same ranks in rows of N (``rows_mesh``), built on the
+host even under a ``FakeTensorMode``, where the mesh's rank tensor cannot be read.
 """
 
 from __future__ import annotations

@@ -10,24 +10,18 @@ decide what is all-gathered and how the unsharded parameter is made from it:
     first unshard:  tensor, inner = shard.fsdp_post_all_gather(outputs, metadata, param_dtype)
     later ones:     shard.fsdp_post_all_gather(outputs, metadata, param_dtype, out=unsharded)
 
-The methods are looked up at every unshard: they may be set on a shard after ``to_empty``,
-before its first unshard. ``mesh`` is the shard group's 1D mesh, for HSDP too. Every rank
-hands in inputs of the same shapes; where the rows do not divide over the ranks, each must
-have the padded block's shape (chunk, *rest), as torch asks: the extension pads. Every rank
-checks that (each knows the rows do not divide): an error everywhere, no collective that waits.
+``mesh`` is the shard group's 1D mesh, for HSDP too. Every rank hands in inputs of the same
+shapes; where the rows do not divide over the ranks, each must have the padded block's shape
+(chunk, *rest), as torch asks, and every rank checks it: an error everywhere, no hang.
 
-As for a plain parameter the unsharded parameter is one object for the whole run (the
-``Extension`` layout below, chosen by ``layouts.layout_for_shard`` at the first unshard that
-finds the methods): the first call's ``tensor``, its padding rows cut off. Resharding frees the memory
-of the outputs and of ``inner`` (the plain tensors the unsharded parameter is made of); the
-next unshard allocates it again, the all-gather fills the same outputs, and the
-post-all-gather writes into the same parameter. The outputs are handed over as ``.data``
-views, so that the all-gather writing into them is no in-place change autograd would see.
-
-Collectives move plain tensors: an input that is itself a subclass is copied into a plain
-tensor first (what its ``copy_`` writes is what is sent), and so is a gradient that is one. A
-subclass parameter without the two methods cannot be gathered as one tensor and is refused at
-its first unshard, by name.
+The ``Extension`` layout is added when an unshard first finds the methods (they may be set
+after ``to_empty``; ``layouts.layout_for_shard``). As for a plain parameter, the unsharded
+parameter is one object for the whole run, the first call's ``tensor`` without padding rows;
+resharding frees the memory of the outputs and of ``inner``, the next unshard allocates it
+again and the post-all-gather writes into the same parameter. Outputs are handed over as
+``.data`` views, so that the all-gather's writes are no in-place change autograd would see.
+Collectives move plain tensors: an input or a gradient that is a subclass is copied into a
+plain tensor first. A subclass shard without the two methods is refused by name.
 """
 
 from __future__ import annotations
@@ -41,14 +35,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from twinshard.api import FSDPUsageError
 
 from ..layout import Layout
-from .shard_dim import ShardDim
-from .tensor_parallel import TensorParallel
+from .tensor_parallel import ShardDim, TensorParallel
 
 
 def gathers_itself(p, shard: torch.Tensor) -> bool:
-    """Whether ``shard``, the local tensor of the parameter of ``p`` (a ``ShardedParam``),
-    defines ``fsdp_pre_all_gather``; a tensor subclass that does not, and cannot be gathered
-    as one tensor, is refused by name."""
+    """Whether ``shard``, the local tensor of ``p``'s parameter, defines
+    ``fsdp_pre_all_gather``; a tensor subclass that does not is refused by name."""
     if hasattr(shard, "fsdp_pre_all_gather"):
         return True
     if is_traceable_wrapper_subclass(shard):
@@ -105,14 +97,13 @@ class Extension(Layout):
         plain = []
         for x in inputs:  # (rows_i, *rest_i) each, the same shapes on every rank
             if is_traceable_wrapper_subclass(x):  # (rows_i, *rest_i) as a plain tensor
-                x = torch.empty(x.shape, dtype=x.dtype, device=p.device).copy_(x)
+                x = torch.empty(x.shape, dtype=x.dtype, device=p.device).copy_(x)  # (*x.shape)
             plain.append(x.to(p.device).contiguous())
         self.shapes = [(x.shape, x.dtype) for x in plain]
         return plain
 
     def gather_outputs(self, p, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The tensors the all-gather fills, (S * rows_i, *rest_i) for each input, with their
-        memory (re)allocated (``ShardedParam.all_gather_outputs``)."""
+        """What the all-gather fills, (S * rows_i, *rest_i) per input, memory (re)allocated."""
         if self.outputs is None:
             self.outputs = [
                 torch.empty((p.info.shard_size * shape[0], *shape[1:]), dtype=kind,
@@ -151,8 +142,9 @@ class Extension(Layout):
             storage.resize_(0)
 
     def local_grad(self, grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-        """A gradient that is a tensor subclass, as a plain tensor (rows, *rest): collectives
-        move no subclass."""
+        """A gradient that is a tensor subclass, as a plain tensor (rows, *rest)."""
         if hasattr(grad, "__tensor_flatten__"):
-            grad = torch.empty(grad.shape, dtype=reduce_dtype, device=self.device).copy_(grad)
+            grad = torch.empty(grad.shape, dtype=reduce_dtype, device=self.device).copy_(
+                grad
+            )  # (rows, *rest)
         return super().local_grad(grad, reduce_dtype)

@@ -1,24 +1,19 @@
 """Second reading. The methods ``fully_shard`` adds to a module: ``FSDPModule``.
 
-Each method is documented once, on ``twinshard.api.FSDPModule``; here it only reaches the
-module's parameter group, or with ``recurse`` every group below it. The settings that exist to
-tune an overlapped implementation (lists of modules to gather early, the post-optimizer event,
-a separate reduce-scatter group, symmetric memory, ...) are accepted and checked by
-``twinshard.api`` and change nothing here: one stream has nothing to overlap.
-
-A sharded module is also an instance of torch's own ``FSDPModule``, so that libraries that
-detect FSDP2 with ``isinstance`` find it, and torch's ``register_fsdp_forward_method`` works on
-it through ``_get_fsdp_state`` (the one torch method that reaches into an implementation).
+Each method is documented once, on ``twinshard.api.FSDPModule``; here it reaches the module's
+group, or with ``recurse`` every group below it. Settings that tune an overlapped
+implementation (modules to gather early, the post-optimizer event, ...) are checked by
+``twinshard.api`` and change nothing here: one stream has nothing to overlap. A sharded module
+is also torch's ``FSDPModule``, for libraries that test ``isinstance``, and torch's
+``register_fsdp_forward_method`` reaches it through ``_get_fsdp_state``.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch.nn as nn
 
 from twinshard.api import FSDPModule as FSDPModuleContract
-from twinshard.api import FSDPUsageError, UnshardHandle
+from twinshard.api import FSDPUsageError, UnshardHandle, is_container_without_forward
 
 from ..param_group import ParamGroup
 from ..state import FSDPState, get_state
@@ -156,37 +151,6 @@ class TorchStateView:
         self._post_forward = state.post_forward  # (module, args, output) -> output
 
 
-@functools.cache
-def fsdp_class(methods: type, cls: type) -> type:
-    """``FSDP<Name>``: the module's own class with the FSDPModule ``methods`` mixed in.
-
-    ``_orig_cls_mro_index`` tells torch's ``FSDPModule.__new__`` where the original class sits
-    in the MRO, so that a slice of a sharded container builds the original class again."""
-    index = type("probe", (methods, cls), {}).__mro__.index(cls)  # the same in the new class
-    return type(f"FSDP{cls.__name__}", (methods, cls), {"_orig_cls_mro_index": index})
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>(...)`` run the same hooks as ``module(...)`` does, so a
-    method other than ``forward`` (e.g. ``generate``) sees unsharded parameters."""
-    state = get_state(module)
-    if state is None:
-        raise FSDPUsageError(
-            f"register_fsdp_forward_method: fully_shard was not applied to "
-            f"this {type(module).__name__}"
-        )
-    method = getattr(module, method_name, None)
-    if not callable(method):
-        raise FSDPUsageError(f"{type(module).__name__} has no method '{method_name}'")
-
-    @functools.wraps(method)
-    def with_hooks(*args, **kwargs):
-        args, kwargs = state.pre_forward(module, args, kwargs)
-        return state.post_forward(module, args, method(*args, **kwargs))
-
-    setattr(module, method_name, with_hooks)
-
-
 def share_comm_ctx(modules: list) -> None:
     """Let several roots (pipeline stages) share one communication context. The reference
     has one stream and no context to share: the modules are checked, nothing else."""
@@ -198,4 +162,34 @@ def share_comm_ctx(modules: list) -> None:
             )
 
 
-__all__ = ["FSDPModule", "fsdp_class", "register_fsdp_forward_method", "share_comm_ctx"]
+def check_module(module: nn.Module) -> None:
+    """Refuse, with torch's words, what ``fully_shard`` cannot shard: no module, a container
+    without ``forward``, a module sharded already."""
+    if not isinstance(module, nn.Module):
+        raise FSDPUsageError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if is_container_without_forward(module):
+        raise FSDPUsageError(
+            f"fully_shard does not support containers without forward ({type(module).__name__}); "
+            "apply it to each module inside, or to the module that calls them"
+        )
+    if get_state(module) is not None:
+        raise FSDPUsageError(
+            f"fully_shard was already applied to this {type(module).__name__}; "
+            "apply it once per module"
+        )
+
+
+def raise_split_tie(module: nn.Module, fqn: str, p: nn.Parameter) -> None:
+    """Refuse a parameter of ``module`` that another ``fully_shard`` call already sharded."""
+    owner = p._twinshard_sharded_by
+    where = next((n for n, m in module.named_modules() if id(m) == owner), None)
+    where = f"'{where}'" if where is not None else "a module outside this one"
+    raise FSDPUsageError(
+        f"parameter '{fqn}' of this {type(module).__name__} is the same tensor as a parameter "
+        f"of {where}, which fully_shard already sharded as its own "
+        "group; a parameter shared by two modules (tied weights) must be in one group: apply "
+        "fully_shard to a module that holds both (and not to either one alone), or untie them"
+    )
+
+
+__all__ = ["FSDPModule", "check_module", "raise_split_tie", "share_comm_ctx"]

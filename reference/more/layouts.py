@@ -1,23 +1,25 @@
-"""Second reading. Choosing a parameter's layout, from the features it needs.
+"""Second reading. A parameter's layout, chosen from the features it needs.
 
-A ``ShardedParam`` asks its ``Layout`` (``layout.py``) at the three moments where features
-differ. ``fully_shard`` chooses the layout once, here, when it shards the parameter: the plain
-one, or a class made of the features the parameter needs, in this order, each a subclass of
-the plain layout that changes what it must and passes the rest on (``super()``):
+``ShardedParam`` asks its ``Layout`` (``layout.py``) at the moments where features differ.
+``fully_shard`` chooses it once (``choose_layout``): the plain one, or a class made of the
+features the parameter needs, each a subclass of the plain layout that changes what it must
+and passes the rest on with ``super()``, in this order:
 
-    Extension       the shard gathers itself (extension.py); chosen at an unshard, see below
+    Extension       a shard that gathers itself (extension.py)
     TensorParallel  a DTensor parameter: FSDP cuts its tensor-parallel piece (tensor_parallel.py)
-    ShardDim        shard_placement_fn's Shard(dim) with dim > 0 (shard_dim.py)
+    ShardDim        shard_placement_fn's Shard(dim), dim > 0 (below)
     Offload         the shard in host memory (offload.py)
-    PartialSums     HSDP's sums kept back between backwards (partial_sum.py)
+    PartialSums     HSDP's sums kept back between backwards (below)
 
-The order matters where two features change the same moment: the unsharded parameter of a
-tensor-parallel ``Shard(dim)`` weight is the ``DTensor`` (TensorParallel) of the contiguous copy
-(ShardDim) of the gathered rows (the plain layout).
+A tensor-parallel ``Shard(1)`` weight's unsharded parameter is the ``DTensor`` (TensorParallel)
+of a contiguous copy (ShardDim) of the gathered rows (plain). A shard may get ``fsdp_pre_all_gather`` after it was sharded (after ``to_empty``): the extension
+is added when ``ShardedParam.refresh`` finds it (``layout_for_shard``), before an all-gather.
 
-A shard may be given ``fsdp_pre_all_gather`` after it was sharded (after ``to_empty``), so the
-all-gather extension is chosen when an unshard finds it: ``layout_for_shard``, which
-``ShardedParam.refresh`` asks before each all-gather, also checks a replaced parameter.
+Parameters the user replaced, or left on meta: ``model.to_empty(device=...)``,
+``load_state_dict(assign=True)`` and DCP put a new ``DTensor`` on the module. Before each
+all-gather ``ShardedParam.refresh`` adopts a replacement of the same shape; anything else, and
+a parameter still on meta, is refused by name (``layout_for_shard``); ``check_materialized``
+refuses meta parameters once, at the root's first forward, as torch's ``fully_shard`` does.
 """
 
 from __future__ import annotations
@@ -32,29 +34,51 @@ from twinshard.api import FSDPUsageError
 from ..layout import Layout
 from .extension import Extension, gathers_itself
 from .offload import Offload
-from .partial_sum import PartialSums
-from .shard_dim import ShardDim
-from .tensor_parallel import TensorParallel
+from .tensor_parallel import ShardDim, TensorParallel
 
-ORDER = (Extension, TensorParallel, ShardDim, Offload, PartialSums)  # see the docstring
+
+class PartialSums(Layout):
+    """HSDP's sums kept back: with ``set_requires_all_reduce(False)`` (micro-batches before
+    the last) each reduce-scattered block waits here, added to the next, unreduced."""
+
+    def setup(self, **_) -> None:
+        self.partial_sum: torch.Tensor | None = None  # (chunk, *rest) not all-reduced yet
+
+    def combine_partial_sum(self, block: torch.Tensor, all_reduce: bool) -> torch.Tensor | None:
+        """``block`` (chunk, *rest) plus the sum kept back, to all-reduce now; None (the sum
+        kept for the next backward) when ``all_reduce`` is False."""
+        if self.partial_sum is not None:
+            block += self.partial_sum  # (chunk, *rest)
+            self.partial_sum = None
+        if not all_reduce:
+            self.partial_sum = block
+            return None
+        return block
+
+    def discard(self) -> None:
+        self.partial_sum = None
+
+
+ORDER = (Extension, TensorParallel, ShardDim, Offload, PartialSums)
 
 
 @cache
 def composed(features: tuple[type, ...]) -> type:
     """One layout class of ``features`` (in ``ORDER``), made once per combination."""
-    if len(features) == 1:
-        return features[0]
-    return type("".join(f.__name__ for f in features), features, {})
+    return (
+        features[0]
+        if len(features) == 1
+        else type("".join(f.__name__ for f in features), features, {})
+    )
 
 
 def choose_layout(param, info, device: torch.device, dim: int, offload, mp, fqn: str) -> Layout:
-    """The layout of ``param`` (an ``nn.Parameter``, named ``fqn`` in errors) sharded over
-    ``info`` (a ``MeshInfo``) on ``Shard(dim)``, with the group's ``offload`` (a
-    ``CPUOffloadPolicy`` or None) and ``mp`` policy. Each feature's ``setup`` fills its own
-    fields."""
+    """The layout of ``param`` (named ``fqn``) sharded over ``info`` (a ``MeshInfo``) on
+    ``Shard(dim)``, with the group's ``offload`` (a ``CPUOffloadPolicy`` or None) and ``mp``
+    policy; each feature's ``setup`` fills its own fields."""
     wanted = {
         TensorParallel: isinstance(param, DTensor),
-        ShardDim: dim % param.dim() != 0 if param.dim() else False,
+        ShardDim: dim != 0,
         Offload: offload is not None,
         PartialSums: info.replicate_group is not None,
     }
@@ -68,10 +92,10 @@ def choose_layout(param, info, device: torch.device, dim: int, offload, mp, fqn:
 
 
 def layout_for_shard(p, current) -> Layout:
-    """The layout of ``p`` (a ``ShardedParam``) for the parameter ``current`` the module holds
-    now: ``p``'s, with the all-gather extension first where ``current``'s shard gathers itself
-    (its fields carried over). A replacement that is no ``DTensor`` of ``p``'s shape, or a
-    parameter still on meta, is refused by name."""
+    """The layout of ``p`` (a ``ShardedParam``) for ``current``, the parameter its module holds
+    now: ``p``'s, with the extension first where ``current``'s shard gathers itself (fields
+    carried over). A replacement that is no ``DTensor`` of ``p``'s shape (``to_empty``,
+    ``load_state_dict(assign=True)`` and DCP put new ones), or one on meta, is refused."""
     if current is not p.sharded_param and (
         not isinstance(current, DTensor) or current.shape != p.shape
     ):
@@ -88,8 +112,33 @@ def layout_for_shard(p, current) -> Layout:
     layout = p.layout
     if isinstance(layout, Extension) or not gathers_itself(p, current._local_tensor):
         return layout
-    features = (Extension, *(f for f in ORDER if isinstance(layout, f)))
-    extended = composed(features).__new__(composed(features))
+    cls = composed((Extension, *(f for f in ORDER if isinstance(layout, f))))
+    extended = cls.__new__(cls)
     extended.__dict__.update(layout.__dict__)
     Extension.setup(extended)
     return extended
+
+
+def on_meta(p) -> bool:
+    """Whether the module's parameter of ``p`` (the sharded one, or one that replaced it) is
+    on the meta device."""
+    module, name = p.owners[0]
+    return module._parameters[name].is_meta
+
+
+def check_materialized(states: list) -> None:
+    """Refuse parameters still on the meta device in the ``FSDPState``s of a root, naming
+    those of the first group that has any, as torch's ``fully_shard`` does (its tests match
+    the words), and counting the others."""
+    groups = [s.group.params for s in states if s.group is not None]
+    meta = [[p.fqn for p in params if on_meta(p)] for params in groups]
+    meta = [names for names in meta if names]
+    if meta:
+        more = sum(map(len, meta[1:]))
+        raise FSDPUsageError(
+            "FSDP parameters should be materialized from meta device before training, but "
+            f"the following were still on meta device: {meta[0]}"
+            + (f" (and {more} more in other groups)" if more else "")
+            + "; materialize them first, e.g. model.to_empty(device=...), then initialize "
+            "or load the weights"
+        )

@@ -1,17 +1,12 @@
 """Second reading. CPU offload: shards and gradients in host memory, computed on the device.
 
-With ``offload_policy=CPUOffloadPolicy()`` a parameter's shard lives in host memory while
-forward and backward run on the compute device. The ``Offload`` layout makes the moves: its
-shard is kept on the host (``shard_device``), an unshard copies it to the device before the
-all-gather (the plain layout's ``gather_inputs``, without waiting where the memory is pinned),
-a reduced gradient goes back to the host (``grad_block``), and a shard that ``module.to_empty``
-put on the device goes back too (``settle``).
-
-On an accelerator the host memory is pinned (``pin_memory=True``, the default), so a copy
-between host and device runs without staging, and the host need not wait for it. A new
-gradient is copied to the host without waiting; the root waits for the device once, at the
-end of backward, for all of them (``wait_for_grad_copies``). A gradient that is added to an
-earlier one, or that a hook reads right away, must be in place first, so that copy waits.
+With ``offload_policy=CPUOffloadPolicy()`` the ``Offload`` layout keeps a shard in host memory
+(``shard_device``); an unshard copies it to the device before the all-gather, a reduced
+gradient goes back (``grad_block``), and so does a shard that ``module.to_empty`` moved
+(``settle``). On an accelerator the host memory is pinned (the default), so a copy runs without
+staging and the host need not wait: a new gradient is copied without waiting, and the root
+waits for the device once, at the end of backward (``wait_for_grad_copies``). A gradient added
+to an earlier one, or that a hook reads right away, must be in place first: that copy waits.
 """
 
 from __future__ import annotations
@@ -47,8 +42,7 @@ class Offload(Layout):
         self.grad_in_flight = True
         return block.to(self.shard_device, non_blocking=True)  # torch pins what it copies to
 
-    def settle(self, p) -> None:
-        """A shard moved with the module (``to_empty``) goes back to host memory."""
+    def settle(self, p) -> None:  # a shard moved with the module (to_empty) goes back
         local = p.local_shard
         if local.device != self.shard_device:
             p.adopt_local(self.kept_shard(local.to(self.shard_device)))
@@ -69,7 +63,9 @@ def wait_for_grad_copies(groups: list) -> None:
 
 def copies_in_flight(group) -> bool:
     """Whether ``group`` copied a gradient to host memory without waiting; forgets them."""
-    layouts = [p.layout for p in group.params]
-    if not layouts or not getattr(layouts[0], "pin", False):  # one offload policy per group
-        return False
-    return any([layout.took_copies() for layout in layouts])
+    layouts = [p.layout for p in group.params]  # one offload policy per group:
+    return (
+        bool(layouts)
+        and getattr(layouts[0], "pin", False)
+        and any([layout.took_copies() for layout in layouts])
+    )

@@ -1,23 +1,21 @@
-"""Second reading. FSDP over tensor parallelism: parameters that are already ``DTensor``s.
+"""Second reading. Cuts other than a plain parameter's rows: tensor parallelism, ``Shard(dim)``.
 
-With tensor parallelism, ``parallelize_module(model, mesh["tp"], plan)`` turns a layer's weight
-into a ``DTensor`` on the ``tp`` mesh: each rank holds a TP piece (say, every other output
-row). ``fully_shard(block, mesh=mesh["dp"])`` then shards that *piece* across the ``dp`` mesh,
-exactly as it shards a whole parameter without TP: the TP piece plays the part of the parameter.
+With tensor parallelism, ``parallelize_module(model, mesh["tp"], plan)`` makes a weight a
+``DTensor`` on the ``tp`` mesh, each rank holding a TP piece, and ``fully_shard(block,
+mesh=mesh["dp"])`` shards that *piece* over ``dp`` as it shards a whole parameter. The sharded
+parameter is a ``DTensor`` on the dp and tp dims of the mesh both were cut from ((``dp``,
+``tp``), or HSDP's (``replicate``, ``shard``, ``tp``) out of (``pp``, ``dp``, ``tp``)):
+``Replicate`` on the replicate dim, ``Shard(dim)`` on the shard dim (``_StridedShard(dim)``
+where TP cut the same dim), then TP's own; the unsharded parameter and its gradient are
+``DTensor``s on the ``tp`` mesh, and FSDP reduces the gradient's piece (``TensorParallel``).
 
-Two things change around it:
-
-- the sharded parameter is a ``DTensor`` on the dp and tp dims of the mesh both were cut from
-  ((``dp``, ``tp``), HSDP's (``replicate``, ``shard``, ``tp``), out of (``pp``, ``dp``, ``tp``)
-  say), placed ``Replicate`` on the replicate dim, FSDP's ``Shard(dim)`` on the shard dim
-  (``_StridedShard(dim)`` when TP cut the same dim: rows of each TP piece), then TP's own;
-- the unsharded parameter, which the TP layers compute with, is again a ``DTensor`` on the
-  ``tp`` mesh, wrapping the all-gathered piece; its gradient is one too, and FSDP reduces the
-  gradient's TP piece.
-
-A parameter on the whole SPMD mesh (``dp_mesh_dims``, ``spmd_dims.py``) is unsharded on that
-mesh, as torch's is; with dp dims only (torchtitan's ``full_dtensor``) its local tensor is the
-whole parameter. The ``TensorParallel`` layout holds what a parameter needs.
+``dp_mesh_dims`` (``data_parallel_mesh``): ``fully_shard`` gets the mesh every parallelism was
+cut from, (``dp_shard``, ``cp``, ``tp``) say, every parameter ``Replicate`` on the dims named
+data parallel. As torch's FSDP2 does, several dims of a kind are flattened into one
+(``dp_shard_cp``); with both kinds the replicate dim goes first (HSDP); with replicate dims
+alone (DDP) the mesh is (R, 1), so parameters stay whole and keep the user's layout. Such a
+parameter is unsharded on the whole mesh, as torch's is; with dp dims only (torchtitan's
+``full_dtensor``) its local tensor is the whole parameter.
 """
 
 from __future__ import annotations
@@ -27,10 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from twinshard.api import FSDPUsageError
+from twinshard.api import FSDPNotSupportedError, FSDPUsageError
 
 from ..layout import Layout
-from .spmd_dims import dp_dims
 
 
 class TensorParallel(Layout):
@@ -70,8 +67,6 @@ class TensorParallel(Layout):
         return param.to_local()  # the TP piece plays the part of the parameter
 
     def shard_spec(self, info, stride: tuple) -> tuple:
-        """The spmd mesh, its placements there (FSDP cutting ``dim`` over the ranks of
-        ``info``), the whole parameter's stride."""
         if self.keeps_layout:  # nothing sharded: the parameter's own layout
             return self.tp_mesh, self.tp_own_placements, self.tp_stride
         cut_by_tp = any(isinstance(p, Shard) and p.dim == self.dim for p in self.tp_placements)
@@ -82,7 +77,6 @@ class TensorParallel(Layout):
         return self.spmd_mesh, (*replicate, fsdp, *self.tp_placements), self.tp_stride
 
     def unsharded(self, whole: torch.Tensor) -> DTensor:
-        """The gathered TP piece as the DTensor the layers expect."""
         piece = super().unsharded(whole)
         mesh, placements = self.tp_mesh, self.tp_own_placements
         shape, stride = self.tp_shape, self.tp_stride
@@ -92,6 +86,36 @@ class TensorParallel(Layout):
 
     def local_grad(self, grad: DTensor, reduce_dtype: torch.dtype) -> torch.Tensor:
         return super().local_grad(grad.to_local(), reduce_dtype)  # our piece of it
+
+
+class ShardDim(Layout):
+    """``shard_placement_fn``'s ``Shard(dim)``, dim > 0: blocks cut along ``dim``. Every block
+    and collective still sees rows, the parameter viewed with ``dim`` first (``rows_first``, a
+    transpose, its own inverse); the gathered rows, a transposed view, are copied into memory
+    of the parameter's own (``own``, contiguous, as torch's), freed with them."""
+
+    plain = False
+
+    def setup(self, *, dim: int, **_) -> None:
+        self.dim = dim  # the dim cut into blocks
+        self.own: torch.Tensor | None = None  # the unsharded parameter's contiguous memory
+
+    def rows_first(self, t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, self.dim)  # (rows along dim, ...)
+
+    def unsharded(self, whole: torch.Tensor) -> torch.Tensor:
+        self.own = torch.empty_like(whole, memory_format=torch.contiguous_format)  # (*shape)
+        self.gathered, self.own_bytes = whole, self.own.untyped_storage().nbytes()
+        return super().unsharded(self.own.data)  # ``.data``: see ``all_gather_output``
+
+    def finish(self, p):
+        self.own.untyped_storage().resize_(self.own_bytes)
+        self.own.copy_(self.gathered)  # (rows along dim, ...) in the parameter's layout
+        return super().finish(p)
+
+    def free(self, p) -> None:
+        super().free(p)
+        self.own.untyped_storage().resize_(0)
 
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, dp_names: tuple):
@@ -109,6 +133,61 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, dp_names: tuple):
         return None  # every dim named, in the root's order (the dp dims first)
     if tp_mesh is not None and root[tp_names] != tp_mesh:
         return None
-    if len(dp_dims(dp_mesh)[1]) > 1:  # shard dims flattened (spmd_dims.py)
+    if len(dp_dims(dp_mesh)[1]) > 1:  # shard dims flattened (data_parallel_mesh)
         return dp_mesh if tp_mesh is None else DeviceMesh._concatenate([dp_mesh, tp_mesh])
     return dp_mesh if names == tuple(dp_mesh.mesh_dim_names or ()) else root[names]
+
+
+_made: dict[int, tuple] = {}  # id(data-parallel mesh) -> (it, replicate names, shard names)
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims, reshard_after_forward) -> DeviceMesh:
+    """The data-parallel mesh of a whole SPMD ``mesh``: (shard), (replicate, shard) or
+    (replicate, 1), each of the dims ``dp_mesh_dims`` names of a kind flattened into one. An int
+    ``reshard_after_forward`` is refused, as torch's FSDP2 refuses it (rows of N ranks of a mesh
+    that is a part of the world are not built alike on every rank)."""
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise FSDPNotSupportedError(
+            f"reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims): "
+            f"fully_shard got {reshard_after_forward}; pass True or False"
+        )
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    missing = [n for n in (*shard, *replicate) if n not in (mesh.mesh_dim_names or ())]
+    if missing:
+        raise FSDPUsageError(
+            f"dp_mesh_dims={dp_mesh_dims} names {missing}, which the mesh passed to fully_shard "
+            f"lacks (its dims: {mesh.mesh_dim_names}); pass the whole SPMD mesh, dims named"
+        )
+    one = lambda names: mesh[names] if len(names) == 1 else mesh[names]._flatten()  # noqa: E731
+    if not shard:  # unflattened as torch's meshes are: every copy of it, on every rank, at once
+        dp = one(replicate)._unflatten(0, (one(replicate).size(), 1), ("_".join(replicate), "1"))
+    elif not replicate:
+        dp = one(shard)
+    elif len(shard) == len(replicate) == 1:
+        dp = mesh[(*replicate, *shard)]
+    else:
+        dp = DeviceMesh._concatenate([one(replicate), one(shard)])
+    _made[id(dp)] = (dp, replicate, shard)
+    return dp
+
+
+def dp_dims(dp_mesh: DeviceMesh) -> tuple[tuple, tuple, bool]:
+    """(replicate names, shard names, replicate only) of the dims of the whole mesh that
+    ``dp_mesh`` stands for: as ``dp_mesh_dims`` named them, else ``dp_mesh``'s own dims."""
+    made = _made.get(id(dp_mesh))
+    if made is not None and made[0] is dp_mesh:
+        return made[1], made[2], not made[2]
+    names = tuple(dp_mesh.mesh_dim_names or ())
+    return names[:-1], names[-1:], False
+
+
+def check_spmd_params(owners: dict) -> None:
+    """With ``dp_mesh_dims``, refuse a parameter that is not a ``DTensor`` (of the whole mesh);
+    ``owners`` maps each parameter to the (module, name) pairs holding it."""
+    plain = [where[0][1] for p, where in owners.items() if not isinstance(p, DTensor)]
+    if plain:  # the first words are torch's
+        raise FSDPUsageError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
+            f"(e.g. via distribute_module). Got plain tensor for parameter '{plain[0]}'. Make "
+            "each a DTensor on that mesh, or pass the data-parallel mesh and no dp_mesh_dims"
+        )

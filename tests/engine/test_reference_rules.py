@@ -263,3 +263,42 @@ def test_the_reading_order_names_every_file_core_first():
     last_core = max(v for k, v in positions.items() if not k.startswith("more/"))
     first_second = min(v for k, v in positions.items() if k.startswith("more/"))
     assert last_core < first_second, "the reading order names the core first"
+
+
+# --- a feature is a layout, not a branch ----------------------------------------------------------
+def sharded_param_writes(source: str) -> list[str]:
+    """Assignments to a ``ShardedParam``'s fields in ``source`` outside a layout: ``p.<x> = ...``
+    (the reference's name for a ``ShardedParam`` in every function that takes one)."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for leaf in ast.walk(t):
+                if isinstance(leaf, ast.Attribute) and getattr(leaf.value, "id", None) == "p":
+                    hits.append(f"line {leaf.lineno}: p.{leaf.attr}")
+    return hits
+
+
+@pytest.mark.parametrize("path", SECOND, ids=_name)
+def test_only_the_parameter_writes_its_fields(path):
+    """The second reading's functions and layouts read a ``ShardedParam`` and call its methods;
+    they never write its fields (a layout keeps its own on ``self``)."""
+    hits = sharded_param_writes(path.read_text())
+    assert not hits, f"{_name(path)} writes a ShardedParam's fields: {hits}"
+
+
+def test_the_field_write_check_can_fail():
+    source = "def f(p, q):\n    p.partial_sum = None\n    q.x = 1\n    p.grad_in_flight += 1\n"
+    assert sharded_param_writes(source) == ["line 2: p.partial_sum", "line 4: p.grad_in_flight"]
+
+
+def test_the_parameter_reaches_the_second_reading_only_for_its_layout():
+    """``sharded_param.py`` has no branch for a feature: it asks ``more`` for a layout and
+    nothing else, and the plain layout (``layout.py``) imports nothing of the reference."""
+    source = (REFERENCE / "sharded_param.py").read_text()
+    used = set(re.findall(r"\bmore\.(\w+)", source))
+    assert used <= {"choose_layout", "layout_for_shard"}, used
+    layout = ast.parse((REFERENCE / "layout.py").read_text())
+    relative = [n.module for n in ast.walk(layout) if isinstance(n, ast.ImportFrom) and n.level]
+    assert not relative, f"layout.py imports {relative}: the feature layouts import it"
