@@ -134,7 +134,15 @@ def all_gather(
             send = torch.cat(pieces).to(dtype=dtype)  # a new tensor: the kept blocks stay
             pending = comm.done_on(comm.copy_in_stream)
             comm.copied_in = pending.event
-            result = AllGatherResult(pending, send, send, 1, params, dtypes, as_bytes)
+            result = AllGatherResult(
+                pending=pending,
+                send=send,
+                recv=send,
+                ranks=1,
+                params=params,
+                dtypes=dtypes,
+                as_bytes=as_bytes,
+            )
             return queue_copy_out(result, comm, views, copy_out_at_wait)
         # see [Note: gathered in place]
         size = (ranks * numel,)
@@ -177,9 +185,27 @@ def all_gather(
                 about=params,
             )
     if own is not None:  # the parameter's own memory: nothing to copy out, nothing to free
-        return AllGatherResult(pending, None, None, ranks, params, dtypes, as_bytes, own=True)
+        return AllGatherResult(
+            pending=pending,
+            send=None,
+            recv=None,
+            ranks=ranks,
+            params=params,
+            dtypes=dtypes,
+            as_bytes=as_bytes,
+            own=True,
+        )
     # a parameter whose output was allocated above and then not taken: copy-in memory too
-    result = AllGatherResult(pending, send, recv, ranks, params, dtypes, as_bytes, own=tried_own)
+    result = AllGatherResult(
+        pending=pending,
+        send=send,
+        recv=recv,
+        ranks=ranks,
+        params=params,
+        dtypes=dtypes,
+        as_bytes=as_bytes,
+        own=tried_own,
+    )
     return queue_copy_out(result, comm, views, copy_out_at_wait)
 
 
@@ -234,7 +260,14 @@ def queue_copy_out(
     comm.after(result.pending, comm.copy_out_stream, CopyOut(result, outs, sizes, comm))
     # the same record, without its buffers: they go with the copy-out
     return AllGatherResult(
-        r.pending, None, None, r.ranks, r.params, r.dtypes, r.as_bytes, own=r.own
+        pending=r.pending,
+        send=None,
+        recv=None,
+        ranks=r.ranks,
+        params=r.params,
+        dtypes=r.dtypes,
+        as_bytes=r.as_bytes,
+        own=r.own,
     )
 
 

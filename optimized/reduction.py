@@ -235,18 +235,18 @@ def reduce_scatter(
     declared = [u or keep_unused for u in used]
     in_packed = in_place and S > 1
     return ReduceScatterResult(
-        pending,
-        packed,
-        out,
-        grads,
-        params,
-        shapes,
-        sizes,
-        used,
-        declared,
-        divide_after,
-        kept,
-        in_packed,
+        pending=pending,
+        packed=packed,
+        out=out,
+        grads=grads,
+        params=params,
+        shapes=shapes,
+        sizes=sizes,
+        used=used,
+        declared=declared,
+        divide_after=divide_after,
+        kept_partial=kept,
+        out_in_packed=in_packed,
     )
 
 

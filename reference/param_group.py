@@ -105,7 +105,7 @@ class ParamGroup:
         group = p.all_gather_mesh(self.post_forward_info).shard_group
         blocks = p.all_gather_inputs(dtype)  # [(chunk, *rest)], or an extension's inputs
         for block, out in zip(blocks, p.all_gather_outputs(dtype)):  # out: (S * chunk, *rest)
-            all_gather_rows(out, block, group, self.comms.all_gather, p.fqn)
+            all_gather_rows(out, block, group, comm=self.comms.all_gather, about=p.fqn)
         p.finish_unshard()
 
     @without_grad
