@@ -40,7 +40,7 @@ from .meshes import gather_each_mesh, mesh_parts
 from .reduction import accumulate, reduce_scatter
 
 # Separate reduce-scatter process groups, one per set of shard ranks, each with the default
-# group it was made in: after destroy_process_group and a new one, the old group is gone.
+# group it was made in: after destroy_process_group and a new one, the old ones are dropped.
 SEPARATE_GROUPS: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 # Read at every unshard, once per parameter. On Python 3.11 a member read from the Enum class
@@ -97,11 +97,12 @@ class FlatParamGroup(KeptBlocks):
             self.reduce_scatter_group = None
             return
         ranks = tuple(dist.get_process_group_ranks(self.info.shard_group))
-        world, group = SEPARATE_GROUPS.get(ranks, (None, None))
-        if world is not dist.group.WORLD:
+        if any(world is not dist.group.WORLD for world, _ in SEPARATE_GROUPS.values()):
+            SEPARATE_GROUPS.clear()  # made in a world that is gone: none of them serves now
+        if ranks not in SEPARATE_GROUPS:
             group = dist.new_group(list(ranks), use_local_synchronization=True)
             SEPARATE_GROUPS[ranks] = (dist.group.WORLD, group)
-        self.reduce_scatter_group = group
+        self.reduce_scatter_group = SEPARATE_GROUPS[ranks][1]
 
     # --- unshard: one all-gather, issued early ---------------------------------------------------
     def unshard_async(self) -> None:
