@@ -109,7 +109,7 @@ def all_gather(
     """Copy this rank's blocks of ``params`` into one flat buffer and all-gather it over the
     shard group of ``mesh`` (a ``MeshInfo``), with the user's ``custom`` all-gather if one was
     set (it allocates the output and is called once for the whole group). ``kept``: the
-    group's padded blocks, flat, kept ready (``FlatParamGroup.kept_shards``), concatenated as
+    group's padded blocks, flat, kept ready (``KeptBlocks.kept_shards``, ``kept_blocks.py``), concatenated as
     they are, and their total numel. ``after_current``: shards were written on the current
     stream since the optimizer step (``CommContext.before_all_gather``). ``memory``: where
     the output comes from without a custom all-gather (``twinshard/comm_memory.py``). ``views``: the

@@ -10,7 +10,7 @@ from ._optimized import optimized_fully_shard
 
 class DroppedPartial(ShardedParam):
     def combine_partial_sum(self, block, all_reduce):
-        self.partial_sum = None  # the earlier micro-batches' sums are lost
+        self.layout.partial_sum = None  # the earlier micro-batches' sums are lost
         return super().combine_partial_sum(block, all_reduce)
 
 

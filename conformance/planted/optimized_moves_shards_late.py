@@ -8,7 +8,7 @@ values. The ``views_*`` cases catch it."""
 import torch
 
 from twinshard.optimized.flat_group import FlatParamGroup
-from twinshard.reference.more.kept_shards import shard_storage_shape
+from twinshard.optimized.kept_blocks import storage_shape
 
 from . import plant
 from ._optimized import *  # noqa: F401,F403
@@ -20,7 +20,7 @@ class MovesLate(FlatParamGroup):
         pass
 
     def storage_for(self, i, p, dtype):
-        return torch.empty(shard_storage_shape(p), dtype=dtype, device=self.device)
+        return torch.empty(storage_shape(p), dtype=dtype, device=self.device)
 
 
 def undo_early_keep(group):
