@@ -113,7 +113,7 @@ def record(config, progress=print) -> dict:
         "peak_host_bytes": recorded.peak_host_bytes,
         "parts": trace.parts_at_peak(),
         "allocator": reserved,  # the caching allocator's model over every step (None: CPU)
-        "alloc_log": trace.alloc_log,  # what it replayed, to replay again (``published --fit``)
+        "alloc_log": trace.alloc_log,  # what it replayed, to replay again (``plan_published.py --fit``)
         "peak_label": getattr(trace, "peak_label", ""),
         "parts_step_bytes": trace.snapshot_bytes,  # the next step's at the same point
         "probe": dict(recorded.categories),
