@@ -25,7 +25,6 @@ those settings. This module makes what it shows:
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from twinshard.measure import grid as jobs_grid
 from twinshard.measure.schedule.cli import example, record_on_rank
 from twinshard.measure.schedule.steps import Schedule, name_of
 from twinshard.measure.schedule.text import used_in
@@ -106,7 +106,7 @@ class Setting:
 
 def grid(axes: dict = AXES) -> list[Setting]:
     """Every combination of ``axes`` (``AXES``' keys, each with its values)."""
-    return [Setting(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
+    return [Setting(**point) for point in jobs_grid.points(axes)]
 
 
 # --- recording --------------------------------------------------------------------------------

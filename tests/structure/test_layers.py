@@ -223,7 +223,7 @@ def test_one_step_builder_and_one_way_to_join_a_world(path):
 
 # The measuring package's layers, bottom first: a module imports its own layer and those below.
 LAYERS = (
-    ("__init__", "job", "flags", "hf", "units"),  # the job and its flags
+    ("__init__", "job", "flags", "hf", "grid", "units"),  # the job, its flags, its grid
     ("step",),  # one training step built and driven
     ("world", "simnet", "fakedevice", "fakecuda"),  # ways to join a world, and their backends
     ("observe", "probe", "monitor", "memmodel", "allocator"),  # observers, memory models

@@ -6,10 +6,11 @@ the same way and join a world the same way. A module imports its own layer and t
 never one above (``tests/structure/test_layers.py`` checks it); bottom first:
 
     job.py flags.py hf.py      the job and its one validator, ``Job.problem()``; the flag
-                               vocabulary (one spelling and help text per concept, old spellings
+    grid.py units.py           vocabulary (one spelling and help text per concept, old spellings
                                kept as aliases that name their replacement); a Hugging Face
-                               ``config.json`` as a job's ``--model``; ``units.py``, how
-                               bytes, times, ratios, tables and figures are written
+                               ``config.json`` as a job's ``--model``; the one grid of jobs
+                               behind every sweep; how bytes, times, ratios, tables and
+                               figures are written
     step.py                    one training step of a job: its model built and sharded, driven
     world.py                   joining a world of W ranks, and its backends: ``simnet.py`` (the
                                simulated network), ``fakedevice.py`` and ``fakecuda.py`` (the
