@@ -12,7 +12,7 @@ The parts (``--only``):
 
 - ``plan``: where compute dominates, the optimized path's FSDP overhead (its planned step minus
   the job's ideal step, docs/plan.md) at most 0.5 of torch's. Two jobs: the published run
-  "llama3.1-8b h100 8 bs2 selective-op" (``twinshard.measure.plan.published``) and Llama 3 70B
+  "llama3.1-8b h100 8 bs2 selective-op" (``published_runs.py``) and Llama 3 70B
   on the developers' plan of it (1,024 ranks, H100 SXM, its network; 4 sequences of 8,192
   tokens per rank, every block checkpointed). The 70B job keeps 8 of its 80 blocks
   (``--blocks``), as the developers' own compute-bound plan of it did
@@ -20,7 +20,7 @@ The parts (``--only``):
   in the schedule are the full model's, its recording takes seconds instead of about 5
   minutes per implementation here, and the world size, which sets the per-rank shapes, stays
   1,024. ``--blocks 80`` plans the whole model.
-- ``published``: on every run of ``published.RUNS``, the optimized path's planned step and
+- ``published``: on every run of ``published_runs.RUNS``, the optimized path's planned step and
   planned peak memory at most torch's.
 - ``cpu``: ``twinshard bench`` on gloo at 2 ranks, the ``small`` model, as
   ``benchmarks/record.sh`` runs it: the optimized step at most 0.75 of torch's (medians of the
@@ -45,6 +45,8 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+
+import published_runs  # beside this script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PARTS = ("plan", "published", "cpu", "hooks")
@@ -91,12 +93,11 @@ def planned(parts: list[str], blocks: int) -> tuple[dict, dict]:
     """The plans the ``plan`` and ``published`` parts need, recorded in one spawned process:
     job name -> implementation -> summary row (the ideal step recorded for the ``plan``
     part's jobs only), and the jobs by name."""
-    from twinshard.measure.plan import published
     from twinshard.measure.plan.cli import plan
     from twinshard.measure.plan.ideal import job as ideal_job
     from twinshard.measure.plan.summary import add_ratios
 
-    runs = published.configs()
+    runs = published_runs.configs()
     jobs = dict(runs) if "published" in parts else {}
     compute_bound = {}
     if "plan" in parts:
@@ -234,9 +235,7 @@ def main(argv=None) -> int:
         names = chosen["compute_bound"]
         rows += plan_targets(plans, names)
         if "published" in parts:
-            from twinshard.measure.plan.published import RUNS
-
-            rows += published_targets(plans, list(RUNS))
+            rows += published_targets(plans, list(published_runs.RUNS))
         data["plans"] = {
             n: {i: {k: v for k, v in r.items() if k != "timeline"} for i, r in by.items()}
             for n, by in plans.items()

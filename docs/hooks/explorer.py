@@ -1,6 +1,6 @@
 """MkDocs hook: the schedule explorer's data (docs/explorer.md), recorded from the code at build.
 
-The explorer page steps through recorded training steps; ``twinshard.measure.schedule.explore``
+The explorer page steps through recorded training steps; ``explorer_data.py`` beside this hook
 records them (``record_grid``: the example job of ``twinshard schedule`` on gloo ranks, every
 setting of its ``AXES``) and turns them into JSON (``page_data``). This hook adds that JSON to
 the site as ``explorer/schedules.json`` and tells the page where it is: the page's
@@ -12,8 +12,8 @@ Recording takes about a minute on a 2-core machine, so it is done once per chang
 notebooks (``notebooks.py``): the JSON is kept in ``build/explorer/`` (ignored by git;
 ``TWINSHARD_EXPLORER_CACHE`` moves it) under a key that covers everything a recording can
 depend on: the Python files of the package (twinshard/, reference/, optimized/, conformance/,
-variants/), the grid, and the torch and Python versions. A failed recording leaves nothing in
-the cache.
+variants/), the recorder (``explorer_data.py``), the grid, and the torch and Python versions.
+A failed recording leaves nothing in the cache.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import platform
 import tempfile
 import time
 
+import explorer_data  # beside this hook: mkdocs puts its folder on sys.path while it loads it
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
 from mkdocs.utils import get_relative_url
@@ -47,6 +48,7 @@ def cache_key(axes: dict) -> str:
 
     h = hashlib.sha256(f"torch={torch.__version__} python={platform.python_version()}".encode())
     h.update(json.dumps(axes, sort_keys=True).encode())
+    h.update(pathlib.Path(explorer_data.__file__).read_bytes())
     for folder in SOURCE_DIRS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             h.update(str(path.relative_to(ROOT)).encode())
@@ -57,15 +59,13 @@ def cache_key(axes: dict) -> str:
 def explorer_json(axes: dict | None = None) -> str:
     """The page's JSON for ``axes`` (default: the explorer's ``AXES``), from the cache or
     recorded now; ``RecordingFailed`` if a setting cannot be recorded."""
-    from twinshard.measure.schedule import explore
-
-    axes = axes or explore.AXES
+    axes = axes or explorer_data.AXES
     target = cache_dir() / f"{cache_key(axes)}.json"
     if target.is_file():
         return target.read_text(encoding="utf-8")
     start = time.monotonic()
-    recorded = explore.record_grid(explore.grid(axes))
-    data = explore.page_data(recorded, axes)
+    recorded = explorer_data.record_grid(explorer_data.grid(axes))
+    data = explorer_data.page_data(recorded, axes)
     data["recorded_in_s"] = round(time.monotonic() - start, 1)
     text = json.dumps(data, separators=(",", ":"))
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -77,11 +77,9 @@ def explorer_json(axes: dict | None = None) -> str:
 
 
 def on_files(files, config):
-    from twinshard.measure.schedule.explore import RecordingFailed
-
     try:
         text = explorer_json()
-    except RecordingFailed as error:
+    except explorer_data.RecordingFailed as error:
         raise PluginError(str(error)) from None
     files.append(File.generated(config, DATA, content=text))
     return files

@@ -1,7 +1,7 @@
 /* The schedule explorer (docs/explorer.md): recorded training steps, drawn and stepped.
 
    The data is explorer/schedules.json, made at build time from the real code by
-   twinshard.measure.schedule.explore (see docs/hooks/explorer.py); the page's
+   docs/hooks/explorer_data.py (see docs/hooks/explorer.py); the page's
    <div class="ts-explorer" data-src="..."> says where it is. Every number shown comes from
    that file: this script only draws (inline SVG) and moves the cursor, one hook event at a
    time (buttons, the slider, the arrow keys, or a click on a column). Plain JavaScript, no

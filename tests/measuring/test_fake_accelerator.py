@@ -12,7 +12,8 @@ JSON:
   met where it covers the setting (at 64, one setting in the default tier: ``FULL_NAMES``);
 - hazards planted into a hook (``twinshard.measure.fakeaccel.planted``): each is reported, with where
   it came from, so the checks above can fail;
-- the optimized path's stream order on the fake accelerator against the stand-in streams';
+- the optimized path's stream order on the fake accelerator against the stand-in streams'
+  (``benchmarks/stream_order.py``);
 - ``twinshard schedule --fake-accelerator``'s recording of rank 0 of 64.
 
 The cheap parts (canonical stream logs, the report, the shim's streams) are tested in process.
@@ -25,9 +26,12 @@ import sys
 
 import background
 import pytest
+from benchmark_scripts import BENCHMARKS, load
 
 from twinshard.measure.fakeaccel import report
-from twinshard.measure.fakeaccel.stream_order import canonical, first_difference
+
+stream_order = load("stream_order")  # the device's order of waits and events, and the stand-ins'
+canonical, first_difference = stream_order.canonical, stream_order.first_difference
 
 MESHES = [(8, 1), (64, 1), (64, 8)]  # (world, replicas): FSDP 8, FSDP 64, HSDP 8x8
 IMPLS = ("reference", "optimized", "torch")
@@ -43,7 +47,8 @@ import json, sys, time, traceback
 from twinshard import fresh_process
 from twinshard.measure.job import Job
 from twinshard.measure.fakeaccel.runner import check_all
-from twinshard.measure.fakeaccel.stream_order import first_difference, orders
+sys.path.insert(0, sys.argv[2])
+from stream_order import first_difference, orders
 from twinshard.measure.schedule.cli import record_on_fake_accelerator
 
 def attempt(work):
@@ -112,7 +117,7 @@ def _command(items) -> list[str]:
         "hazard_config": HAZARD_CONFIG,
         "hazards": HAZARDS,
     }
-    return [sys.executable, "-c", SCRIPT, json.dumps(spec)]
+    return [sys.executable, "-c", SCRIPT, json.dumps(spec), str(BENCHMARKS)]
 
 
 # The run starts in the background once the session is collected (support/background.py).

@@ -5,25 +5,12 @@ is a floor (no implementation's planned overhead is below it), and ``benchmarks/
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(f"{name}_script", BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+from benchmark_scripts import BENCHMARKS
+from benchmark_scripts import load as _load
 
 
 def test_the_overhead_floor_is_below_every_planned_overhead(monkeypatch):

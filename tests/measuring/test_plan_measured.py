@@ -1,6 +1,6 @@
 """``twinshard plan`` against ``twinshard bench`` at small scale, measured (issue 26, item 3).
 
-The job of ``twinshard.measure.plan.measured`` (the small Llama with 4 blocks on 2 ranks over the
+The job of ``benchmarks/plan_measured.py`` (the small Llama with 4 blocks on 2 ranks over the
 simulated network, ``bench --backend simnet --world 2``, which really runs the step on this
 CPU) is planned with ``--device cpu`` and measured by ``twinshard bench``:
 
@@ -13,7 +13,7 @@ CPU) is planned with ``--device cpu`` and measured by ``twinshard bench``:
   (on this 2-core machine with other tests beside it, the optimized path's peak gradient bytes
   read 8.4 MB instead of 11.3 MB);
 - time: the predicted step against the measured one is a timing on shared cores, so its 20%
-  target is measured by the benchmark ``python -m twinshard.measure.plan.measured`` (results in
+  target is measured by the benchmark ``python benchmarks/plan_measured.py`` (results in
   ``benchmarks/results/``), not asserted here; what is tested here is that benchmark's
   arithmetic and verdict, and that both sides of the ratio come from the run.
 """
@@ -25,11 +25,12 @@ import math
 from dataclasses import replace
 
 import pytest
+from benchmark_scripts import load
 
 from twinshard.measure.plan import config
-from twinshard.measure.plan import measured as job
 from twinshard.measure.plan.cli import plan
 
+job = load("plan_measured")
 IMPLS = job.IMPLS
 
 

@@ -4,21 +4,15 @@ written can be checked without recording anything."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "targets.py"
+from benchmark_scripts import load
 
 
 @pytest.fixture(scope="module")
 def targets():
-    spec = importlib.util.spec_from_file_location("targets_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("targets")
 
 
 def _row(step_s, peak, ideal_s=None):
@@ -51,7 +45,7 @@ def test_exit_status_and_files(targets, monkeypatch, tmp_path, optimized_step, s
     """Exit 0 when every target is met, 1 when one is missed; the table and JSON written."""
     plans = {"a run": {"optimized": _row(optimized_step, 90), "torch": _row(11.0, 90)}}
     monkeypatch.setattr(targets, "planned", lambda parts, blocks: (plans, {"compute_bound": []}))
-    monkeypatch.setattr("twinshard.measure.plan.published.RUNS", {"a run": None})
+    monkeypatch.setattr(targets.published_runs, "RUNS", {"a run": None})
     assert targets.main(["--only", "published", "--out", str(tmp_path)]) == status
     (written,) = tmp_path.glob("*-targets-published.json")
     rows = json.loads(written.read_text())["targets"]

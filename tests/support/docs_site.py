@@ -47,6 +47,16 @@ def load_hook(name: str):
     return module
 
 
+def hook_module(name: str):
+    """A module beside the hooks, imported by its own name as the hooks import it: the one
+    instance they use."""
+    sys.path.insert(0, str(HOOKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(HOOKS))
+
+
 # --- the build, the server and the browser -----------------------------------------------------
 _folder: list[pathlib.Path] = []  # where the session's build writes the site
 

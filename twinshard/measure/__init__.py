@@ -6,16 +6,19 @@ the same way and join a world the same way. A module imports its own layer and t
 never one above (``tests/structure/test_layers.py`` checks it); bottom first:
 
     job.py flags.py hf.py      the job and its one validator, ``Job.problem()``; the flag
-                               vocabulary (one spelling and help text per concept, old spellings
+    grid.py units.py           vocabulary (one spelling and help text per concept, old spellings
                                kept as aliases that name their replacement); a Hugging Face
-                               ``config.json`` as a job's ``--model``; ``units.py``, how
-                               bytes, times, ratios, tables and figures are written
+                               ``config.json`` as a job's ``--model``; the one grid of jobs
+                               behind every sweep; how bytes, times, ratios, tables and
+                               figures are written
     step.py                    one training step of a job: its model built and sharded, driven
     world.py                   joining a world of W ranks, and its backends: ``simnet.py`` (the
                                simulated network), ``fakedevice.py`` and ``fakecuda.py`` (the
                                fake accelerator and its device module)
     probe.py monitor.py        the observers of a step (memory by category; host syncs, host
-    memmodel.py                collectives and device bytes) and the memory model
+    observe.py memmodel.py     collectives and device bytes); the one loop that records a job's
+    allocator.py               steps on the fake accelerator with observers plugged in; the
+                               memory model and the caching allocator's model
     fakeaccel/ schedule/       runs: a job on the fake accelerator (``python -m
                                twinshard.measure.fakeaccel``); one step recorded hook by hook
                                (``twinshard schedule``); neither imports the other

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 
+from twinshard.measure import grid
 from twinshard.measure.job import Job
 from twinshard.measure.units import MiB, figure, ms
 from twinshard.report_files import write_json
@@ -22,6 +22,7 @@ from .compare import add_memory_model, side_by_side
 from .report import meta
 
 BASE = dict(dim=64, n_layers=4, world=8)
+AXES = {"model size": "dim", "groups": "n_layers", "world size": "world"}  # what each sets
 POINTS = {
     "full": {"model size": [64, 128, 256], "groups": [2, 8, 32], "world size": [2, 8, 64]},
     "quick": {"model size": [32, 64], "groups": [1, 2], "world size": [2, 4]},
@@ -30,17 +31,11 @@ FILES = {axis: f"sweep-{axis.replace(' ', '-')}.png" for axis in POINTS["full"]}
 
 
 def point(base: Job, axis: str, value: int) -> Job:
-    """``base`` with ``axis`` set to ``value`` (model size is the width)."""
-    dim, layers, world = BASE["dim"], BASE["n_layers"], BASE["world"]
-    if axis == "model size":
-        dim = value
-    elif axis == "groups":
-        layers = value
-    else:
-        world = value
-    model = dict(base.model, dim=dim, n_layers=layers, n_heads=max(2, dim // 32))
-    model["n_kv_heads"] = model["n_heads"]
-    return replace(base, model=model, world=world)
+    """``base`` at ``BASE`` with ``axis`` set to ``value`` (model size is the width, with a
+    head per 32 of it)."""
+    chosen = {**BASE, AXES[axis]: value}
+    heads = max(2, chosen["dim"] // 32)
+    return grid.at(base, {**chosen, "n_heads": heads, "n_kv_heads": heads})
 
 
 def replot(args) -> int:

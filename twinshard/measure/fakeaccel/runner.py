@@ -4,10 +4,10 @@
 (``measure.job.Job``: implementation, Llama-style model, world, HSDP replicas, dtype,
 offload, ``reshard_after_forward``) twice:
 
-1. on the fake accelerator (``measure.world.join``): inside ``FakeTensorMode`` (torch's
-   ``fully_shard`` makes device tensors when it shards), the model is built on ``meta``, sharded
-   and moved with ``to_empty`` (``measure.step.build_on_meta``, which says where an offloaded
-   one is built). Then it trains for ``steps`` steps (forward, backward, SGD with momentum and
+1. on the fake accelerator (``measure.observe.record``, the plan's loop too): inside
+   ``FakeTensorMode`` (torch's ``fully_shard`` makes device tensors when it shards), the model
+   is built on ``meta``, sharded and moved with ``to_empty`` (``measure.step.build_on_meta``,
+   which says where an offloaded one is built). Then it trains for ``steps`` steps (forward, backward, SGD with momentum and
    ``foreach``, which reads no scalar on the host) under ``monitor.Monitor``, with
    ``measure.probe.Probe`` sorting the bytes FSDP holds into the memory model's categories;
 2. on the CPU, with real tensors and PyTorch's fake process group at the same world size (as
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard import fresh_process
-from twinshard.measure import memmodel, step, world
+from twinshard.measure import memmodel, observe, step, world
 from twinshard.measure.fakecuda import DEVICE_TYPE
 from twinshard.measure.fakedevice import backend_name
 from twinshard.measure.job import SHARDED, Job
@@ -99,21 +99,12 @@ def run(configs: list, timeout: float = 900, **options) -> list[dict]:
 
 # --- the two runs --------------------------------------------------------------------------------
 def fake_accelerator_run(config: Job, steps: int, planted) -> list[Phase]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    device = world.join("fakeaccel", config.world)
-    mesh = step.mesh(config, device)  # outside the fake mode: it computes with real tensors
-    with FakeTensorMode(allow_non_fake_inputs=True), Monitor(DEVICE_TYPE) as monitor:
-        model = step.build_on_meta(config, device, mesh)  # on the host for some offloads
-        # foreach: a few multi-tensor operations and no scalar read on the host, as on a GPU
-        opt = step.optimizer(model, foreach=True)
+    def ready(monitor, model, opt):
         plant(planted, model)
-        tokens = step.tokens(config, model.config.vocab_size, device=device)
         monitor.probe = Probe(model, opt, sharded_modules(model))
-        for k in range(steps):
-            monitor.begin(f"step {k + 1}")
-            step.train_step(model, opt, tokens)
-    return monitor.finish()
+
+    # SGD with foreach: a few multi-tensor operations and no scalar read on the host, as on a GPU
+    return observe.record(config, lambda _: Monitor(DEVICE_TYPE), steps, ready=ready)[1]
 
 
 def device_run(config: Job, steps: int, device_type: str, planted=None) -> list[Phase]:

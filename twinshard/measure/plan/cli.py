@@ -26,7 +26,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from twinshard.measure import flags
+from twinshard.measure import flags, grid
 from twinshard.measure.job import Job, positive
 from twinshard.report_files import publish
 
@@ -62,35 +62,29 @@ def configs_from(args) -> tuple[list[list[Job]], str | None]:
     implementation), and what is wrong with them (one line) or None."""
     own = dict(ac=args.ac, optimizer=args.optimizer, device=args.device, network=args.network)
     plans = flags.jobs(args, config.job, **own, probe=args.probe)
-    points, wrong = sweep_points(args.sweep)
+    axis, wrong = sweep_axis(args.sweep)
     if args.ranks_per_node is not None:
         wrong = positive("--ranks-per-node", args.ranks_per_node) or wrong
-    grid = [[_at(plan, point) for plan in plans] for point in points or [{}]]
-    wrong = wrong or flags.problem([plan for row in grid for plan in row], check=config.problem)
-    return ([], wrong) if wrong else (grid, None)
+    points = [[grid.at(plan, point) for plan in plans] for point in grid.points(axis)]
+    wrong = wrong or flags.problem([plan for row in points for plan in row], check=config.problem)
+    return ([], wrong) if wrong else (points, None)
 
 
-def _at(plan: Job, point: dict) -> Job:
-    if "n_layers" in point:
-        return replace(plan, model={**plan.model, **point})
-    return replace(plan, **point)
-
-
-def sweep_points(text: str | None) -> tuple[list[dict], str | None]:
-    """``--sweep NAME=V1,V2``: one override of the job per value."""
+def sweep_axis(text: str | None) -> tuple[dict, str | None]:
+    """``--sweep NAME=V1,V2``: the job's field (or model override) and its values."""
     if not text:
-        return [], None
+        return {}, None
     name, _, values = text.partition("=")
     if name not in SWEEPABLE or not values:
-        return [], f"--sweep takes NAME=V1,V2,... with NAME one of {', '.join(SWEEPABLE)}"
+        return {}, f"--sweep takes NAME=V1,V2,... with NAME one of {', '.join(SWEEPABLE)}"
     kind = str if name in ("ac", "variants") else int
     if name == "variants":  # "none" is the plain collectives
-        values = ",".join("" if v == "none" else v for v in values.split(","))
-        return [{"variants": v} for v in values.split(",")], None
+        return {"variants": ["" if v == "none" else v for v in values.split(",")]}, None
     try:
-        return [{SWEEPABLE[name]: kind(v)} for v in values.split(",") if v], None
+        chosen = [kind(v) for v in values.split(",") if v]
     except ValueError:
-        return [], f"--sweep {name}: {values!r} is not a list of integers"
+        return {}, f"--sweep {name}: {values!r} is not a list of integers"
+    return ({SWEEPABLE[name]: chosen} if chosen else {}), None
 
 
 def device_and_network(plan: Job, ranks_per_node: int | None = None):
@@ -138,25 +132,25 @@ def plan(plans: list[Job], progress: bool = True, ranks_per_node=None, ideal=Tru
 
 
 def run(args) -> int:
-    grid, wrong = configs_from(args)
+    points, wrong = configs_from(args)
     if args.search and args.sweep:
         wrong = wrong or "--search and --sweep go one at a time"
     if wrong:
         print(f"twinshard plan: error: {wrong}", file=sys.stderr)
         return 2
     if args.search:
-        return run_search(args, grid[0][0])
-    plans = [job for point in grid for job in point]
+        return run_search(args, points[0][0])
+    plans = [job for point in points for job in point]
     rows = plan(plans, not args.no_progress, args.ranks_per_node)
     in_order = iter(rows)  # one table per sweep point: implementation -> row
-    by_point = [{job.impl: next(in_order) for job in point} for point in grid]
+    by_point = [{job.impl: next(in_order) for job in point} for point in points]
     for by_impl in by_point:
         add_ratios(by_impl)
     slim = [{k: v for k, v in row.items() if k != "timeline"} for row in rows]
     texts = "\n\n".join(format_plan(by_impl) for by_impl in by_point)
     publish(texts, args.markdown, args.json, {"plans": slim})
     if args.plot and args.sweep:
-        values = [next(iter(point.values())) for point in sweep_points(args.sweep)[0]]
+        values = next(iter(sweep_axis(args.sweep)[0].values()), [])
         axis = args.sweep.partition("=")[0]
         plot_sweep(list(zip(values, by_point)), axis, args.plot)
         print(f"wrote {args.plot}")

@@ -186,15 +186,15 @@ def simulated_network(link_text: str, world: int) -> Network:
     return Network(f"simulated link {link.name}", link, link, max(world, 1))
 
 
-# A training step's operators on one core reach this fraction of the large matmul's FLOP/s and
-# the large copy's bandwidth that ``measure_cpu`` times (small matmuls, transposed operands,
-# pointwise work in cache). Fitted on the job of ``plan.measured`` (the small Llama with 4
-# blocks, 2 x 128 tokens per rank, fp32, 2 ranks, the median of 8 timed steps): over 12 runs
-# of the three implementations 0.70 predicted 0.85-1.00 of the measured step's CPU time
-# (median 0.92) and 0.60 predicted 0.99-1.16 (median 1.09); 0.65 puts the median at 1.0. (A
-# first fit, 0.70 on one run of torch's, sat near the edge: CI once measured 0.798.) The hooks'
-# own Python time is not in the model, so the implementation with the heaviest hooks (torch's)
-# runs longer than predicted. Held for every plan.
+# A training step's operators on one core reach this fraction of the large matmul's FLOP/s and the
+# large copy's bandwidth that ``measure_cpu`` times (small matmuls, transposed operands, pointwise
+# work in cache). Fitted on the job of ``benchmarks/plan_measured.py`` (the small Llama with 4
+# blocks, 2 x 128 tokens per rank, fp32, 2 ranks, the median of 8 timed steps): over 12 runs of the
+# three implementations 0.70 predicted 0.85-1.00 of the measured step's CPU time (median 0.92) and
+# 0.60 predicted 0.99-1.16 (median 1.09); 0.65 puts the median at 1.0. (A first fit, 0.70 on one run
+# of torch's, sat near the edge: CI once measured 0.798.) The hooks' own Python time is not in the
+# model, so the implementation with the heaviest hooks (torch's) runs longer than predicted. Held
+# for every plan.
 CPU_EFFICIENCY = 0.65
 
 

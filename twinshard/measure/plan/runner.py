@@ -14,7 +14,8 @@ lazily and creates the optimizer's state):
   implementation does so on a CPU, waited for by ``Work.wait()``); with ``config.real``, the
   same with real tensors (uninitialized values), to check the fake tensors' memory against.
 
-The world is joined and the step built and driven by ``twinshard.measure``: the model is built
+The world is joined and the steps recorded by the measuring layer's one loop
+(``twinshard.measure.observe.record``, with ``trace.StepTrace`` plugged in): the model is built
 on ``meta`` (``twinshard.models.Llama``), wrapped for activation checkpointing
 (``checkpointing.py``), sharded by the implementation with the plan's policies inside the fake
 mode, moved with ``to_empty`` (to the host with offload) and trained with AdamW (fused, as
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard import fresh_process
-from twinshard.measure import allocator, step, world
+from twinshard.measure import allocator, observe
 from twinshard.measure.probe import Probe, sharded_modules
 from twinshard.models import Llama
 
@@ -51,46 +52,48 @@ STEPS = 2  # the first initializes lazily and makes the optimizer's state; the s
 
 def record(config, progress=print) -> dict:
     """The recorded second step of ``config`` (see the module docstring), as plain data."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     started = time.perf_counter()
-    device = world.join("fake" if config.cpu else "fakeaccel", config.world)
-    mesh = step.mesh(config, device)  # outside the fake mode: DeviceMesh computes on the host
     cfg = config.llama()
     with torch.device("meta"):
         model = Llama(cfg)
     wrapped = checkpointing.apply(model, config.ac)
     params = sum(p.numel() for p in model.parameters())
     labels = Labels()
-    trace = StepTrace(device.type, labels)
-    fake = contextlib.nullcontext() if config.real else FakeTensorMode(allow_non_fake_inputs=True)
-    with fake, trace, _watch_waits(trace):
-        progress(f"{config.impl}: sharding {params / 1e9:.2f}B parameters over {config.world}")
-        if config.impl == ideal.NAME:  # the ideal step: the model without FSDP (ideal.py)
-            model, opt = ideal.build(config, device, model)
-        else:
-            step.build_on_meta(config, device, mesh, model)
-            # foreach as twinshard bench leaves it: torch's choice (a CPU loop over parameters)
-            opt = step.optimizer(model, config.optimizer, None if config.cpu else True)
-        tokens = step.tokens(config, cfg.vocab_size, device=device)
+    progress(f"{config.impl}: sharding {params / 1e9:.2f}B parameters over {config.world}")
+
+    def ready(trace, model, opt):
         labels.attach(model)
         trace.model, trace.optimizer = model, opt
         trace.modules = sharded_modules(model)
         if config.probe:
             trace.probe = Probe(model, opt, sharded_modules(model))
-        with _flash_attention(enabled=not config.cpu):
-            for k in range(STEPS + 1):
-                progress(f"{config.impl}: step {k + 1} of {STEPS + 1}")
-                trace.begin(f"step {k + 1}")
-                if k == STEPS - 1:
-                    trace.start()
-                elif k == STEPS:  # see StepTrace: the parts of the recorded step's peak
-                    trace.stop()
-                    trace.arm(trace.peak_operator)
-                    trace.probe = None
-                step.train_step(model, opt, tokens, lambda phase: labels.set(*MARKS[phase]))
-        _release_last_graph(device)
-    phases = trace.finish()
+
+    def before(trace, k):
+        progress(f"{config.impl}: step {k + 1} of {STEPS + 1}")
+        if k == STEPS - 1:
+            trace.start()
+        elif k == STEPS:  # see StepTrace: the parts of the recorded step's peak
+            trace.stop()
+            trace.arm(trace.peak_operator)
+            trace.probe = None
+
+    trace, phases = observe.record(
+        config,
+        lambda device: StepTrace(device.type, labels),
+        STEPS + 1,
+        backend="fake" if config.cpu else "fakeaccel",
+        real=config.real,
+        watch=[_watch_waits],
+        model=model,
+        # the ideal step: the model without FSDP (ideal.py)
+        build=(lambda d, _: ideal.build(config, d, model)) if config.impl == ideal.NAME else None,
+        # foreach as twinshard bench leaves it: torch's choice (a CPU loop over parameters)
+        optimizer=(config.optimizer, None if config.cpu else True),
+        ready=ready,
+        steps_in=lambda device: _steps_in(device, config.cpu),
+        before=before,
+        mark=lambda phase: labels.set(*MARKS[phase]),
+    )
     limits = {name: d.capacity for name, d in DEVICES.items() if name != "cpu"}
     reserved = allocator.summary(trace.alloc_log, limits) if trace.alloc_log is not None else None
     labels.remove()
@@ -113,7 +116,7 @@ def record(config, progress=print) -> dict:
         "peak_host_bytes": recorded.peak_host_bytes,
         "parts": trace.parts_at_peak(),
         "allocator": reserved,  # the caching allocator's model over every step (None: CPU)
-        "alloc_log": trace.alloc_log,  # what it replayed, to replay again (``published --fit``)
+        "alloc_log": trace.alloc_log,  # what it replayed, to replay again (``plan_published.py --fit``)
         "peak_label": getattr(trace, "peak_label", ""),
         "parts_step_bytes": trace.snapshot_bytes,  # the next step's at the same point
         "probe": dict(recorded.categories),
@@ -123,6 +126,14 @@ def record(config, progress=print) -> dict:
         "host_collectives": len(recorded.host_collectives),
         "record_s": time.perf_counter() - started,
     }
+
+
+@contextlib.contextmanager
+def _steps_in(device: torch.device, cpu: bool):
+    """The flash-attention kernel while the steps run; the last step's graph let go after."""
+    with _flash_attention(enabled=not cpu):
+        yield
+    _release_last_graph(device)
 
 
 def _release_last_graph(device: torch.device) -> None:

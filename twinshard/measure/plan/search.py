@@ -19,9 +19,7 @@ fits wins; the table shows recorded figures where there are some, the guess besi
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import replace
-
+from twinshard.measure import grid
 from twinshard.measure.job import Job
 from twinshard.measure.units import GiB, markdown_table
 
@@ -35,11 +33,8 @@ WORKERS = 2  # processes recording at once (one per core here)
 def settings(base: Job) -> list[Job]:
     """Every setting searched for ``base`` (see the module docstring)."""
     replicas = [1] + ([base.world // 8] if base.world > 8 and base.world % 8 == 0 else [])
-    grid = itertools.product(AC, PER_RANK, (True, False), replicas)
-    return [
-        replace(base, ac=ac, per_rank=n, reshard_after_forward=after, replicas=r)
-        for ac, n, after, r in grid
-    ]
+    axes = dict(ac=AC, per_rank=PER_RANK, reshard_after_forward=(True, False), replicas=replicas)
+    return grid.jobs(base, axes)
 
 
 def describe(job: Job) -> str:
@@ -49,7 +44,7 @@ def describe(job: Job) -> str:
 
 
 def at_depth(job: Job, blocks: int) -> Job:
-    return replace(job, model={**job.model, "n_layers": blocks})
+    return grid.at(job, {"n_layers": blocks})
 
 
 def extrapolate(shallow: list[dict], depths: tuple, blocks: int) -> dict:

@@ -14,8 +14,8 @@ the command ``twinshard schedule --impls optimized --out step.png --text step.tx
 (hooks, autograd markers, a dispatch mode for collectives), ``attribute.py`` works out which
 group each collective carries, ``text.py`` prints the table, ``timeline.py`` draws the
 picture (matplotlib, imported only there), ``cli.py`` runs the example model and is the
-command, ``explore.py`` records the example over a grid of settings and writes the JSON that
-the site's schedule explorer draws (``docs/explorer.md``).
+command. (The site's schedule explorer records the example over a grid of settings with the
+docs build's own ``docs/hooks/explorer_data.py``.)
 """
 
 from .record import Recorder

@@ -16,7 +16,7 @@ really runs rank 0's step on this CPU while the network is simulated). ``twinsha
   neighbours make it, and the plan predicts a step on a core of its own). The target is
   within 20%; the exit code is 1 when an implementation's median ratio misses it.
 
-    python -m twinshard.measure.plan.measured --runs 5 \\
+    python benchmarks/plan_measured.py --runs 5 \\
         --out benchmarks/results/DATE-plan-measured.md \\
         --json benchmarks/results/DATE-plan-measured.json
 """
@@ -47,7 +47,7 @@ def bench_config(steps: int = STEPS, link: str = "ib") -> Job:
 
 def plan_configs(impls=IMPLS) -> list:
     """The same job as ``twinshard plan --device cpu --network simnet:ib --probe`` plans it."""
-    from . import config
+    from twinshard.measure.plan import config
 
     plan = dict(device="cpu", network="simnet:ib", optimizer="sgd", probe=True)
     return [config.job(**JOB, model={"n_layers": LAYERS}, impl=impl, **plan) for impl in impls]
@@ -60,8 +60,7 @@ def measure_and_plan(impls=IMPLS, steps: int = STEPS, link: str = "ib") -> tuple
     buffer lives as the program holds it; over a slower link the wire holds a collective's
     input until it is sent, as a real network does, for a time the CPU's load decides)."""
     from twinshard.measure.bench.compare import side_by_side
-
-    from .cli import plan
+    from twinshard.measure.plan.cli import plan
 
     config = bench_config(steps, link)
     measured = side_by_side(config, list(impls), 1, progress=False, overlap=False)

@@ -1,17 +1,15 @@
 """Published FSDP2 runs, planned: predicted against published, configuration by configuration.
 
-``RUNS`` holds every run of torchtitan's performance pages that FSDP alone reproduces in shape
-and policy, each as a plan's job with its published figures; each is planned with torch's
-``fully_shard`` and ``profiles.py``'s constants, the same for every run, and the two runs the
-efficiencies were fitted on (``CALIBRATED_ON``) are marked, being no evidence. ``OOM_RUNS``
-holds the settings the same pages say ran out of memory, which the plan must say do not fit
-(by the caching allocator's model, in the mode each run's launch script set). Which pages,
-how their policies map onto ``--ac`` and how to read the table: docs/benchmarks.md, "Planned
-against published runs".
+Every run of ``published_runs.py`` (torchtitan's performance pages) is planned with torch's
+``fully_shard`` and ``twinshard.measure.plan.profiles``' constants, the same for every run; the
+two runs the efficiencies were fitted on (``FITTED``) are marked, being no evidence. The
+settings the same pages say ran out of memory must be planned not to fit (by the caching
+allocator's model, in the mode each run's launch script set). How to read the table:
+docs/benchmarks.md, "Planned against published runs".
 
-    python -m twinshard.measure.plan.published --out benchmarks/results/2026-11-24-plan-published.md
-    python -m twinshard.measure.plan.published --only 8b,13b     # runs whose name has one of these
-    python -m twinshard.measure.plan.published --traces DIR --fit  # keep the recorded steps; re-time
+    python benchmarks/plan_published.py --out benchmarks/results/2026-11-24-plan-published.md
+    python benchmarks/plan_published.py --only 8b,13b     # runs whose name has one of these
+    python benchmarks/plan_published.py --traces DIR --fit  # keep the recorded steps; re-time
     # them with other constants without recording again; print the fitted efficiencies
 """
 
@@ -23,90 +21,15 @@ import os
 import pickle
 from dataclasses import replace
 
-from twinshard.measure.job import Job
+from published_runs import FITTED, PLANNED, RUNS, configs  # beside this script
+
+from twinshard.measure.plan import config
+from twinshard.measure.plan.profiles import BF16, DEVICES, FP32
 from twinshard.measure.units import GiB
 from twinshard.report_files import publish
 
-from . import config
-from .profiles import BF16, DEVICES, FP32
-
-TITAN_A100 = "torchtitan docs/performance.md @04133643, 64 A100 80GB"
-TITAN_A100_OOM = "torchtitan docs/performance.md @395a5262 (table) and @04133643 (note 1)"
-TITAN_405B = "torchtitan docs/performance.md @3faaa1a0, 128 H100 (94GB): 1D OOM"
-TITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, H100 96GB 500 W"
-# The caching allocator's mode each source ran with: torchtitan's launch script has set
-# ``expandable_segments:True`` since 2024-10-22 (56bc26a8); the A100 page (2024-04) and the 405B
-# page (2024-08) are older, so plain segments, PyTorch's default.
-HARDWARE = {  # the cluster of each source: device, network, allocator mode
-    "a100": (dict(device="a100", network="a100-ib"), "segments"),
-    "h100": (dict(device="h100-500w", network="h100-roce"), "expandable"),
-    "h100-2024-08": (dict(device="h100-500w", network="h100-roce"), "segments"),
-}
-SEQ = {"llama3": 8192, "llama2": 4096}
-# name, model, local batch, activation checkpointing, ranks, hardware, tokens/s/GPU, GiB
-TABLE = [
-    ("llama3-8b a100 bs1 selective-layer", "llama3-8b", 1, "layer:2", 64, "a100", 2904, None),
-    ("llama3-8b a100 bs1 selective-op", "llama3-8b", 1, "selective", 64, "a100", 2973, None),
-    ("llama3-70b a100 bs1 full", "llama3-70b", 1, "block", 64, "a100", 331, None),
-    ("llama2-13b a100 bs2 none", "llama2-13b", 2, "none", 64, "a100", 2162, None),
-    ("llama2-13b a100 bs2 selective-layer", "llama2-13b", 2, "layer:2", 64, "a100", 1914, None),
-    ("llama2-13b a100 bs2 selective-op", "llama2-13b", 2, "selective", 64, "a100", 1904, None),
-    ("llama2-70b a100 bs1 selective-op", "llama2-70b", 1, "selective", 64, "a100", 355, None),
-    ("llama2-70b a100 bs2 full", "llama2-70b", 2, "block", 64, "a100", 353, None),
-    ("llama3.1-8b h100 8 bs2 selective-op", "llama3-8b", 2, "selective", 8, "h100", 5762, 82.4),
-    ("llama3.1-8b h100 128 bs2 selective-op", "llama3-8b", 2, "selective", 128, "h100", 5605, 67.0),
-]
-# Settings the same pages say ran out of memory: name, model, local batch, checkpointing, ranks,
-# hardware, source. The 405B page names no batch for its 1D attempt; one sequence per rank with
-# every block checkpointed is the least memory FSDP alone can run it with, and the 96 GiB
-# profile is more than its 94 GB, so "does not fit" here holds for whatever it tried.
-OUT_OF_MEMORY = [
-    ("llama2-70b a100 bs2 selective-layer", "llama2-70b", 2, "layer:2", 64, "a100", TITAN_A100_OOM),
-    ("llama2-70b a100 bs2 selective-op", "llama2-70b", 2, "selective", 64, "a100", TITAN_A100_OOM),
-    ("llama3.1-405b h100 128 bs1 full", "llama3-405b", 1, "block", 128, "h100-2024-08", TITAN_405B),
-]
-SOURCE = {"a100": TITAN_A100, "h100": TITAN_H100}
-
-
-def _runs(rows) -> dict:
-    """name -> (plan, published tokens/s per GPU (None: out of memory), published memory in GiB
-    or None, source, allocator mode), from ``TABLE``'s or ``OUT_OF_MEMORY``'s rows."""
-    return {
-        name: (
-            dict(
-                preset=model,
-                per_rank=batch,
-                ac=ac,
-                world=world,
-                seq=SEQ[model.split("-")[0]],
-                **HARDWARE[hardware][0],
-            ),
-            tps,
-            gib,
-            source,
-            HARDWARE[hardware][1],
-        )
-        for name, model, batch, ac, world, hardware, tps, gib, source in rows
-    }
-
-
-RUNS = _runs(row + (SOURCE[row[5]],) for row in TABLE)  # the runs that ran
-OOM_RUNS = _runs(row[:6] + (None, None, row[6]) for row in OUT_OF_MEMORY)
-PLANNED = {**RUNS, **OOM_RUNS}
 MODES = ("expandable", "segments")  # the allocator model's two modes (measure/allocator.py)
 RESERVED_WITHIN = 0.10  # issue 36's target: planned reserved within 10% of the published figure
-FITTED = ("llama3-8b a100 bs1 selective-op", "llama3.1-8b h100 8 bs2 selective-op")
-
-
-def configs(only: str | None = None, runs: dict = RUNS, variants: str = "") -> dict[str, Job]:
-    """The runs of ``runs`` (those whose name contains one of ``only``'s comma-separated words)
-    as plans with torch's ``fully_shard`` (and the communication ``variants``, if any)."""
-    words = only.split(",") if only else [""]
-    return {
-        name: config.job(impl="torch", variants=variants, **run[0])
-        for name, run in runs.items()
-        if any(word in name for word in words)
-    }
 
 
 def planned_fits(row: dict, device: str, mode: str) -> bool:
@@ -260,7 +183,7 @@ def record(names: list[str], traces: str | None, variants: str = "") -> dict:
     """The recorded steps of ``names`` (one spawned process; with the communication
     ``variants``, if any), read from ``traces`` (a directory) where they were saved there
     before, and saved there otherwise."""
-    from .runner import record_many
+    from twinshard.measure.plan.runner import record_many
 
     chosen = configs(runs=PLANNED, variants=variants)
     saved = {n: _trace_file(traces, n, variants) + ".pkl.gz" for n in names} if traces else {}
@@ -280,8 +203,8 @@ def record(names: list[str], traces: str | None, variants: str = "") -> dict:
 def time_all(recorded: dict, efficiency: dict | None = None) -> dict:
     """Each recorded step summarized with the constants (``efficiency``: device name ->
     a replacement efficiency, for ``fit``)."""
-    from .cli import device_and_network
-    from .summary import summarize
+    from twinshard.measure.plan.cli import device_and_network
+    from twinshard.measure.plan.summary import summarize
 
     chosen, rows = configs(runs=PLANNED), {}
     for name, rec in recorded.items():

@@ -1,12 +1,13 @@
 """The data of the site's schedule explorer: recorded steps over a grid of settings, as JSON.
 
+A part of the docs build, not of the package: ``explorer.py`` (the hook beside it) calls it.
 The explorer (``docs/explorer.md``, drawn by ``docs/js/explorer.js``) lets a student pick an
 implementation, a world size, ``reshard_after_forward``, a prefetch depth and the parameters'
 dtype, and step through the schedule of one training step that the code really ran with
 those settings. This module makes what it shows:
 
 - ``AXES`` declares the grid, ``grid(axes)`` is every combination of it (a ``Setting`` each);
-- ``record_grid(settings)`` records each setting's step with ``cli.record_on_rank``, the
+- ``record_grid(settings)`` records each setting's step with ``record_on_rank``, the
   example job that ``twinshard schedule`` runs (``Setting.command`` is that command line),
   and keeps rank 0's schedule as the command does. The settings of one world size share one
   launch of gloo ranks on the CPU, recorded one after the other (starting ranks is what costs:
@@ -19,22 +20,25 @@ those settings. This module makes what it shows:
   schedule the totals by op (``text.totals``' numbers), the peaks and what was unsharded or
   being gathered there. The browser only draws and steps.
 
-``docs/hooks/explorer.py`` calls both at build time and caches the JSON.
+``explorer.py`` calls both at build time and caches the JSON.
 """
 
 from __future__ import annotations
 
-import itertools
+import os
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
+from twinshard.measure import grid as jobs_grid
+from twinshard.measure.schedule.cli import example, record_on_rank
+from twinshard.measure.schedule.steps import Schedule, name_of
+from twinshard.measure.schedule.text import used_in
 from twinshard.measure.units import human_bytes
 
-from .cli import example, record_on_rank
-from .steps import Schedule, name_of
-from .text import used_in
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Each axis of the grid: its values, in the order the page offers them.
 AXES = {
@@ -102,7 +106,7 @@ class Setting:
 
 def grid(axes: dict = AXES) -> list[Setting]:
     """Every combination of ``axes`` (``AXES``' keys, each with its values)."""
-    return [Setting(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
+    return [Setting(**point) for point in jobs_grid.points(axes)]
 
 
 # --- recording --------------------------------------------------------------------------------
@@ -127,18 +131,23 @@ def record_grid(settings: list[Setting], timeout: float = 600) -> dict[Setting, 
         wrong = example(s.impl, s.world, **s.policies()).problem()
         if wrong:
             raise RecordingFailed(f"the explorer cannot record {s.label}: {wrong}")
-    # Forking skips re-importing torch in every rank, as ``cli.record_step`` does.
+    # Forking skips re-importing torch in every rank, as ``record_step`` does; a spawned rank
+    # (where there is CUDA) imports this module by name, from the path it is given here.
     start = None if torch.cuda.is_available() else "fork"
     recorded = {}
-    for world in sorted({s.world for s in settings}):
-        batch = [s for s in settings if s.world == world]
-        try:
-            ranks = launch(_record_on_rank, world, batch, start_method=start, timeout=timeout)
-        except LaunchError as error:
-            named = [s.label for s in batch if f"[{s.label}]" in str(error)]
-            which = named[0] if named else "one of: " + "; ".join(s.label for s in batch)
-            raise RecordingFailed(f"the explorer failed to record {which}\n{error}") from None
-        recorded.update(zip(batch, ranks[0]))
+    sys.path.insert(0, HERE)
+    try:
+        for world in sorted({s.world for s in settings}):
+            batch = [s for s in settings if s.world == world]
+            try:
+                ranks = launch(_record_on_rank, world, batch, start_method=start, timeout=timeout)
+            except LaunchError as error:
+                named = [s.label for s in batch if f"[{s.label}]" in str(error)]
+                which = named[0] if named else "one of: " + "; ".join(s.label for s in batch)
+                raise RecordingFailed(f"the explorer failed to record {which}\n{error}") from None
+            recorded.update(zip(batch, ranks[0]))
+    finally:
+        sys.path.remove(HERE)
     return recorded
 
 

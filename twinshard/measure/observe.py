@@ -1,0 +1,72 @@
+"""One recording loop: a job's steps on the fake accelerator (or the CPU's fake process group),
+with observers plugged in.
+
+``record(job, observer, steps)`` plays rank 0 of ``job.world`` ranks (``world.join``), makes
+the job's mesh, builds its model on ``meta`` and shards it inside ``FakeTensorMode``
+(``step.build_on_meta``; with ``real``, real tensors without values), makes its optimizer and
+one batch, and trains ``steps`` steps, each a phase of ``observer`` of its own. ``observer``
+makes the observer for the device joined: a ``monitor.Monitor`` or one built on it, entered
+around everything after the mesh. It returns the observer and its phases, setup first. What a
+run adds plugs in:
+
+- ``watch``: more contexts entered with the observer, given it (the plan's waits);
+- ``model``: a model the caller built on ``meta`` (the plan's, wrapped for checkpointing);
+  ``build(device, mesh)``: the model and optimizer instead (the plan's ideal step);
+  ``optimizer``: ``step.optimizer``'s kind and ``foreach``;
+- ``ready(observer, model, opt)``: once they and the batch exist (a probe, labels, a planted
+  hazard);
+- ``steps_in(device)``: a context around the steps (the plan's attention kernel);
+- ``before(observer, k)``: at the start of step k's phase; ``mark``: ``step.train_step``'s.
+
+The fake accelerator's run (``fakeaccel/runner.py``) and the plan (``plan/runner.py``) record
+through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from . import step, world
+
+
+def record(
+    job,
+    observer,
+    steps: int,
+    *,
+    backend: str = "fakeaccel",
+    real: bool = False,
+    watch=(),
+    model=None,
+    build=None,
+    optimizer: tuple = ("sgd", True),
+    ready=None,
+    steps_in=None,
+    before=None,
+    mark=None,
+) -> tuple:
+    """The observer and its phases (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = world.join(backend, job.world)
+    mesh = step.mesh(job, device)  # outside the fake mode: DeviceMesh computes on the host
+    seen = observer(device)
+    fake = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
+    with fake, seen, contextlib.ExitStack() as more:
+        for context in watch:
+            more.enter_context(context(seen))
+        if build is not None:
+            model, opt = build(device, mesh)
+        else:
+            model = step.build_on_meta(job, device, mesh, model)
+            opt = step.optimizer(model, *optimizer)
+        tokens = step.tokens(job, model.config.vocab_size, device=device)
+        if ready is not None:
+            ready(seen, model, opt)
+        with steps_in(device) if steps_in is not None else contextlib.nullcontext():
+            for k in range(steps):
+                seen.begin(f"step {k + 1}")
+                if before is not None:
+                    before(seen, k)
+                step.train_step(model, opt, tokens, mark)
+    return seen, seen.finish()
