@@ -213,8 +213,11 @@ class FlatParamGroup(KeptBlocks):
         backward after it: see [Note: in forward, the next all-gather goes out before the
         copy-out] in ``state.py``. Without ``meanwhile`` (``unshard()``, a forward recomputed in
         backward) it is the reference's blocking unshard."""
+        comm = self.own_comm()
         if meanwhile is not None and self.state is TrainingState.PRE_BACKWARD:
-            self.own_comm().start_backward()  # before backward's first all-gather
+            comm.start_backward()  # before backward's first all-gather
+        elif meanwhile is not None and not comm.in_forward:
+            comm.start_forward()  # the first group's pre-forward starts the step
         self.unshard_async()
         early = meanwhile is not None and self.state is TrainingState.FORWARD
         if early:

@@ -88,12 +88,8 @@ class FSDPState(ReferenceState):
     # --- the seam: what runs while this group's all-gather is in flight -----------------------
     def while_gathering(self) -> None:
         """Issue the all-gathers of the groups that run next (``ParamGroup.unshard``'s
-        ``meanwhile``). In forward, the first group's also starts the step's record of the
-        order groups run in; in backward, the next group's copy-in is ordered as in [Note: in
-        backward, a copy-in waits for the last reshard] in ``comm.py``."""
+        ``meanwhile``), and note the order groups start forward in."""
         if self.group.state is TrainingState.FORWARD:
-            if not self.comm.in_forward:
-                self.comm.start_forward()
             if self.group not in self.comm.current_order:
                 self.comm.current_order.append(self.group)  # the order groups start forward
             self.prefetch(self.forward_hint, self.comm.forward_order)
