@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import twinshard
-    from twinshard.launch import launch
+    from twinshard.ranks.launch import launch
 
     print(f"twinshard from {Path(twinshard.__file__).parent}, torch {torch.__version__}")
     start = time.perf_counter()

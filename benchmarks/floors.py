@@ -105,7 +105,7 @@ def gloo_job():
 
 
 def comm_only(sizes: list[int]) -> list[float]:
-    """One rank of the comm-only step (``twinshard.launch``, 2 gloo ranks): the seconds of
+    """One rank of the comm-only step (``twinshard.ranks.launch``, 2 gloo ranks): the seconds of
     ``GLOO_STEPS`` steps of the step's collectives alone, after 3 of warm-up."""
     import torch
     import torch.distributed as dist
@@ -140,7 +140,7 @@ def comm_only(sizes: list[int]) -> list[float]:
 
 def gloo_floor() -> tuple[list[str], bool]:
     """The gloo step's floor beside the measured steps and the 0.75x bound."""
-    from twinshard.launch import launch
+    from twinshard.ranks.launch import launch
 
     sizes = group_sizes()
     comm = statistics.median(launch(comm_only, 2, sizes, backend="gloo")[0])

@@ -28,7 +28,7 @@ import time
 
 from twinshard.conformance.fuzz import Example, run_examples
 from twinshard.conformance.suite import mesh_name, parse_meshes
-from twinshard.launch import LaunchError, launch
+from twinshard.ranks.launch import LaunchError, launch
 
 MESHES = "1,2,3,4,2x2,1x2,2x1,1x3,3x1"
 RAISED = "RuntimeError: example "  # how run_examples reports an example that raised

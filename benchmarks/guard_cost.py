@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from twinshard import guard
 from twinshard.guard import channel
-from twinshard.launch import launch
 from twinshard.models import Llama, LlamaConfig
+from twinshard.ranks.launch import launch
 
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -4,7 +4,7 @@
     python benchmarks/stream_order.py --device cuda      # a real GPU's streams (gpu.sh runs it)
 
 The optimized path's accelerator schedule is checked on the CPU with stand-in streams
-(``twinshard/standin.py``), which log every ``wait_stream``, ``record_event`` and ``wait_event``.
+(``twinshard/dispatch/standin.py``), which log every ``wait_stream``, ``record_event`` and ``wait_event``.
 The same schedule runs on the fake accelerator through ``fakecuda`` (the same log) and on a real
 GPU through ``torch.cuda``'s streams and events, which ``CudaRecorder`` logs the same way. If
 the logs are one sequence, the stand-in checks (the stream sanitizer that CI runs) checked the
@@ -137,9 +137,9 @@ def orders(config: Job, steps: int = 2, on: str = "fake") -> tuple[list, list]:
 def standin_log(config: Job, steps: int) -> list[tuple]:
     """The stand-in streams' log of ``steps`` steps of ``config`` on the CPU (fake process
     group, real tensors)."""
+    from twinshard.dispatch.standin import standin_streams
     from twinshard.measure.fakeaccel.runner import cpu_run
     from twinshard.optimized.streams import STANDIN_ENV
-    from twinshard.standin import standin_streams
 
     log = standin_streams().log
     start = len(log)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from twinshard.standin import paused
+from twinshard.dispatch.standin import paused
 
 from .compare import Checker, local_rows
 

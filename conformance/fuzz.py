@@ -16,7 +16,7 @@ loaded back with ``assign=True``, so that every parameter is a new ``DTensor`` (
 or in the old) that the next all-gather must adopt.
 
 With ``stand_in``, the second implementation (the optimized path) runs its accelerator schedule
-on stand-in streams with the stream sanitizer on (``twinshard/standin.py``), as ``twinshard
+on stand-in streams with the stream sanitizer on (``twinshard/dispatch/standin.py``), as ``twinshard
 conform --stand-in-streams`` runs the cases: a read before its wait or a buffer released too
 early fails the example with the sanitizer's report (the ranks stop, and the launch names the
 example), and the values are compared as in any other example.

@@ -2,7 +2,7 @@
 an assign-load after the post-optimizer event.
 
 ``stand_in_streams`` runs the optimized roots built inside it on stand-in streams and checks
-every tensor access against their order (``twinshard/standin.py``), as ``twinshard conform
+every tensor access against their order (``twinshard/dispatch/standin.py``), as ``twinshard conform
 --stand-in-streams`` does for the cases. ``reloads_after_steps`` hooks every optimizer step: the
 root is handed an event recorded after the step, as a training loop on an accelerator does
 (``set_post_optim_event``), and the model's own state dict is loaded back with ``assign=True``,
@@ -75,7 +75,7 @@ def stand_in_streams(on: bool):
     if not on:
         yield
         return
-    from twinshard.standin import standin_streams
+    from twinshard.dispatch.standin import standin_streams
 
     before = os.environ.get(STANDIN_ENV)
     os.environ[STANDIN_ENV] = "1"  # read when a root's streams are made (streams_for)

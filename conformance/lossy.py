@@ -29,7 +29,7 @@ import os
 import torch
 import torch.nn as nn
 
-from twinshard.standin import paused
+from twinshard.dispatch.standin import paused
 
 from . import driver
 from .compare import Checker

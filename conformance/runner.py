@@ -101,7 +101,7 @@ def run_cases(
     A case that does not apply to this mesh gets a SKIP row with its reason. With stand-in
     streams (``TWINSHARD_STANDIN_STREAMS=1``) every case runs under the stream checks.
     ``device``: the device type the cases run on (``twinshard conform --device``); None, the
-    device this rank was given (``twinshard.devices``)."""
+    device this rank was given (``twinshard.ranks.devices``)."""
     impl = importlib.import_module(impl_name)
     oracle = reference = None
     wanted = oracle_names(with_oracle)
@@ -195,7 +195,7 @@ def stream_checks():
 
     if os.environ.get(STANDIN_ENV, "0") in ("", "0"):
         return contextlib.nullcontext()
-    from twinshard.standin import standin_streams
+    from twinshard.dispatch.standin import standin_streams
 
     return standin_streams().checking()
 

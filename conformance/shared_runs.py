@@ -4,7 +4,7 @@ A training case compares the implementation under test with the plain model (the
 low precision its data-parallel twin) and with the oracles (the reference, torch's
 ``fully_shard``). None of these depends on which implementation is under test: the case, the
 mesh and the rank decide them. A rank that checks several implementations one after the other
-(a rank of ``twinshard.worlds``, which runs the reference's suite, then the optimized path's
+(a rank of ``twinshard.ranks.worlds``, which runs the reference's suite, then the optimized path's
 with the reference and torch as oracles, then torch's own) computes each of them once and reads
 it back after: the same tensors, so the same verdicts as computing it again.
 

@@ -73,13 +73,13 @@ def run_suite(
 ) -> list[dict]:
     """Every selected case on every mesh; one row per (mesh, case), SKIP where a case does not
     apply. ``stand_in_streams``: run the accelerator schedule on the CPU, with stream checks
-    (``twinshard.standin``). ``oracles=False`` compares with the plain model only
+    (``twinshard.dispatch.standin``). ``oracles=False`` compares with the plain model only
     (not with the reference and torch): faster, for a second pass in another mode; a tuple
     of names (``("reference",)``) runs only those oracles. ``variant``: the ``lossy_given``
     case's (``conformance/lossy.py``, ``load_variant``)."""
     import torch
 
-    from twinshard.launch import LaunchError, launch
+    from twinshard.ranks.launch import LaunchError, launch
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="twinshard-conform-") as scratch:

@@ -1,7 +1,7 @@
 """The collective trace: every collective a rank issues, as (op, dtype, numel).
 
 ``CollectiveTrace`` is a ``TorchDispatchMode``. Every ``torch.distributed`` collective on
-tensors reaches the dispatcher as a ``c10d`` operator (``twinshard.c10d``'s table), whichever
+tensors reaches the dispatcher as a ``c10d`` operator (``twinshard.dispatch.c10d``'s table), whichever
 implementation issued it and however it wrapped the call, so the trace sees torch's
 ``fully_shard`` exactly as it sees ours. A case records one training step and then checks that
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinshard import c10d
+from twinshard.dispatch import c10d
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ and receives the peer's slot 6-8 ms (1M elements: 6 ms against 1.2 ms). With a s
 two ranks the all-gather is exactly that exchange, received straight into the peer's slot of
 the output, so on gloo such a group issues it instead: the same bytes on the wire, the same
 result bit for bit, no buffer added. Traces and recorded schedules count an exchange in place
-as the all-gather it is (``twinshard.c10d.gathered_in_place``). A larger group keeps
+as the all-gather it is (``twinshard.dispatch.c10d.gathered_in_place``). A larger group keeps
 the all-gather: ``all_to_all_single`` takes one input split per peer, so it would need this
 rank's slot once per peer, a copy of the whole group.
 

@@ -116,7 +116,7 @@ class CommContext:
     copied_in: Any = None  # recorded on the copy-in stream right after the last copy-in
     hold_gathered: bool = False  # forward on a device: see [Note: in forward, a gathered ...]
     in_forward: bool = False  # from the first group's pre-forward to the root's post-forward
-    in_backward: bool = False  # from the first all-gather of backward to its end
+    in_backward: bool = False  # from the first pre-backward's own all-gather to backward's end
     resharded: Any = None  # recorded on the compute stream after the latest reshard
     first_gather_of_backward: bool = False  # set as backward starts, until its first all-gather
     freed_own: bool = False  # a reshard freed a parameter's own all-gather output since the
@@ -261,8 +261,11 @@ class CommContext:
         self.backward_order = self.current_post_order[::-1]
 
     def start_backward(self) -> None:
-        """Backward starts (before its first all-gather), once; see [Note: the first
-        all-gather of backward is copied out where ...]."""
+        """Backward has started: once, after the first pre-backward hook's own all-gather (the
+        root's, which keeps its parameters after forward unless told otherwise) and before its
+        prefetch; see [Note: the first all-gather of backward is copied out where ...]. A root
+        without parameters of its own has no group to run it: then the first block's own
+        all-gather still counts as forward's, and its copy-in waits for the current stream."""
         if not self.in_backward:
             self.in_backward = self.first_gather_of_backward = True
 

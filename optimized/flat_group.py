@@ -214,9 +214,7 @@ class FlatParamGroup(KeptBlocks):
         copy-out] in ``state.py``. Without ``meanwhile`` (``unshard()``, a forward recomputed in
         backward) it is the reference's blocking unshard."""
         comm = self.own_comm()
-        if meanwhile is not None and self.state is TrainingState.PRE_BACKWARD:
-            comm.start_backward()  # before backward's first all-gather
-        elif meanwhile is not None and not comm.in_forward:
+        if meanwhile is not None and self.state is TrainingState.FORWARD and not comm.in_forward:
             comm.start_forward()  # the first group's pre-forward starts the step
         self.unshard_async()
         early = meanwhile is not None and self.state is TrainingState.FORWARD

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from twinshard.api import without_grad
+from twinshard.dispatch.storages import memory_key, starts
 from twinshard.reference.more.layouts import on_meta
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
-from twinshard.storages import memory_key, starts
 
 SHARDED = ParamState.SHARDED  # read at every unshard: see ``flat_group.py``
 

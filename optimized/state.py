@@ -93,7 +93,7 @@ class FSDPState(ReferenceState):
             if self.group not in self.comm.current_order:
                 self.comm.current_order.append(self.group)  # the order groups start forward
             self.prefetch(self.forward_hint, self.comm.forward_order)
-        else:
+        else:  # after the first pre-backward's own all-gather, as [Note: the first ...]
             self.comm.start_backward()
             self.prefetch(self.backward_hint, self.comm.backward_order, backward=True)
 

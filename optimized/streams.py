@@ -9,7 +9,7 @@ current one, run a block of work on a stream (``with streams.use(s)``), and orde
   there gloo runs each collective on its own threads, so its *work handle* says when it is
   done, and the collectives are issued with ``async_op=True``. A block of work "on" a CPU
   stream is a context that does nothing (see ``DeviceStreams.use``);
-- stand-in streams (``twinshard/standin.py``): the accelerator's schedule, run on the CPU in
+- stand-in streams (``twinshard/dispatch/standin.py``): the accelerator's schedule, run on the CPU in
   CI, with every ``wait_stream`` / ``record_event`` / ``wait_event`` logged and every tensor
   access checked against the order they establish.
 
@@ -66,7 +66,7 @@ def streams_for(device: torch.device) -> DeviceStreams:
     """The streams the schedule uses on ``device``: stand-ins on the CPU when the environment
     variable ``TWINSHARD_STANDIN_STREAMS=1`` asks for them, else the device's own."""
     if device.type == "cpu" and os.environ.get(STANDIN_ENV, "0") not in ("", "0"):
-        from twinshard.standin import standin_streams
+        from twinshard.dispatch.standin import standin_streams
 
         return standin_streams()
     return DeviceStreams(device)

@@ -67,7 +67,7 @@ def default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise FSDPUsageError(
             "fully_shard needs torch.distributed: call init_process_group first "
-            "(twinshard.launch does it for you) or pass mesh=..."
+            "(twinshard.ranks.launch does it for you) or pass mesh=..."
         )
     return init_device_mesh(more.default_device_type(), (dist.get_world_size(),))
 

@@ -1,17 +1,33 @@
 """twinshard: fully sharded data parallel (FSDP, ZeRO-3) for PyTorch, written twice.
 
+The engine, one interface written twice, and the suite that checks it:
+
 - ``twinshard.reference``: the readable, single-stream specification.
 - ``twinshard.optimized``: the overlapped production path (same interface).
+- ``twinshard.variants``: communication variants that change the numbers on purpose.
 - ``twinshard.conformance``: checks any implementation against the truth.
-- ``twinshard.api``: the shared types (policies, the ``FSDPModule`` contract, errors).
-- ``twinshard.impls``: which implementation a command runs (a short name or any module).
-- ``twinshard.launch``: run a function on N local ranks.
-- ``twinshard.storages``: what identifies a tensor's memory, for the observers.
-- ``twinshard.standin``: stand-in streams and their sanitizer (the accelerator schedule on the
-  CPU), imported by the optimized path and the suite alike.
-- ``twinshard.models``: small example models with adjustable (uneven) sizes.
-- ``twinshard.train``: the training application (``twinshard train``, ``twinshard export``).
-- ``twinshard.cli``: the ``twinshard`` command.
+
+The interface, and the switch that puts it under code written for torch's:
+
+- ``api.py``, ``fsdp_module.py``: the shared types (policies, the ``FSDPModule`` contract,
+  errors); ``mesh_dims.py``: torch 2.13's mesh types for older releases; ``summon.py``: FSDP1's
+  ``summon_full_params``.
+- ``impls.py``: which implementation a command runs (a short name or any module).
+- ``switch.py``, ``run.py``: torch's ``fully_shard`` switched to twinshard's (a function, a
+  context manager, ``python -m twinshard.run``).
+- ``comm_memory.py``: where the collectives' buffers come from (torch's two switches).
+
+Running ranks and observing them:
+
+- ``ranks/``: launch, shared worlds, a rank's device, the watchdog.
+- ``dispatch/``: the collectives, memory and stream order as the dispatcher shows them.
+- ``guard/``: checks across ranks (same model, same collectives, parameters used).
+- ``measure/``: bench, schedule, plan and the fake accelerator.
+
+The applications: ``train/`` (``twinshard train``, ``twinshard export``), ``cli.py`` (the
+``twinshard`` command), ``report_files.py`` (how a report command ends), ``models.py`` (small
+example models), ``example.py`` (a first run), ``fakeaccel/`` (the fake accelerator's old
+command name).
 """
 
 # The one place the version is written; pyproject.toml reads it from here.

@@ -16,8 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from twinshard.launch import launch
 from twinshard.models import Llama, LlamaConfig
+from twinshard.ranks.launch import launch
 
 TEXT = (
     "fully sharded data parallel keeps one slice of every weight on each rank. "

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from twinshard.devices import current_device, rank_device_type
+from twinshard.ranks.devices import current_device, rank_device_type
 
 from ..compare import Checker
 from ..driver import Recipe, compare, run_oracle, run_plain, run_sharded
@@ -30,7 +30,7 @@ class Context:
     tmpdir: str
     reference: object | None = None  # twinshard.reference, unless that is what is under test
     # The runner's --device ("cpu", "cuda"); None: the device this rank was given
-    # (twinshard.devices: launch's choice, else the accelerator API), never the backend's name.
+    # (twinshard.ranks.devices: launch's choice, else the accelerator API), never the backend's name.
     device_choice: str | None = None
     _mesh: object = None
 

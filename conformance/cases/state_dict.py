@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from twinshard.standin import paused
+from twinshard.dispatch.standin import paused
 
 from .. import models as M
 from ..compare import Checker, local_rows

@@ -125,7 +125,7 @@ def record_grid(settings: list[Setting], timeout: float = 600) -> dict[Setting, 
     """Rank 0's schedule of each setting, recorded on gloo ranks on this machine, one launch
     per world size. ``RecordingFailed`` names the first setting whose job is wrong (checked
     before any rank starts, with ``Job.problem``) or that failed on a rank."""
-    from twinshard.launch import LaunchError, launch
+    from twinshard.ranks.launch import LaunchError, launch
 
     for s in settings:
         wrong = example(s.impl, s.world, **s.policies()).problem()

@@ -25,7 +25,7 @@ import os
 
 import pytest
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 CLIENTS = {"accelerate": "accelerate", "lightning": "lightning", "trainer": "transformers"}
 

@@ -26,7 +26,7 @@ import re
 import pytest
 import torch
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 IMPLS = {
     "torch": "torch.distributed.fsdp",

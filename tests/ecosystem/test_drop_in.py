@@ -5,7 +5,7 @@ share_comm_ctx, dp_mesh_dims, torch.compile of the whole model, and the wording 
 import pytest
 import torch
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 IMPLS = ["twinshard.reference", "twinshard.optimized"]
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 TORCH = "torch.distributed.fsdp"
 IMPLS = (TORCH, "twinshard.reference", "twinshard.optimized")

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 IMPLS = ("torch.distributed.fsdp", "twinshard.reference", "twinshard.optimized")
 KINDS = ("bf16", "int8", "two")

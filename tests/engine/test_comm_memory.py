@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 
 def _train(switch: str):

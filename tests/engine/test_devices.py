@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard import devices
 from twinshard.conformance.cases import Context
+from twinshard.ranks import devices
 from twinshard.reference.mesh import default_mesh
 from twinshard.train import cli as train_cli
 
@@ -109,7 +109,7 @@ def test_no_device_is_decided_from_a_backend_name():
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
-    assert not found, "decide the device with twinshard.devices:\n" + "\n".join(found)
+    assert not found, "decide the device with twinshard.ranks.devices:\n" + "\n".join(found)
 
 
 # ------------------------------------------------------------ hazard 8: device_id, the backend

@@ -10,7 +10,7 @@ decides it is ``ParamGroup.gradient_divisors``, shared by both implementations.
 import pytest
 import torch
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 IMPLS = ("twinshard.reference", "twinshard.optimized", "torch.distributed.fsdp")
 

@@ -8,7 +8,7 @@ pack) and over two micro-batches with ``set_requires_gradient_sync(False)`` on t
 import pytest
 import torch
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 IMPLS = ("twinshard.reference", "twinshard.optimized", "torch.distributed.fsdp")
 

@@ -13,7 +13,7 @@ import io
 import torch
 import torch.nn as nn
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 from twinshard.reference.state import get_state
 
 

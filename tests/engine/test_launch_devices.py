@@ -1,4 +1,4 @@
-"""twinshard.launch and the accelerator (issue 23, hazard 8): an accelerator rank gets its
+"""twinshard.ranks.launch and the accelerator (issue 23, hazard 8): an accelerator rank gets its
 device and joins its group with ``device_id``; no rank is forked once this process has
 initialized the accelerator's runtime.
 
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from test_devices import ACCEL_BACKEND, name_cuda_as_the_accelerator
 
-from twinshard import devices
-from twinshard.launch import RankInfo, _pick_start_method, get_rank_info, launch
+from twinshard.ranks import devices
+from twinshard.ranks.launch import RankInfo, _pick_start_method, get_rank_info, launch
 
 # Tests of launching itself: their launches start ranks of their own, not the shared worlds'.
 pytestmark = pytest.mark.real_launch

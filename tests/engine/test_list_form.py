@@ -10,7 +10,7 @@ reference and the optimized path; the values are the conformance case ``list_for
 import pytest
 import torch
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 
 def _unshards_per_pass(impl_name: str) -> list:

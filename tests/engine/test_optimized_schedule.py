@@ -9,7 +9,7 @@ and reduces each group's gradients one group later; the reference does everythin
 
 import torch
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward")
 

@@ -13,7 +13,7 @@ The values are checked by the conformance case ``torchtitan_grouping``.
 
 import torch
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 
 def _copy_out_sizes() -> list:
@@ -51,8 +51,8 @@ def test_a_group_of_one_parameter_is_not_copied_out():
 
 def _output_alone_log():
     import twinshard.optimized as O
+    from twinshard.dispatch.standin import standin_streams
     from twinshard.models import Llama, LlamaConfig
-    from twinshard.standin import standin_streams
 
     streams = standin_streams()
     torch.manual_seed(0)

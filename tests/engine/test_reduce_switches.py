@@ -14,7 +14,7 @@ for order and buffer lifetimes as well.
 import pytest
 import torch
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 STANDIN = {"TWINSHARD_STANDIN_STREAMS": "1"}
 
@@ -24,8 +24,8 @@ def _train(impl_name: str, force_sum: bool, buffers: int):
 
     import torch.distributed as dist
 
+    from twinshard.dispatch.standin import standin_streams
     from twinshard.models import MLPStack
-    from twinshard.standin import standin_streams
 
     impl = importlib.import_module(impl_name)
     ops, in_flight = [], []
@@ -66,7 +66,7 @@ def _train(impl_name: str, force_sum: bool, buffers: int):
             for _ in range(2):
                 model(torch.randn(8, 16)).sum().backward()
         grads = [p.grad.to_local().clone() for p in model.parameters()]
-    finally:  # the rank may run other tasks after this one (twinshard.worlds)
+    finally:  # the rank may run other tasks after this one (twinshard.ranks.worlds)
         for name, fn in originals.items():
             setattr(dist, name, fn)
         if finish is not None:

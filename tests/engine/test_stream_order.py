@@ -14,8 +14,8 @@ import gc
 import pytest
 import torch
 
-from twinshard.launch import launch
-from twinshard.standin import StandInStreams, StreamOrderError
+from twinshard.dispatch.standin import StandInStreams, StreamOrderError
+from twinshard.ranks.launch import launch
 
 
 @pytest.fixture
@@ -77,8 +77,8 @@ def test_a_reused_address_is_a_new_buffer(streams):
 
 def _two_steps(post_optim_event: bool):
     import twinshard.optimized as O
+    from twinshard.dispatch.standin import standin_streams
     from twinshard.models import MLPStack
-    from twinshard.standin import standin_streams
 
     streams = standin_streams()
     torch.manual_seed(0)
@@ -210,8 +210,8 @@ def _hsdp_partial_sums(shape: tuple):
     from torch.distributed.device_mesh import init_device_mesh
 
     import twinshard.optimized as O
+    from twinshard.dispatch.standin import standin_streams
     from twinshard.models import MLPStack
-    from twinshard.standin import standin_streams
 
     streams = standin_streams()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
@@ -247,8 +247,8 @@ def _assign_load_after_post_optim_event(mixed: bool):
     every parameter gets new memory after the event. ``mixed``: a group whose blocks cannot be
     kept in the group's storage (a frozen bf16 weight beside fp32 ones)."""
     import twinshard.optimized as O
+    from twinshard.dispatch.standin import standin_streams
     from twinshard.models import MLPStack
-    from twinshard.standin import standin_streams
 
     streams = standin_streams()
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from twinshard import impls
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 IMPLS = ("twinshard.reference", "twinshard.optimized")
 ROUTED = ("left.weight", "left.bias", "right.weight", "right.bias")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 IMPLS = ("twinshard.reference", "twinshard.optimized")
 

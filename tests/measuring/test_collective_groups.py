@@ -4,7 +4,7 @@ The device monitor (``twinshard/measure/monitor.py``) and the plan's step trace 
 looked for a collective's group by the type name ``ProcessGroup``. A dispatch mode gets the group
 boxed as a ``ScriptObject``, so that test never matched and every collective counted as one over
 all W ranks: the plan priced HSDP's reduce-scatters and all-reduces as rings of the whole world.
-Both now read the group from ``twinshard.c10d.call``. Here: a 2x2 HSDP mesh on PyTorch's
+Both now read the group from ``twinshard.dispatch.c10d.call``. Here: a 2x2 HSDP mesh on PyTorch's
 fake process group (4 ranks played by one process), one step under the monitor: every
 collective runs over 2 ranks, the shard group's (0, 1) or the replicas' (0, 2).
 """

@@ -44,7 +44,7 @@ HAZARD_CONFIG = dict(impl="optimized", world=8)
 
 SCRIPT = """
 import json, sys, time, traceback
-from twinshard import fresh_process
+from twinshard.ranks import fresh_process
 from twinshard.measure.job import Job
 from twinshard.measure.fakeaccel.runner import check_all
 sys.path.insert(0, sys.argv[2])

@@ -1,4 +1,4 @@
-"""twinshard.fresh_process: one call in a spawned process that ends without finalizing.
+"""twinshard.ranks.fresh_process: one call in a spawned process that ends without finalizing.
 
 The fake-accelerator run, the schedule on it, the memory planner and the simulated network run
 their work this way ([Note: a worker's exit]); here its answers, its errors and its ends.
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from twinshard import fresh_process
+from twinshard.ranks import fresh_process
 
 
 def _answer(x, y=0):
@@ -72,7 +72,7 @@ def test_a_child_that_dies_is_named_with_its_exit_code():
 
 ORPHAN = """
 import multiprocessing, threading, time
-from twinshard import fresh_process
+from twinshard.ranks import fresh_process
 call = lambda: fresh_process.call(time.sleep, 600, timeout=700)
 threading.Thread(target=call, daemon=True).start()
 while not multiprocessing.active_children():

@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from twinshard.launch import launch
 from twinshard.measure import step
 from twinshard.measure.schedule import Recorder, format_table
 from twinshard.measure.schedule.cli import example, record_on_rank
+from twinshard.ranks.launch import launch
 
 BLOCK, ROOT = 53_376 * 4, 32_832 * 4  # bytes
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from twinshard.launch import launch
 from twinshard.measure.schedule import plot_timeline
 from twinshard.measure.schedule.cli import record_fake_steps, record_on_rank
 from twinshard.measure.schedule.timeline import drawn
+from twinshard.ranks.launch import launch
 
 SHARDS = (3 * 53_376 + 32_832) * 4 // 2  # bytes of parameter shards per rank
 

@@ -1,7 +1,7 @@
 """No import circle in the package but the documented ``api`` <-> ``fsdp_module`` face
 (DESIGN.md), counting every import statement, at module level or inside a function: a circle
 held together by a function-level import is still one. Broken by moving the shared piece down
-(the c10d table into ``twinshard/c10d.py``, the fake accelerator's device name into its device
+(the c10d table into ``twinshard/dispatch/c10d.py``, the fake accelerator's device name into its device
 module), never by hiding an import in a function.
 """
 

@@ -2,11 +2,11 @@
 for the contract between the trees).
 
 - The optimized path imports nothing from the conformance suite: the suite imports the optimized
-  path, and the stand-in streams with their sanitizer live in ``twinshard/standin.py``, which
+  path, and the stand-in streams with their sanitizer live in ``twinshard/dispatch/standin.py``, which
   both import.
-- One rule for what identifies a tensor's memory (``twinshard/storages.py``): no other function
+- One rule for what identifies a tensor's memory (``twinshard/dispatch/storages.py``): no other function
   writes out "the address, or the storage object where there is none" again.
-- One table of c10d operators (``twinshard/c10d.py``): no other module names one, and the
+- One table of c10d operators (``twinshard/dispatch/c10d.py``): no other module names one, and the
   measuring layer's observers (and the guard) import nothing from the conformance suite.
 - The measuring package (``twinshard/measure/``) imports only downward through its layers
   (``LAYERS``): the job, the step, the worlds, the observers, then the runs and commands.
@@ -58,7 +58,7 @@ def suite_imports(source: str, package: str = "twinshard.optimized") -> list[str
 def test_optimized_imports_nothing_from_the_suite(path):
     assert suite_imports(path.read_text()) == [], (
         f"{path.name} imports the conformance suite; shared tools live outside it "
-        "(the stand-in streams and their sanitizer: twinshard/standin.py)"
+        "(the stand-in streams and their sanitizer: twinshard/dispatch/standin.py)"
     )
 
 
@@ -87,7 +87,7 @@ def late():
 
 def rule_copies(source: str) -> list[str]:
     """The functions of ``source`` that read both a storage's address (``data_ptr``) and its
-    object (``_cdata``): a copy of ``twinshard.storages.memory_key``'s rule."""
+    object (``_cdata``): a copy of ``twinshard.dispatch.storages.memory_key``'s rule."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -109,8 +109,8 @@ def copies_outside(home: Path, find) -> list[str]:
 
 
 def test_the_memory_identity_rule_is_written_once():
-    copies = copies_outside(ROOT / "twinshard" / "storages.py", rule_copies)
-    assert copies == [], "use twinshard.storages.memory_key"
+    copies = copies_outside(ROOT / "twinshard" / "dispatch" / "storages.py", rule_copies)
+    assert copies == [], "use twinshard.dispatch.storages.memory_key"
 
 
 def test_the_rule_copy_check_can_fail():
@@ -129,7 +129,7 @@ C10D_NAME = re.compile(r"_?(allgather|all_gather|reduce_scatter|allreduce|broadc
 
 def c10d_names(source: str) -> list[str]:
     """The string constants of ``source`` that are c10d operator names (they end in an
-    underscore: ``allreduce_``, ``_reduce_scatter_base_``): a copy of ``twinshard.c10d``'s
+    underscore: ``allreduce_``, ``_reduce_scatter_base_``): a copy of ``twinshard.dispatch.c10d``'s
     table, or of a part of it."""
     return sorted(
         {
@@ -143,8 +143,10 @@ def c10d_names(source: str) -> list[str]:
 
 
 def test_c10d_operators_are_named_in_one_table():
-    table = ROOT / "twinshard" / "c10d.py"
-    assert copies_outside(table, c10d_names) == [], "read c10d operators through twinshard.c10d"
+    table = ROOT / "twinshard" / "dispatch" / "c10d.py"
+    assert copies_outside(table, c10d_names) == [], (
+        "read c10d operators through twinshard.dispatch.c10d"
+    )
     assert c10d_names(table.read_text()), "the table itself must be found by the check"
 
 
@@ -175,7 +177,7 @@ def test_observers_and_the_guard_import_nothing_from_the_suite(path):
     package = ".".join(path.parent.relative_to(ROOT).parts)
     assert suite_imports(path.read_text(), package) == [], (
         f"{path.parent.name}/{path.name} imports the conformance suite; the c10d table is "
-        "twinshard/c10d.py"
+        "twinshard/dispatch/c10d.py"
     )
 
 
@@ -325,7 +327,7 @@ def test_memory_key_names_memory_not_tensors():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from twinshard.storages import memory_key
+    from twinshard.dispatch.storages import memory_key
 
     t = torch.zeros(8)
     assert memory_key(t) == t.data_ptr() != 0 and memory_key(t[2:]) == memory_key(t)

@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_imports_from_another_directory(tmp_path):
     code = (
         "import twinshard.reference, twinshard.optimized, twinshard.conformance, "
-        "twinshard.api, twinshard.launch, twinshard.models; "
+        "twinshard.api, twinshard.ranks.launch, twinshard.models; "
         "print(twinshard.reference.fully_shard.__module__)"
     )
     out = subprocess.run(

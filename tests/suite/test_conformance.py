@@ -250,7 +250,7 @@ def test_gloo_trace_counts_a_float_all_reduce_as_the_reduce_scatter():
 def test_an_exchange_in_place_counts_as_the_all_gather_it_stands_for():
     import torch
 
-    from twinshard.c10d import gathered_in_place
+    from twinshard.dispatch.c10d import gathered_in_place
 
     buffer = torch.zeros(2, 5)  # two ranks' slots: this rank sends row 0 and receives row 1
     assert gathered_in_place([buffer[1]], [buffer[0]]) == 10

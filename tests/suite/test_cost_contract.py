@@ -23,7 +23,7 @@ from twinshard.conformance.suite import (
     load_xfail,
     parse_meshes,
 )
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 
 def _groups(**settings) -> list[GroupSpec]:

@@ -25,7 +25,7 @@ import pytest
 from twinshard.conformance.fuzz import Example, run_examples
 from twinshard.conformance.fuzz_draw import draw
 from twinshard.conformance.suite import mesh_name
-from twinshard.launch import LaunchError, launch
+from twinshard.ranks.launch import LaunchError, launch
 
 SEED = 2026
 # mesh -> examples drawn for it: 54 in all. The default tier checks the first DEFAULT of each

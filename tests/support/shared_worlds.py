@@ -1,4 +1,4 @@
-"""The test session's rank worlds (``twinshard.worlds``), as pytest hooks that conftest.py takes in.
+"""The test session's rank worlds (``twinshard.ranks.worlds``), as pytest hooks that conftest.py takes in.
 
 One world of N ranks per N, started when a test first launches N ranks and reused by every
 later launch of N ranks in the session; ``launch`` sends each call there (same results, same
@@ -18,8 +18,8 @@ import json
 import os
 import pathlib
 
-from twinshard import launch
-from twinshard.worlds import Worlds, serving
+from twinshard.ranks import launch
+from twinshard.ranks.worlds import Worlds, serving
 
 FRESH_ENV = "TWINSHARD_FRESH_RANKS"
 MARKER = "real_launch"

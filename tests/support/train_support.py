@@ -98,7 +98,7 @@ def read_until(proc: subprocess.Popen, prefix: str, limit: float = 120.0, stream
 
 
 def rank_pids(launcher: int) -> list[int]:
-    """The ranks that ``twinshard.launch`` (or ``torchrun``) in process ``launcher`` started, by
+    """The ranks that ``twinshard.ranks.launch`` (or ``torchrun``) in process ``launcher`` started, by
     rank (they start in rank order; multiprocessing's resource tracker is not one of them)."""
     found = []
     for entry in os.listdir("/proc"):

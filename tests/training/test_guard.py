@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from twinshard import guard
 from twinshard.guard import channel
-from twinshard.launch import LaunchError, launch
 from twinshard.models import MLPStack
+from twinshard.ranks.launch import LaunchError, launch
 
 IMPLS = ["twinshard.reference", "twinshard.optimized"]
 TORCH = "torch.distributed.fsdp"  # calls no guard itself: checked from outside
@@ -196,8 +196,8 @@ def test_a_waiting_rank_stops_with_its_peers_message():
 def test_a_custom_collective_is_named_alike_on_every_rank():
     """Debug mode compares collectives by name; a custom reduce-scatter hook is an object
     whose repr holds its address, so it is named by its class (the same on every rank)."""
-    from twinshard.c10d import kind
     from twinshard.conformance.cases.comm_hooks import CountingReduceScatter
+    from twinshard.dispatch.c10d import kind
 
     a, b = CountingReduceScatter(), CountingReduceScatter()
     assert kind(a) == kind(b) == "CountingReduceScatter"

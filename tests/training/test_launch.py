@@ -1,4 +1,4 @@
-"""Tests for twinshard.launch: results, failure handling, deadlines, fork vs spawn."""
+"""Tests for twinshard.ranks.launch: results, failure handling, deadlines, fork vs spawn."""
 
 import multiprocessing
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.launch import LaunchError, RankInfo, _pick_start_method, get_rank_info, launch
+from twinshard.ranks.launch import LaunchError, RankInfo, _pick_start_method, get_rank_info, launch
 
 # Tests of launching itself: their launches start ranks of their own, not the shared worlds'.
 pytestmark = pytest.mark.real_launch
@@ -235,7 +235,7 @@ def test_function_from_a_main_without_file_runs(tmp_path):
 
     code = (
         "import torch, torch.distributed as dist\n"
-        "from twinshard.launch import launch\n"
+        "from twinshard.ranks.launch import launch\n"
         "def cell(x):\n"
         "    t = torch.tensor([float(dist.get_rank() + x)])\n"
         "    dist.all_reduce(t)\n"

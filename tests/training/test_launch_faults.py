@@ -1,4 +1,4 @@
-"""twinshard.launch when things go wrong around the function: a stalled rank (the watchdog), a
+"""twinshard.ranks.launch when things go wrong around the function: a stalled rank (the watchdog), a
 launcher that is killed (no rank may outlive it), and a port taken before the store binds it.
 
 Waits are bounded by the launcher's own limits or by subprocess timeouts; the assertions are on
@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from train_support import alive, wait_until
 
-from twinshard import launch as launch_module
-from twinshard import watchdog
-from twinshard.launch import HangError, LaunchError, launch
-from twinshard.supervise import process_state
+from twinshard.ranks import launch as launch_module
+from twinshard.ranks import watchdog
+from twinshard.ranks.launch import HangError, LaunchError, launch
+from twinshard.ranks.supervise import process_state
 
 # Tests of launching itself: their launches start ranks of their own, not the shared worlds'.
 pytestmark = pytest.mark.real_launch
@@ -137,7 +137,7 @@ def test_bad_hang_timeout_is_a_value_error():
 # -------------------------------------------------------------------- one run, one owner
 _ORPHAN_SCRIPT = """
 import os, sys, time
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 def rank_sleeps(folder):
     import torch.distributed as dist

@@ -22,8 +22,8 @@ from train_support import (
 )
 
 from twinshard.cli import main as cli
-from twinshard.launch import launch
 from twinshard.models import Llama, LlamaConfig
+from twinshard.ranks.launch import launch
 from twinshard.train import build, config, flags, report
 from twinshard.train import checkpoint as ckpt
 from twinshard.train.export import load_exported

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard import watchdog
+from twinshard.ranks import watchdog
 
 
 class DictStore:

@@ -1,4 +1,4 @@
-"""Shared rank worlds (``twinshard.worlds``): a world started once runs many tasks, each as a
+"""Shared rank worlds (``twinshard.ranks.worlds``): a world started once runs many tasks, each as a
 launch would run it, and a task cannot leave anything behind for the next.
 
 The tests here use worlds of their own (not the session's): one set shared by the tests that
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.launch import LaunchError, get_rank_info, launch
-from twinshard.worlds import Worlds, serving
+from twinshard.ranks.launch import LaunchError, get_rank_info, launch
+from twinshard.ranks.worlds import Worlds, serving
 
 # Tests of the worlds themselves: their launches are their own.
 pytestmark = pytest.mark.real_launch
@@ -165,7 +165,7 @@ def test_a_task_past_its_deadline_is_stopped_and_named(own_worlds):
 
 LEAKY = """
 import os, torch
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 
 def pid_and_dtype():
     return os.getpid(), str(torch.get_default_dtype())

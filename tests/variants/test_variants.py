@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 from twinshard.variants import Communication, Variant, attach, blocks, hpz, sent_bytes
 from twinshard.variants.segments import Layout
 

@@ -9,7 +9,7 @@ import torch
 from test_variants import BLOCK, _oracle, _run_one
 
 from twinshard.conformance.planted.lossy import PLANTED
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 from twinshard.variants import Variant
 
 CLAIMS = {name: "qgz" if "dividing" in name else "qwz" for name in PLANTED}

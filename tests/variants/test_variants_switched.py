@@ -20,7 +20,7 @@ import torch
 from test_variants import Net  # the model the variants' own tests train
 
 from twinshard import switch
-from twinshard.launch import launch
+from twinshard.ranks.launch import launch
 from twinshard.variants import attach, parse, sent_bytes
 
 IMPLS = {"torch": "torch.distributed.fsdp", "reference": "twinshard.reference"}

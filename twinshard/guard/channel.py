@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from twinshard.c10d import exchanges_values
+from twinshard.dispatch.c10d import exchanges_values
 
 ENV = "TWINSHARD_DEBUG"  # "1": check every collective across ranks before it is issued
 TIMEOUT_ENV = "TWINSHARD_GUARD_TIMEOUT"  # seconds to wait for a peer in a debug check

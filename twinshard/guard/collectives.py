@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinshard import c10d
+from twinshard.dispatch import c10d
 
 from . import channel, unused_grads
 from .channel import ENV, PREFIX, TIMEOUT_ENV

@@ -38,7 +38,7 @@ import weakref
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from twinshard.c10d import exchanges_values
+from twinshard.dispatch.c10d import exchanges_values
 
 from . import channel
 

@@ -6,7 +6,7 @@ device, the RNG and memory figures, always through ``torch.get_device_module(dev
 optimizers). ``fakedevice.register`` registers *this module* as the fake device's module, so
 those questions reach the functions below, with ``torch.cuda``'s names and signatures.
 
-Streams and events are the project's stand-ins (``twinshard.standin``): each
+Streams and events are the project's stand-ins (``twinshard.dispatch.standin``): each
 stream keeps a vector clock and every ``wait_stream``, ``record_event`` and ``wait_event``
 goes into ``LOG`` with the same tuples the stand-in streams log, so the order a schedule
 establishes on this device can be compared by name with the stand-in run on the CPU and with
@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from twinshard.standin import StandInStream
+from twinshard.dispatch.standin import StandInStream
 
 DEVICE_TYPE = "fakecuda"  # the device this module answers for: a stand-in for cuda
 DEVICES_PER_HOST = 8  # what device_count() answers: one host of eight, as a GPU node has

@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from twinshard import devices, impls
+from twinshard import impls
 from twinshard.models import PRESETS, LlamaConfig
+from twinshard.ranks import devices
 
 from . import hf
 

@@ -2,7 +2,7 @@
 
 ``Monitor(accelerator)`` records, per ``Phase`` (``begin`` starts one: setup, step 1, ...),
 the host syncs (``Sync``, each with a short stack), the explicit syncs that ``fakecuda``
-counted meanwhile, the collectives (``Collective``, as ``twinshard.c10d.call`` reads them)
+counted meanwhile, the collectives (``Collective``, as ``twinshard.dispatch.c10d.call`` reads them)
 and those given a host tensor, and the peak bytes per device type. It is entered inside
 ``FakeTensorMode``, so it sees every operator before the fake mode answers it, and can answer
 what the fake mode cannot: ``.item()`` (a placeholder) and pinning, which the fake mode does
@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from twinshard import c10d
+from twinshard.dispatch import c10d
 
 from . import fakecuda
 from .fakecuda import short_stack

@@ -27,8 +27,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinshard import c10d
-from twinshard.storages import memory_key
+from twinshard.dispatch import c10d
+from twinshard.dispatch.storages import memory_key
 
 CATEGORIES = ("sharded", "sharded_grad", "optimizer", "params", "unsharded", "grad", "comm")
 TRACKED = ("unsharded", "grad", "comm")  # what FSDP adds on top of the persistent state

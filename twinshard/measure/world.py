@@ -4,7 +4,7 @@
 
 ``kind`` is the job's backend, or ``lent``:
 
-    gloo, nccl  launched ranks: ``twinshard.launch`` (or torchrun) made the group already, one
+    gloo, nccl  launched ranks: ``twinshard.ranks.launch`` (or torchrun) made the group already, one
                 process per rank (``devices.join_group``); nothing to join here
     fake        one process as rank 0 of ``world``: PyTorch's fake process group (collectives
                 return at once and move nothing)
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from twinshard import devices
+from twinshard.ranks import devices
 
 LAUNCHED = ("gloo", "nccl")
 ONE_PROCESS = ("fake", "simnet", "fakeaccel", "lent")

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint import state_dict as dsd
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from twinshard import watchdog
+from twinshard.ranks import watchdog
 
 from .verify import (
     CHECKSUM,

@@ -9,7 +9,7 @@
 This is the entry point: it resolves the command line (``config.resolve``), locks the run
 directory (``runlock.claim``), starts the ranks and turns their errors into one line. Local or
 ``torchrun``: without ``RANK``/``WORLD_SIZE`` in the environment this process starts
-``--world`` local ranks with ``twinshard.launch``, which kills them if this process dies,
+``--world`` local ranks with ``twinshard.ranks.launch``, which kills them if this process dies,
 passes SIGINT and SIGTERM on to them (they stop after a checkpoint of the step in progress)
 and runs the watchdog (``--hang-timeout``); under ``torchrun`` (or any launcher that sets
 them) it is one of the ranks, joins the process group itself, runs its part of the watchdog
@@ -33,7 +33,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from twinshard import devices, fresh_process, watchdog
+from twinshard.ranks import devices, fresh_process, watchdog
 
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
@@ -59,7 +59,7 @@ def _resume_hint(run_dir: Path) -> str:
 def _explain_launch_error(e, run_dir: Path) -> str:
     """Our own errors from a rank as one clean message; a stall as its verdict, with every
     rank's stack written to a file in the run directory; anything else in full."""
-    from twinshard.launch import HangError
+    from twinshard.ranks.launch import HangError
 
     if isinstance(e, HangError):
         stacks = run_dir / f"stall-{datetime.now():%Y%m%d-%H%M%S}.txt"
@@ -93,7 +93,7 @@ def _interrupted(result: dict, run_dir: Path, say: bool = True) -> int:
 def _join_torchrun_group() -> torch.device:
     """Join the group torchrun set up; return this rank's device. One accelerator per local
     rank with its backend (nccl, xccl, ...) where the machine has one for each, bound to the
-    rank with ``device_id``; else gloo on the CPU (``twinshard.devices``)."""
+    rank with ``device_id``; else gloo on the CPU (``twinshard.ranks.devices``)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     backend = devices.accelerator_backend(local_world) or "gloo"
@@ -114,7 +114,7 @@ def _run_torchrun(cfg: TrainConfig) -> NoReturn:
     first so that a late worker gets the GIL only makes the abort rarer (a loaded machine can
     keep the worker off a core longer than any sleep), and when one rank of a two-node run
     aborts, the other agent waits at torchrun's exit barrier for minutes. So the rank does
-    what ``twinshard.launch``'s ranks do: its output flushed and its log handlers closed, it
+    what ``twinshard.ranks.launch``'s ranks do: its output flushed and its log handlers closed, it
     leaves with ``os._exit`` before the interpreter finalizes (``fresh_process.leave``);
     nothing of the run is left to write by then."""
     _join_torchrun_group()
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         return _run_torchrun(cfg)
-    from twinshard.launch import LaunchError, launch
+    from twinshard.ranks.launch import LaunchError, launch
 
     try:
         lock = claim(cfg)

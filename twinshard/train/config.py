@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from twinshard import devices
 from twinshard.models import PRESETS, LlamaConfig
-from twinshard.watchdog import DEFAULT_HANG_TIMEOUT
+from twinshard.ranks import devices
+from twinshard.ranks.watchdog import DEFAULT_HANG_TIMEOUT
 
 from . import checkpoint as ckpt
 from .data import BUILTIN, DataError, Windows, load_corpus

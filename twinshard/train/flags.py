@@ -31,7 +31,7 @@ import torch
 from twinshard import impls
 from twinshard.measure.flags import VOCABULARY, Renamed
 from twinshard.models import PRESETS
-from twinshard.watchdog import DEFAULT_HANG_TIMEOUT
+from twinshard.ranks.watchdog import DEFAULT_HANG_TIMEOUT
 
 from .data import BUILTIN
 

@@ -1,7 +1,7 @@
 """The training loop that every rank runs: set up, maybe resume, train, checkpoint, evaluate.
 
 ``rank_main(cfg)`` is what each rank executes, inside a process group that the entry point
-(``cli.py``) set up, locally with ``twinshard.launch`` or under ``torchrun``. Each step reads
+(``cli.py``) set up, locally with ``twinshard.ranks.launch`` or under ``torchrun``. Each step reads
 this rank's contiguous part of the global batch (``data.Windows``) in ``--grad-accum``
 micro-batches, whose gradients are reduced only after the last one
 (``set_requires_gradient_sync``); then the gradient norm is clipped and AdamW steps. The loss
@@ -14,7 +14,7 @@ so the run ends with the same parameters as one that was never interrupted.
 
 SIGINT and SIGTERM stop the run after the step in progress, with a checkpoint of it
 (``stop.py``): the request travels with the loss average of every step. Each step and each
-phase is reported to the watchdog (``twinshard.watchdog.progress``).
+phase is reported to the watchdog (``twinshard.ranks.watchdog.progress``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from twinshard import watchdog
-from twinshard.devices import rank_device
+from twinshard.ranks import watchdog
+from twinshard.ranks.devices import rank_device
 
 from . import checkpoint as ckpt
 from . import stop as stopping

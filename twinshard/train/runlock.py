@@ -7,7 +7,7 @@ them before either has written anything; under the lock only one can). A second 
 without ``--resume``, gets a ``TrainError`` naming the holder (pid, host, command line, which
 the holder writes into the file). The kernel releases a ``flock`` when its holder dies, however
 it dies, so a lock is never stale; the ranks die with the launcher that holds it
-(``twinshard.launch``), so nothing writes after the lock is gone. Under ``torchrun`` rank 0
+(``twinshard.ranks.launch``), so nothing writes after the lock is gone. Under ``torchrun`` rank 0
 holds it.
 
 Under the lock, the corrupt checkpoints that ``--resume`` passed over are set aside as

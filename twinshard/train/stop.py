@@ -1,7 +1,7 @@
 """Stopping cleanly on SIGINT or SIGTERM: after the step in progress, with a checkpoint of it.
 
 Ctrl-C sends SIGINT to the launcher and every rank; a cluster scheduler sends SIGTERM to some
-or all of them before it kills the job; ``twinshard.launch`` passes a signal to the launcher on
+or all of them before it kills the job; ``twinshard.ranks.launch`` passes a signal to the launcher on
 to the ranks. Whoever gets it, a signal only sets a flag in the rank (``StopRequest``). The
 training loop adds that flag to the one collective every step has anyway (the average of the
 loss), so all ranks learn at the same step that one of them was asked to stop, save a

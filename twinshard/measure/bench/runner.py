@@ -6,7 +6,7 @@ step it (``measure.step``), warm up, time ``config.steps`` steps (wall clock, an
 the whole process), then one untimed step under ``probe.Probe`` for memory by category and the
 collectives.
 
-``run(config)`` starts the processes: ``twinshard.launch`` for real ranks (gloo, nccl), one
+``run(config)`` starts the processes: ``twinshard.ranks.launch`` for real ranks (gloo, nccl), one
 freshly spawned process for a simulated world. Every run gets processes of its own, so no
 implementation's memory or allocator state is left to the next one.
 
@@ -25,10 +25,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from twinshard import fresh_process
 from twinshard.measure import step, world
 from twinshard.measure.job import Job
 from twinshard.measure.probe import Probe, sharded_modules
+from twinshard.ranks import fresh_process
 
 from .progress import Progress
 
@@ -141,7 +141,7 @@ def run(config: Job, timeout: float = 1800) -> dict:
     each step as slow as its slowest rank)."""
     if config.simulated:
         return fresh_process.call(run_rank, config, timeout=timeout)
-    from twinshard.launch import launch
+    from twinshard.ranks.launch import launch
 
     results = launch(run_rank, config.nproc, config, backend=config.backend, timeout=timeout)
     first = dict(results[0])

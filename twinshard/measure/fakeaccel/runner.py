@@ -33,13 +33,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from twinshard import fresh_process
 from twinshard.measure import memmodel, observe, step, world
 from twinshard.measure.fakecuda import DEVICE_TYPE
 from twinshard.measure.fakedevice import backend_name
 from twinshard.measure.job import SHARDED, Job
 from twinshard.measure.monitor import Monitor, Phase
 from twinshard.measure.probe import Probe, sharded_modules
+from twinshard.ranks import fresh_process
 
 from .planted import plant
 

@@ -34,10 +34,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from twinshard import fresh_process
 from twinshard.measure import allocator, observe
 from twinshard.measure.probe import Probe, sharded_modules
 from twinshard.models import Llama
+from twinshard.ranks import fresh_process
 
 from . import checkpointing, ideal
 from .labels import Labels

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
-from twinshard import c10d
+from twinshard.dispatch import c10d
 from twinshard.measure import fakecuda
 from twinshard.measure.monitor import Monitor
 from twinshard.measure.probe import CATEGORIES, Probe

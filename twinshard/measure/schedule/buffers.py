@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from twinshard.storages import memory_key
+from twinshard.dispatch.storages import memory_key
 
 from .steps import Collective
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
-    """(key, bytes) of a plain tensor's memory (``twinshard.storages.memory_key``: its address,
+    """(key, bytes) of a plain tensor's memory (``twinshard.dispatch.storages.memory_key``: its address,
     or a ``FakeTensor``'s storage object), None for subclasses or freed memory."""
     if is_traceable_wrapper_subclass(t) or t.device.type == "meta":
         return None

@@ -29,9 +29,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from twinshard import devices, impls
+from twinshard import impls
 from twinshard.measure import flags, step, world
 from twinshard.measure.job import DTYPES, Job
+from twinshard.ranks import devices
 
 from .record import Recorder
 from .steps import Schedule
@@ -112,14 +113,14 @@ def record_on_fake_accelerator(
 
 def record_fake_steps(impls: list[str], world_size: int, **options) -> list[Schedule]:
     """``record_on_fake_accelerator`` in a freshly spawned process."""
-    from twinshard import fresh_process
+    from twinshard.ranks import fresh_process
 
     return fresh_process.call(record_on_fake_accelerator, impls, world_size, timeout=600, **options)
 
 
 def record_step(impl: str = "reference", world_size: int = 2, rank: int = 0, **options) -> Schedule:
     """Run ``record_on_rank`` on ``world_size`` local ranks; return ``rank``'s schedule."""
-    from twinshard.launch import launch
+    from twinshard.ranks.launch import launch
 
     # Forking skips re-importing torch in every rank: a second or two each on a small machine.
     start = None if torch.cuda.is_available() else "fork"

@@ -14,7 +14,7 @@ collective issued). It never calls into the implementation; it sees what a user 
   the implementation wraps them (a prepended pre-hook), so in backward it runs after theirs;
 - the end of backward: an autograd-engine callback queued behind the implementation's;
 - collectives: a ``TorchDispatchMode`` (like ``twinshard.conformance.trace``) that sees each
-  c10d operator of ``twinshard.c10d``'s table, its tensors and its process group, and notices
+  c10d operator of ``twinshard.dispatch.c10d``'s table, its tensors and its process group, and notices
   the first operator that reads a collective's result (for an asynchronous collective, the
   moment it had to be finished).
 
@@ -42,7 +42,7 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinshard import c10d
+from twinshard.dispatch import c10d
 
 from .attribute import Attributor, GroupInfo, infer_post_forward_pieces, shard_size_of
 from .buffers import CollectiveBuffers, storage_key

@@ -8,7 +8,7 @@ answer (the reference's default mesh, ``twinshard train``, the conformance cases
 computes on
 
 1. the device twinshard gave it when it made the default group (``join_group``, called by
-   ``twinshard.launch`` and by ``twinshard train`` under torchrun), while that group is the
+   ``twinshard.ranks.launch`` and by ``twinshard train`` under torchrun), while that group is the
    default one: accelerator ``local_rank`` for a backend that runs on an accelerator only
    (nccl, xccl, a third-party device backend), the CPU for a host backend (gloo, mpi), even
    on a GPU machine;

@@ -16,7 +16,7 @@ the interpreter finalizes is ended by Python inside a C++ destructor, and the pr
 ("terminate called without an active exception") after its work was done: 2 of 10
 fake-accelerator runs did so on the 2-core VM, and one in CI. So the child sends its answer and
 ``leave``s: its output flushed and its log handlers closed, it ends with ``os._exit``, as
-``twinshard.launch``'s ranks and a torchrun rank of ``twinshard train`` do; nothing is left to
+``twinshard.ranks.launch``'s ranks and a torchrun rank of ``twinshard train`` do; nothing is left to
 save by then.
 """
 
@@ -91,7 +91,7 @@ def _serve(send, fn, args, kwargs, parent_pid: int) -> None:
 def die_with_parent(parent_pid: int | None) -> None:
     """Have the kernel SIGKILL this process when its parent dies, however it dies
     (``PR_SET_PDEATHSIG`` on Linux); leave at once if the parent ``parent_pid`` is already
-    gone. Used by ``call``'s child and by ``twinshard.launch``'s ranks."""
+    gone. Used by ``call``'s child and by ``twinshard.ranks.launch``'s ranks."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

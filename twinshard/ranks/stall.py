@@ -1,6 +1,6 @@
 """The watchdog's verdict: read every rank's record, decide that the run stalled, name who.
 
-Each rank publishes a record (``twinshard.watchdog``): how many collectives it has issued, the
+Each rank publishes a record (``twinshard.ranks.watchdog``): how many collectives it has issued, the
 last one, whether its Python call to a collective is running (``inside``), its own words from
 ``progress()``, the host sync it is blocked in (``sync``), whether its collectives return once
 queued on a device stream (``queued``), and a heartbeat. ``Detector`` reads them all: when no

@@ -5,14 +5,14 @@ the last one issued), how many it has issued, the host sync it is blocked in, an
 words from ``progress("step 12")``. A thread publishes that record a few times per timeout to
 a store (the launcher's, or the one ``torchrun`` set up), with a heartbeat counter and whether
 this rank's collectives return once queued on a device stream (nccl and the like) or once done
-(gloo, mpi: ``twinshard.devices.collectives_return_when_queued``). A detector
-(``twinshard.stall``) reads all the records: when no rank's record has changed for
+(gloo, mpi: ``twinshard.ranks.devices.collectives_return_when_queued``). A detector
+(``twinshard.ranks.stall``) reads all the records: when no rank's record has changed for
 ``hang_timeout`` seconds, the run has stalled. It names the ranks whose heartbeat stopped
 too; else, where collectives are queued, the ranks that issued the fewest (a hang there
 surfaces at the next host sync, outside any collective call); else the ranks outside any
 collective while the others wait in one, or those behind the others. Then every rank's
 Python stack is dumped with ``faulthandler`` (on ``STACK_SIGNAL``, which needs no cooperation
-from the stuck thread) and the run is stopped: by the launcher (``twinshard.launch``, its side
+from the stuck thread) and the run is stopped: by the launcher (``twinshard.ranks.launch``, its side
 in ``supervise.py``), or, under ``torchrun``, by the ranks themselves (``start_torchrun``).
 
 [Note: how collectives are seen] ``install_hooks`` wraps the collectives of
@@ -261,7 +261,7 @@ def _queued() -> bool:
 
 
 def snapshot(beat: int) -> dict:
-    """This rank's record as published: a JSON-able dict (``twinshard.stall`` reads it)."""
+    """This rank's record as published: a JSON-able dict (``twinshard.ranks.stall`` reads it)."""
     r = _RECORD
     return dict(
         events=r.events,

@@ -1,4 +1,4 @@
-"""A rank of a shared world (``twinshard.worlds``): its life, one task after another.
+"""A rank of a shared world (``twinshard.ranks.worlds``): its life, one task after another.
 
 ``rank_main`` starts the rank: it takes its coverage collector (where ``coverage run`` started
 one), connects to the world's store, imports what nearly every task imports (``PRELOADED``) and

@@ -1,6 +1,6 @@
 """The launcher's side of a run: wait for the ranks' reports, act on a stall or a signal, stop.
 
-``twinshard.launch`` starts the ranks and then hands them to ``collect``, which waits on every
+``twinshard.ranks.launch`` starts the ranks and then hands them to ``collect``, which waits on every
 rank's pipe and process sentinel at once, so it wakes as soon as a rank reports or dies. It
 never joins a process that may still be writing, and reads a result of any size while it is
 written. When a rank raises or dies, it waits a moment for its peers' reports, then raises
@@ -8,7 +8,7 @@ written. When a rank raises or dies, it waits a moment for its peers' reports, t
 closed by peer") are listed after it. The caller then ``stop``s every rank (SIGTERM, then
 SIGKILL), since they may be blocked in a collective that will never finish.
 
-With a watchdog (``Watch``), a stall (see ``twinshard.watchdog``) makes every rank dump its
+With a watchdog (``Watch``), a stall (see ``twinshard.ranks.watchdog``) makes every rank dump its
 Python stack, a stopped rank included (it is continued for that), and ends in ``HangError``.
 With ``forward_signals``, SIGINT and SIGTERM to this process are passed on to the ranks,
 which decide how to stop; a second one stops them at once (``KeyboardInterrupt``).
@@ -229,7 +229,7 @@ def await_results(
     ``startup`` seconds to get ready (default: ``timeout`` or the watchdog's, plus a margin,
     at most ``startup_limit()``),
     then ``timeout`` for the function. ``task`` names what the ranks run in the error's first
-    line (``twinshard.worlds``: ranks that run many tasks)."""
+    line (``twinshard.ranks.worlds``: ranks that run many tasks)."""
     n, ready, results, failures, raised = len(procs), set(), {}, {}, set()
     prefix = "" if task is None else f"task {task}: "
 

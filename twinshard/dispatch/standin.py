@@ -42,8 +42,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from twinshard import c10d
-from twinshard.storages import memory_key
+from twinshard.dispatch import c10d
+from twinshard.dispatch.storages import memory_key
 
 
 class StandInEvent:
@@ -150,7 +150,7 @@ def standin_streams() -> StandInStreams:
 
 
 def reset_standin_streams() -> None:
-    """Forget the process's stand-in streams and their log (a rank of ``twinshard.worlds``
+    """Forget the process's stand-in streams and their log (a rank of ``twinshard.ranks.worlds``
     between two tasks): the next root module starts new ones."""
     global _STANDIN
     _STANDIN = None

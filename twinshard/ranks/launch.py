@@ -8,7 +8,7 @@ even with one rank, and refuses to run if it has initialized ``torch.distributed
 itself (a forked child would inherit that group).
 
 Why it cannot hang. Each rank has a one-way pipe to the parent, which waits on all of
-them (``twinshard.supervise``). Results go through plain ``pickle``, so tensors are copied
+them (``twinshard.ranks.supervise``). Results go through plain ``pickle``, so tensors are copied
 into the message, not shared through memory that vanishes with the child. When a rank
 raises or dies, the parent terminates the rest, since they may be blocked in a collective
 that will never finish, and raises ``LaunchError`` naming the rank, with the exception
@@ -17,7 +17,7 @@ A wall-clock deadline covers the rest: the ranks get ``timeout`` + 60 s to start
 the group (at most ``TWINSHARD_STARTUP_LIMIT`` seconds, 120 by default; the error names the
 ranks that did not), then ``fn`` gets ``timeout`` seconds and a little slack, so a
 collective's own timeout (also ``timeout``) can fire first. With ``hang_timeout``, a watchdog
-(``twinshard.watchdog``) stops a run in which no rank made progress for that long, dumps
+(``twinshard.ranks.watchdog``) stops a run in which no rank made progress for that long, dumps
 every rank's Python stack and raises ``HangError`` naming the stalled rank.
 
 One run, one owner. The parent binds the rendezvous store's port itself and holds it until
@@ -33,7 +33,7 @@ function, or a function from a notebook, ``python -c`` or another ``__main__``
 without a file. With ``start_method=None``, ``launch`` forks for those (the child is
 a copy of the parent; nothing is imported) and spawns otherwise. A child forked after
 this process initialized CUDA (or another accelerator's runtime:
-``twinshard.devices.initialized_accelerator``) cannot use the device, so then ``launch``
+``twinshard.ranks.devices.initialized_accelerator``) cannot use the device, so then ``launch``
 spawns, and where ``fn`` can only be forked (or ``"fork"`` was asked for) it raises
 ``RuntimeError`` naming ``fn`` and saying what to do. Forcing ``"spawn"`` with an
 unpicklable ``fn`` or arguments raises ``TypeError`` up front.
@@ -43,12 +43,12 @@ CUDA, xccl on XPU) when there are enough devices, else on the CPU with gloo. A r
 backend that runs on an accelerator only gets device ``local_rank``, made current and passed
 to ``init_process_group`` as ``device_id`` (torch's advice for NCCL: the communicator is
 made at once and bound to the rank's device); a rank of a host backend (gloo) computes on
-the CPU, even on a GPU machine. ``twinshard.devices`` remembers the choice, so the default
-mesh and ``twinshard train`` follow it (``twinshard.devices`` has the rules).
+the CPU, even on a GPU machine. ``twinshard.ranks.devices`` remembers the choice, so the default
+mesh and ``twinshard train`` follow it (``twinshard.ranks.devices`` has the rules).
 
-Shared worlds. Inside ``twinshard.worlds.serving(worlds)`` (the test suite's whole session), a
+Shared worlds. Inside ``twinshard.ranks.worlds.serving(worlds)`` (the test suite's whole session), a
 call whose ranks would be spawned (CPU ranks, no watchdog, no forwarded signals) runs in ranks
-started once and reused, with the same results and errors; see ``twinshard.worlds``. A call
+started once and reused, with the same results and errors; see ``twinshard.ranks.worlds``. A call
 that forks keeps forking: its ranks must see this process as it is, and a fork is cheap.
 
 Each child calls ``torch.set_num_threads(1)``, since a few ranks share a few cores;
@@ -94,8 +94,8 @@ class RankInfo(NamedTuple):
 
 
 _RANK_INFO: RankInfo | None = None
-# A twinshard.worlds.Worlds that runs the calls it can serve in ranks started once
-# (twinshard.worlds.serving), or None: every call launches its own ranks.
+# A twinshard.ranks.worlds.Worlds that runs the calls it can serve in ranks started once
+# (twinshard.ranks.worlds.serving), or None: every call launches its own ranks.
 shared_worlds = None
 
 
@@ -103,14 +103,14 @@ def get_rank_info() -> RankInfo:
     """Return this rank's ``RankInfo``. Works only inside a function run by ``launch``."""
     if _RANK_INFO is None:
         raise RuntimeError(
-            "get_rank_info() only works inside a function run by twinshard.launch.launch()"
+            "get_rank_info() only works inside a function run by twinshard.ranks.launch.launch()"
         )
     return _RANK_INFO
 
 
 def bind_rank_info(rank: int, world_size: int, backend: str) -> RankInfo:
     """Make ``get_rank_info()`` answer for this process: rank ``rank`` of ``world_size`` local
-    ranks on ``backend`` (also used by ``twinshard.worlds``' ranks)."""
+    ranks on ``backend`` (also used by ``twinshard.ranks.worlds``' ranks)."""
     global _RANK_INFO
     device = devices.backend_device(backend, rank)  # an accelerator each for nccl, xccl
     _RANK_INFO = RankInfo(rank, rank, world_size, backend, device)
@@ -314,7 +314,7 @@ def launch(
     ``env``: extra environment variables for the children.
     ``hang_timeout``: seconds without progress on any rank before the watchdog stops the run
     and raises ``HangError`` (a ``LaunchError``); None: no watchdog. ``fn`` may call
-    ``twinshard.watchdog.progress("...")``; collectives count as progress by themselves.
+    ``twinshard.ranks.watchdog.progress("...")``; collectives count as progress by themselves.
     ``forward_signals``: pass SIGINT and SIGTERM on to the ranks (see the module docstring).
     Raises ``ValueError`` for bad arguments, ``TypeError`` if ``fn`` cannot be spawned,
     ``RuntimeError`` if it would have to be forked after CUDA was initialized,

@@ -1,4 +1,4 @@
-"""What a rank of a shared world (``twinshard.worlds``) puts back between two tasks, so that each
+"""What a rank of a shared world (``twinshard.ranks.worlds``) puts back between two tasks, so that each
 task finds the rank as a fresh process would be, and what it had to put back is named.
 
 ``Snapshot`` is taken when the rank starts. Before a task, ``enter`` gives the rank the caller's
@@ -136,7 +136,7 @@ class Snapshot:
         if torch._C._get_privateuse1_backend_name() != self.device_backend:
             raise RuntimeError(
                 "the task registered a device for good (PrivateUse1); run it in a process of "
-                "its own (twinshard.fresh_process) or with launch outside the shared worlds"
+                "its own (twinshard.ranks.fresh_process) or with launch outside the shared worlds"
             )
         return found
 
@@ -157,7 +157,12 @@ def _switch_back(_value) -> None:
 # The modules whose globals a task may not leave changed (``Snapshot._put_back_globals``), and
 # those a rank imports as it starts.
 WATCHED = ("twinshard", "torch.distributed")
-PRELOADED = ("twinshard.reference", "twinshard.optimized", "twinshard.guard", "twinshard.standin")
+PRELOADED = (
+    "twinshard.reference",
+    "twinshard.optimized",
+    "twinshard.guard",
+    "twinshard.dispatch.standin",
+)
 _MISSING = object()
 
 # (name, read, put back): what a task may leave changed in its rank's process
@@ -233,7 +238,7 @@ def reset_caches() -> None:
     with warnings.catch_warnings():  # reading a deprecated name warns
         warnings.simplefilter("ignore")
         _clear_torch_distributed_caches()
-    standin = sys.modules.get("twinshard.standin")
+    standin = sys.modules.get("twinshard.dispatch.standin")
     if standin is not None:
         standin.reset_standin_streams()
     channel = sys.modules.get("twinshard.guard.channel")

@@ -4,14 +4,14 @@ Starting a rank costs more than most of what tests and notebooks run on it: a ne
 imports torch (1.4-3.7 CPU seconds on a 2-core machine) and joins a process group, and a
 two-rank launch that runs nothing costs 2.7 s. A ``World`` starts its ranks once; ``run(fn,
 *args)`` sends ``fn`` to every rank and returns what each returned, ordered by rank, exactly
-as ``twinshard.launch.launch`` does, and raises the same ``LaunchError`` when a rank raises,
+as ``twinshard.ranks.launch.launch`` does, and raises the same ``LaunchError`` when a rank raises,
 dies or runs past the deadline (its first line names the task).
 
 A task sees what a launched rank sees. The rank takes the caller's environment, working
 directory and ``sys.path`` as they are when the task is sent (plus ``env``), joins a fresh
 default process group (``gloo``) on a store prefix of the task's own, so no key of an earlier
 task is read, runs ``fn``, meets the other ranks at a barrier and destroys the group. Then it
-puts back what a task may change for the next one (``twinshard.rank_reset``: the default dtype
+puts back what a task may change for the next one (``twinshard.ranks.rank_reset``: the default dtype
 and device, grad mode, the switch, module globals a task replaced, dynamo's caches, the
 stand-in streams, threads, the environment) and reports what it had to put back; the caller
 names the task in a warning (``leaks``). The random generators restart from the state the rank
@@ -262,7 +262,7 @@ class Worlds:
 
 @contextlib.contextmanager
 def serving(worlds: Worlds):
-    """While active, ``twinshard.launch.launch`` runs every call that ``worlds.takes`` in
+    """While active, ``twinshard.ranks.launch.launch`` runs every call that ``worlds.takes`` in
     ``worlds``."""
     previous = launch.shared_worlds
     launch.shared_worlds = worlds
