@@ -13,6 +13,8 @@ types and a user can swap ``torch.distributed.fsdp.fully_shard`` for either one 
 - ``ShardPlacementResult``: a parameter's placement and mesh of its own, as ``shard_placement_fn``
   may answer (torch 2.13's class where it exists); ``shard_placement`` reads any answer.
 - ``UnshardHandle``: what ``FSDPModule.unshard(async_op=True)`` returns.
+- ``fsdp_class``, ``register_fsdp_forward_method``: a sharded module's class, and another of
+  its methods run with the hooks of ``forward``; the same for every implementation.
 - ``FSDPUsageError``: raised for misuse; it names the module or parameter and says what to do.
 """
 
@@ -43,8 +45,8 @@ __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",  # noqa: F822 - defined in twinshard/fsdp_module.py, see __getattr__ below
     "CommHooks",  # noqa: F822
-    "fsdp_class",  # noqa: F822
-    "register_fsdp_forward_method",  # noqa: F822
+    "fsdp_class",
+    "register_fsdp_forward_method",
     "DataParallelMeshDims",
     "ShardPlacementResult",
     "UnshardHandle",
@@ -294,11 +296,43 @@ def _own_mesh(mesh_info: Any, where: list, p: nn.Parameter):
     )
 
 
+@functools.cache
+def fsdp_class(methods: type, cls: type) -> type:
+    """``FSDP<Name>``: the module's own class with the FSDPModule ``methods`` mixed in.
+
+    ``_orig_cls_mro_index`` tells torch's ``FSDPModule.__new__`` where the original class sits
+    in the MRO, so that a slice of a sharded container builds the original class again."""
+    index = type("probe", (methods, cls), {}).__mro__.index(cls)  # the same in the new class
+    return type(f"FSDP{cls.__name__}", (methods, cls), {"_orig_cls_mro_index": index})
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` run the same hooks as ``module(...)`` does, so a
+    method other than ``forward`` (e.g. ``generate``) sees unsharded parameters; for every
+    implementation, through the module's ``_get_fsdp_state`` (torch's way)."""
+    if not hasattr(module, "_get_fsdp_state"):  # an FSDPModule, as fully_shard makes one
+        raise FSDPUsageError(
+            f"register_fsdp_forward_method: fully_shard was not applied to "
+            f"this {type(module).__name__}"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise FSDPUsageError(f"{type(module).__name__} has no method '{method_name}'")
+
+    state = module._get_fsdp_state()  # as torch's, the implementation's hooks
+
+    @functools.wraps(method)
+    def with_hooks(*args, **kwargs):
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, with_hooks)
+
+
 def __getattr__(name: str) -> Any:
-    """``FSDPModule``, ``CommHooks``, ``fsdp_class`` and ``register_fsdp_forward_method`` live
-    in ``twinshard/fsdp_module.py`` (which uses the names above); they are part of this
-    interface and load on first use."""
-    if name in ("FSDPModule", "CommHooks", "fsdp_class", "register_fsdp_forward_method"):
+    """``FSDPModule`` and ``CommHooks`` live in ``twinshard/fsdp_module.py`` (which uses the
+    names above); they are part of this interface and load on first use."""
+    if name in ("FSDPModule", "CommHooks"):
         from twinshard import fsdp_module
 
         return getattr(fsdp_module, name)

@@ -16,13 +16,11 @@ checked here and accepted, and an implementation without overlap (the reference)
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from twinshard.api import FSDPUsageError, UnshardHandle, check_fsdp_modules
@@ -234,36 +232,3 @@ class FSDPModule(TorchFSDPModule):
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """torch's private switch for asynchronous unshards; accepted, with no effect."""
         _check_bool(async_op, "_set_unshard_async_op")
-
-
-@functools.cache
-def fsdp_class(methods: type, cls: type) -> type:
-    """``FSDP<Name>``: the module's own class with the FSDPModule ``methods`` mixed in.
-
-    ``_orig_cls_mro_index`` tells torch's ``FSDPModule.__new__`` where the original class sits
-    in the MRO, so that a slice of a sharded container builds the original class again."""
-    index = type("probe", (methods, cls), {}).__mro__.index(cls)  # the same in the new class
-    return type(f"FSDP{cls.__name__}", (methods, cls), {"_orig_cls_mro_index": index})
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>(...)`` run the same hooks as ``module(...)`` does, so a
-    method other than ``forward`` (e.g. ``generate``) sees unsharded parameters; for every
-    implementation, through the module's ``_get_fsdp_state`` (torch's way)."""
-    if not isinstance(module, FSDPModule):
-        raise FSDPUsageError(
-            f"register_fsdp_forward_method: fully_shard was not applied to "
-            f"this {type(module).__name__}"
-        )
-    method = getattr(module, method_name, None)
-    if not callable(method):
-        raise FSDPUsageError(f"{type(module).__name__} has no method '{method_name}'")
-
-    state = module._get_fsdp_state()  # as torch's, the implementation's hooks
-
-    @functools.wraps(method)
-    def with_hooks(*args, **kwargs):
-        args, kwargs = state._pre_forward(module, args, kwargs)
-        return state._post_forward(module, args, method(*args, **kwargs))
-
-    setattr(module, method_name, with_hooks)

@@ -20,7 +20,7 @@ class GathersFp32(ParamGroup):
             return super().unshard_param(p, dtype)
         out = p.all_gather_output(dtype)  # (S * chunk, *rest) in the compute dtype
         wide = torch.empty(out.shape, dtype=full, device=out.device)  # the same, in float32
-        block = p.all_gather_input(full)  # (chunk, *rest) in float32
+        (block,) = p.all_gather_inputs(full)  # (chunk, *rest) in float32
         all_gather_rows(wide, block, p.info.shard_group, self.comms.all_gather, p.fqn)
         out.copy_(wide)  # cast after gathering
         p.finish_unshard()
