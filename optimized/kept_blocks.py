@@ -51,9 +51,8 @@ def is_kept(p, kept: torch.Tensor | None) -> bool:
     """Whether the module's sharded parameter of ``p`` still lives in ``kept``, where
     ``keep_in`` put it. ``load_state_dict(assign=True)``, ``to_empty`` or ``module.to`` give it
     new memory; loading values in place (``load_state_dict``, DCP, ``copy_``) keeps it there."""
-    module, name = p.owners[0]
     return (
-        module._parameters[name] is p.sharded_param
+        p.held is p.sharded_param
         and p.local_shard is kept
         and not hasattr(kept, "fsdp_pre_all_gather")  # set on it since
     )

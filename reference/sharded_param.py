@@ -29,8 +29,7 @@ time around blocking collectives, ``twinshard.optimized`` around its batched one
     reduce    take_grad -> reduce_scatter_input -> (reduce-scatter) -> combine_partial_sum
               -> (all-reduce) -> accumulate_grad                (``ParamGroup.reduce_param``)
 What differs between features (tensor parallel, ``Shard(dim)``, offload, the all-gather
-extension, HSDP partial sums) is the parameter's ``Layout`` (``layout.py``), chosen once when it
-is sharded: this file has no branch for any of them.
+extension, HSDP partial sums) is the parameter's ``Layout`` (``layout.py``): no branch here.
 """
 
 from __future__ import annotations
@@ -104,20 +103,23 @@ class ShardedParam:
 
     @property
     def local_shard(self) -> torch.Tensor:
-        """The sharded ``DTensor``'s local tensor (local_rows, *rest): the object itself, not
-        ``to_local()``, which makes a new view at every call (torch 2.13)."""
+        """The sharded ``DTensor``'s local tensor itself (``to_local()`` makes a new view)."""
         return self.sharded_param._local_tensor
 
     def adopt_local(self, tensor: torch.Tensor) -> None:
-        """Make ``tensor`` (local_rows, *rest), this rank's rows in memory the caller owns,
-        the sharded ``DTensor``'s local tensor: an optimizer holding the ``DTensor`` (the same
-        object) steps ``tensor`` from now on (``optimized/kept_blocks.py`` keeps blocks so)."""
+        """Make ``tensor`` (local_rows, *rest), memory the caller owns, the sharded ``DTensor``'s
+        local tensor: an optimizer holding the ``DTensor`` steps ``tensor`` from now on."""
         self.sharded_param._local_tensor = tensor
+
+    @property
+    def held(self) -> nn.Parameter:
+        """What the module holds now: the sharded parameter, or what the user put there."""
+        return self.owners[0][0]._parameters[self.owners[0][1]]
 
     def refresh(self) -> None:
         """Adopt the module's parameter if the user replaced it (``to_empty``, DCP, assigning
         loads), and the layout its shard asks for now (``more.layout_for_shard``)."""
-        current = self.owners[0][0]._parameters[self.owners[0][1]]
+        current = self.held
         self.layout = more.layout_for_shard(self, current)
         if current is not self.sharded_param:
             self.sharded_param = current

@@ -120,10 +120,8 @@ def layout_for_shard(p, current) -> Layout:
 
 
 def on_meta(p) -> bool:
-    """Whether the module's parameter of ``p`` (the sharded one, or one that replaced it) is
-    on the meta device."""
-    module, name = p.owners[0]
-    return module._parameters[name].is_meta
+    """Whether what the module of ``p`` holds is on the meta device."""
+    return p.held.is_meta
 
 
 def check_materialized(states: list) -> None:

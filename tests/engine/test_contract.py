@@ -35,10 +35,11 @@ CONTRACT = (
     "has_new_grad",
     "local_shard",
     "adopt_local",
+    "held",
 )
 # What an implementation that keeps the blocks in storage of its own (optimized/kept_blocks.py)
 # uses; the reference calls them too (the offload layout moves a shard with ``adopt_local``).
-KEPT = ("local_shard", "adopt_local", "refresh")
+KEPT = ("local_shard", "adopt_local", "refresh", "held")
 REFERENCE_FILES = sorted((ROOT / "reference").rglob("*.py"))  # both readings
 BATCHED = (
     "all_gather_mesh",
