@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from twinshard.api import without_grad
+from twinshard.arguments import on_meta
 from twinshard.dispatch.storages import memory_key, starts
-from twinshard.reference.more.layouts import on_meta
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
 

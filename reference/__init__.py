@@ -18,17 +18,7 @@ in this order:
     fully_shard.py      the entry point
 
 The second reading, ``more/``, holds what FSDP2 does beyond that, each feature reached from the
-core through a named seam (``more/__init__.py`` lists them):
-
-    more/fsdp_module.py      the FSDPModule methods and torch's hooks into an implementation
-    more/devices.py          the device of the default mesh, from the accelerator API
-    more/usage.py            parameters used on some ranks only
-    more/comm_hooks.py       the user's own all-gather and reduce-scatter
-    more/layouts.py          a parameter's layout from its features; HSDP's partial sums;
-                             parameters replaced (to_empty, assign=True loads) or on meta
-    more/offload.py          shards and gradients in host memory
-    more/tensor_parallel.py  FSDP over tensor parallelism and dp_mesh_dims, and Shard(dim)
-    more/extension.py        parameters that gather themselves (float8 weights)
+core through a named seam; ``more/__init__.py`` lists its files in reading order, and the seams.
 """
 
 from twinshard.api import (

@@ -17,21 +17,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch.nn as nn
-from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 
-from twinshard.api import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    as_mp_policy,
-    as_offload_policy,
-    fsdp_class,
-    shard_placement,
-)
+from twinshard.api import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
+from twinshard.arguments import check_module, raise_split_tie, shard_placement
 
 from . import more
-from .mesh import default_mesh, mesh_info, post_forward_mesh_info
-from .more.fsdp_module import FSDPModule, check_module, raise_split_tie
+from .mesh import default_mesh, mesh_info
+from .more.fsdp_module import FSDPModule, make_fsdp_modules
 from .param_group import ParamGroup
 from .sharded_param import ShardedParam
 from .state import FSDPState, get_state
@@ -93,45 +85,36 @@ def shard_module(
     """The steps of ``fully_shard`` for ``impl``'s types (the contract: docs/concepts.md)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
-        check_module(m)  # an nn.Module with a forward, sharded once
+        check_module(m, get_state(m))  # an nn.Module with a forward, sharded once
     mesh = mesh if mesh is not None else default_mesh()
     if dp_mesh_dims is not None:  # ``mesh`` is the whole SPMD mesh: take its data-parallel part
         mesh = more.data_parallel_mesh(mesh, dp_mesh_dims, reshard_after_forward)
     info = mesh_info(mesh)
     auto = reshard_after_forward is None
-    post_forward = post_forward_mesh_info(True if auto else reshard_after_forward, info)
+    # what backward gathers over: the shard group, None (kept unsharded) or rows of N ranks
+    post_forward = more.post_forward_mesh_info(True if auto else reshard_after_forward, info)
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
     owners, managed = _collect_params(modules, set(ignored_params or ()))
     if dp_mesh_dims is not None:
         more.check_spmd_params(owners)  # each a DTensor of the whole SPMD mesh
-    cpu_offload = offload if isinstance(offload, CPUOffloadPolicy) else None
     params, meshes = [], {mesh: info}  # a parameter may have a mesh of its own (experts')
     for p, where in owners.items():
         dim, own = shard_placement(shard_placement_fn, p, where)  # Shard(dim), and its mesh
         p_info = meshes.setdefault(own, mesh_info(own)) if own is not None else info
         layout = more.choose_layout(
-            p, info=p_info, device=info.device, dim=dim, offload=cpu_offload, mp=mp, fqn=where[0][1]
+            p, info=p_info, device=info.device, dim=dim, offload=offload, mp=mp, fqn=where[0][1]
         )
         params.append(ShardedParam(p, where, p_info, layout))
     for p in owners:  # the original tensor: a tie elsewhere still holds it (_collect_params)
         p._twinshard_sharded_by = id(modules[0])  # an int: the tensor stays picklable
-    for m in modules:
-        for buffer_owner in m.modules():  # buffers are not sharded; they follow the device
-            for name, b in buffer_owner._buffers.items():
-                if b is not None and b.device.type != "meta":
-                    buffer_owner._buffers[name] = b.to(info.device)
     group = impl.group_type(params, info, post_forward, mp) if params else None
     state = impl.state_type(modules, group, mp, auto)
-    if group is not None:
-        for m in group.modules_with_params():
-            m.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
-            m._register_load_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
-    for m in managed:  # as torch's fully_shard marks them, so that dynamo guards them alike
-        m._is_fsdp_managed_module = m._fsdp_use_orig_params = True
     for m in modules:
         m.__dict__["_twinshard_state"] = state
-        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()  # for replicate()
-        m.__class__ = fsdp_class(impl.module_type, type(m))
+    # FSDP<Name>: buffers on the compute device, state_dict() resharded first, torch's marks
+    make_fsdp_modules(
+        modules, managed=managed, methods=impl.module_type, group=group, device=info.device
+    )
     return module
 
 

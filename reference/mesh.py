@@ -5,13 +5,8 @@ rank r keeps block r. A 2D mesh of R x S ranks is HSDP (hybrid sharding): the S 
 mesh row share the parameter between them as in FSDP, and the R rows are replicas of each other.
 Gradients are reduce-scattered inside a row and then all-reduced down each column.
 
-``reshard_after_forward`` as an int N (a divisor of S) asks for a middle ground between
-keeping the whole parameter after forward and keeping 1/S of it: after forward each rank keeps
-1/N, gathered again in backward among N neighbouring ranks. That needs one more process group,
-built here as a second mesh that views the ranks as rows of N.
-
 Without a mesh, ``fully_shard`` builds a 1D one over every rank, on the device this rank
-computes on, asked as PyTorch's FSDP2 asks it (second reading: ``more/devices.py``).
+computes on, asked as PyTorch's FSDP2 asks it (``twinshard/ranks/devices.py``).
 """
 
 from __future__ import annotations
@@ -23,9 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from twinshard.api import FSDPUsageError
-
-from . import more
+from twinshard.arguments import check_distributed, check_mesh
+from twinshard.ranks.devices import current_device, default_device_type
 
 
 @dataclass
@@ -46,10 +40,7 @@ class MeshInfo:
     @property
     def device(self) -> torch.device:
         """The compute device of this rank: the mesh's device type, current index."""
-        kind = self.mesh.device_type
-        if kind == "cpu":
-            return torch.device("cpu")
-        return torch.device(kind, torch.get_device_module(kind).current_device())
+        return current_device(self.mesh.device_type)
 
 
 def as_dtensor(block: torch.Tensor, mesh: DeviceMesh, placements, shape, stride) -> DTensor:
@@ -63,57 +54,15 @@ def as_dtensor(block: torch.Tensor, mesh: DeviceMesh, placements, shape, stride)
 
 def default_mesh() -> DeviceMesh:
     """A 1D mesh over every rank of the default process group (plain FSDP), on the device
-    type this rank computes on (``more/devices.py``)."""
-    if not dist.is_initialized():
-        raise FSDPUsageError(
-            "fully_shard needs torch.distributed: call init_process_group first "
-            "(twinshard.ranks.launch does it for you) or pass mesh=..."
-        )
-    return init_device_mesh(more.default_device_type(), (dist.get_world_size(),))
+    type this rank computes on."""
+    check_distributed()  # a default process group to build it over
+    return init_device_mesh(default_device_type(), (dist.get_world_size(),))
 
 
 def mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Read the shard and replicate groups off a 1D (FSDP) or 2D (HSDP) mesh."""
-    if not isinstance(mesh, DeviceMesh):
-        raise FSDPUsageError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    check_mesh(mesh)  # a DeviceMesh of 1 dim, or of 2 named ones (which one replicates)
     if mesh.ndim == 1:
         return MeshInfo(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
-    if mesh.ndim == 2 and not mesh.mesh_dim_names:  # as torch: which dim replicates is named
-        raise FSDPUsageError(
-            f"Please init the 2D mesh for HSDP with mesh_dim_names specified (fully_shard got "
-            f"shape {tuple(mesh.shape)}), e.g. mesh_dim_names=('replicate', 'shard')"
-        )
-    if mesh.ndim == 2:
-        shard = (mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1))
-        return MeshInfo(mesh, *shard, mesh.get_group(0), mesh.size(0))
-    raise FSDPUsageError(
-        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh!r} ({mesh.ndim}D); pass its "
-        "data-parallel part (1D: FSDP, 2D: HSDP), e.g. mesh['dp'], or name it with dp_mesh_dims"
-    )
-
-
-def post_forward_mesh_info(reshard_after_forward, info: MeshInfo) -> MeshInfo | None:
-    """The group to keep parameters sharded over between forward and backward: ``None``, keep
-    them unsharded; ``info`` itself, reshard fully (True)."""
-    if not isinstance(reshard_after_forward, (bool, int)):
-        raise FSDPUsageError(
-            f"reshard_after_forward must be a bool or an int (a group size), "
-            f"got {reshard_after_forward!r}"
-        )
-    if reshard_after_forward is True:
-        return info
-    if reshard_after_forward is False:
-        return None
-    n = reshard_after_forward
-    if n < 1 or info.shard_size % n != 0:
-        raise FSDPUsageError(
-            f"reshard_after_forward={n} must divide the shard group size {info.shard_size} "
-            f"(a group size to reshard to); use True, False or a divisor"
-        )
-    if n == 1:
-        return None  # keeping a 1/1 piece is keeping the whole parameter
-    if n == info.shard_size:
-        return info
-    # Rows of n consecutive ranks: rank r all-gathers with the others in its row in backward.
-    small = more.rows_mesh(info.mesh, n)  # (S / n, n) ranks, built on the host
-    return MeshInfo(small, small.get_group(1), n, small.get_local_rank(1), None, 1)
+    shard = (mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1))
+    return MeshInfo(mesh, *shard, mesh.get_group(0), mesh.size(0))

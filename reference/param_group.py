@@ -22,6 +22,7 @@ import torch.nn as nn
 from twinshard.api import CommHooks, MixedPrecisionPolicy, profiled, without_grad
 from twinshard.guard import unused_grads
 
+from . import more
 from .collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
 from .mesh import MeshInfo
 from .sharded_param import ParamState, ShardedParam
@@ -66,23 +67,18 @@ class ParamGroup:
     def reduce_dtypes(self, params: list[ShardedParam]) -> list[torch.dtype]:
         """The gradient reduction dtype of each of ``params``: the policy's ``reduce_dtype``,
         else the compute dtype."""
-        if self.mp.reduce_dtype is not None:
-            return [self.mp.reduce_dtype] * len(params)
-        return self.param_dtypes(params)
+        return [self.mp.reduce_dtype or dtype for dtype in self.param_dtypes(params)]
 
     def gradient_divisors(self, dtype: torch.dtype, info: MeshInfo) -> tuple[float | None, float]:
         """What gradients reduced in ``dtype`` over ``info``'s ranks are divided by before the sum
-        and after it: in all ``set_gradient_divide_factor``'s factor, else the ranks (a mean).
-        An fp16 sum may overflow where the mean would not: each gradient is first divided by
-        the least power of two whose square reaches the factor (exact), the sum by the rest,
-        as torch's ``fully_shard`` splits it; fp32 and bf16 divide the sum once."""
+        (None: not at all) and after it: in all ``set_gradient_divide_factor``'s factor, else the
+        ranks (a mean); an fp16 sum is split around, as torch's (second reading: ``more/fp16.py``)."""
         factor = self.divide_factor or info.shard_size * info.replicate_size
-        if dtype in (torch.float32, torch.bfloat16):
-            return None, factor
-        before = 1
-        while before * before < factor:
-            before *= 2
-        return float(before), factor / before
+        return (
+            (None, factor)
+            if dtype in (torch.float32, torch.bfloat16)
+            else more.fp16_divisors(factor)
+        )
 
     # --- unshard / reshard ----------------------------------------------------------------------
     @without_grad

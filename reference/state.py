@@ -34,27 +34,12 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from twinshard.api import FSDPUsageError, MixedPrecisionPolicy, map_tensors, profiled, tensors_in
+from twinshard.api import MixedPrecisionPolicy, map_tensors, profiled, tensors_in
+from twinshard.arguments import check_materialized, raise_ran_first
 from twinshard.guard import check_model, forward_started
 
 from . import more
 from .param_group import ParamGroup, TrainingState
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
-
-
-def cast_inputs(mp: MixedPrecisionPolicy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Cast floating-point forward inputs to ``param_dtype`` (if the policy says so)."""
-    if not (mp.cast_forward_inputs and mp.param_dtype is not None):
-        return args, kwargs
-    return _cast_floats(args, mp.param_dtype), _cast_floats(kwargs, mp.param_dtype)
-
-
-def cast_output(mp: MixedPrecisionPolicy, output: Any) -> Any:
-    """Cast floating-point forward outputs to ``output_dtype`` (if set)."""
-    return output if mp.output_dtype is None else _cast_floats(output, mp.output_dtype)
 
 
 def get_state(module: nn.Module) -> FSDPState | None:
@@ -100,18 +85,14 @@ class FSDPState:
                 continue  # not sharded, or a state of several modules (a list) met again
             if state is not self:
                 if state.is_root is not None:
-                    raise FSDPUsageError(
-                        f"'{name}' ({type(module).__name__}) already ran forward on its own, "
-                        f"before its parent {type(self.module).__name__}; run forward through "
-                        "the root module first so it can take charge of its children"
-                    )
+                    raise_ran_first(name, module, self.module)  # it made itself a root
                 state.is_root, state.root = False, self
             self.all_states.append(state)
             if state.group is not None:
                 for p in state.group.params:  # full names, from the module that holds it
                     owner, attr = p.owners[0]
                     p.fqn = f"{named[id(owner)][0]}.{attr}".lstrip(".")
-        more.check_materialized(self.all_states)
+        check_materialized(self.all_states)  # nothing left on meta
         if self.auto_reshard_after_forward and self.group is not None:
             # The root's parameters are the first ones backward needs: keep them.
             self.group.post_forward_info = None
@@ -123,12 +104,12 @@ class FSDPState:
         self.lazy_init()
         if self.group is not None and self.group.state is TrainingState.PRE_BACKWARD:
             self.group.unshard()  # forward recomputed in backward (activation checkpointing)
-            return cast_inputs(self.mp, args, kwargs)
+            return self.mp.cast_inputs(args, kwargs)
         forward_started(self)  # the root counts steps, for the guard's messages
         if self.is_root and self.group is not None and self.group.device.type != "cpu":
             to_device = lambda t: t.to(self.group.device)  # noqa: E731
             args, kwargs = map_tensors(to_device, args), map_tensors(to_device, kwargs)
-        args, kwargs = cast_inputs(self.mp, args, kwargs)
+        args, kwargs = self.mp.cast_inputs(args, kwargs)
         if not self.modules_to_run:  # the first of the group's modules to start forward
             self.modules_to_run = {id(m) for m in self.modules}
         if self.group is not None:
@@ -139,16 +120,16 @@ class FSDPState:
     @torch.compiler.disable
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.group is not None and self.group.state is TrainingState.PRE_BACKWARD:
-            return cast_output(self.mp, output)  # recomputation: backward will reshard
+            return self.mp.cast_output(output)  # recomputation: backward will reshard
         output = self._plant_pre_backward(output)
         self.modules_to_run.discard(id(module))
         if self.modules_to_run:
-            return cast_output(self.mp, output)  # other modules of the group still to run
+            return self.mp.cast_output(output)  # other modules of the group still to run
         if self.group is not None:
             self.group.post_forward()
         if self.is_root:
             self.finish_forward()
-        return cast_output(self.mp, output)
+        return self.mp.cast_output(output)
 
     def finish_forward(self) -> None:
         """The root's end of forward: groups whose modules did not all run are finished."""

@@ -11,7 +11,7 @@ types and a user can swap ``torch.distributed.fsdp.fully_shard`` for either one 
   methods; the docstrings there are the specification. ``CommHooks``: the communication a user
   swapped in with ``set_custom_all_gather`` and its siblings.
 - ``ShardPlacementResult``: a parameter's placement and mesh of its own, as ``shard_placement_fn``
-  may answer (torch 2.13's class where it exists); ``shard_placement`` reads any answer.
+  may answer (torch 2.13's class where it exists); ``twinshard/arguments.py`` reads any answer.
 - ``UnshardHandle``: what ``FSDPModule.unshard(async_op=True)`` returns.
 - ``fsdp_class``, ``register_fsdp_forward_method``: a sharded module's class, and another of
   its methods run with the hooks of ``forward``; the same for every implementation.
@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Shard
 
 try:  # torch's own where it has one (2.13 on): the same object works with every implementation
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -91,6 +90,18 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A sharded module's forward inputs, their floating-point tensors cast to
+        ``param_dtype`` (when the policy casts inputs); as given otherwise."""
+        if not (self.cast_forward_inputs and self.param_dtype is not None):
+            return args, kwargs
+        return cast_floats((args, kwargs), self.param_dtype)
+
+    def cast_output(self, output: Any) -> Any:
+        """A sharded module's forward output, its floating-point tensors cast to
+        ``output_dtype`` (when set); as given otherwise."""
+        return output if self.output_dtype is None else cast_floats(output, self.output_dtype)
 
 
 @dataclass
@@ -197,6 +208,11 @@ def map_tensors(fn, obj: Any) -> Any:
     return obj
 
 
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor inside it cast to ``dtype``."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
 # One context that does nothing, shared: entering and leaving ``contextlib.nullcontext`` does
 # nothing, so the same object serves every block, nested or not, without being built each time.
 NOT_PROFILED = contextlib.nullcontext()
@@ -229,71 +245,6 @@ def without_grad(fn):
             torch._C._set_grad_enabled(True)
 
     return run
-
-
-def is_container_without_forward(module: nn.Module) -> bool:
-    """``ModuleList``/``ModuleDict`` hold modules but cannot be called (unless a subclass
-    defines ``forward``)."""
-    containers = (nn.ModuleList, nn.ModuleDict)
-    return isinstance(module, containers) and any(
-        type(module).forward is c.forward for c in containers if isinstance(module, c)
-    )
-
-
-# --- what shard_placement_fn answers -------------------------------------------------------------
-# ``fully_shard(module, shard_placement_fn=fn)`` asks ``fn(param)`` once per parameter. As in
-# torch 2.13's FSDP2 the answer is ``None`` (cut along dim 0 over the mesh given to
-# ``fully_shard``), ``Shard(dim)`` (along ``dim``, over that mesh) or
-# ``ShardPlacementResult(placement, mesh_info)``: along ``placement`` (``None``: dim 0) over a
-# mesh of the parameter's own, ``mesh_info.mesh``. A mixture-of-experts block shards its experts
-# over the expert-data-parallel ranks so, and its router and shared layers over the whole
-# data-parallel mesh: one group, each parameter's collectives on its own mesh. ``mesh_info`` is
-# torch's ``FSDPMeshInfo`` (``shard_mesh_dim=0`` on a 1D mesh) or ``HSDPMeshInfo``
-# (``replicate_mesh_dim=0, shard_mesh_dim=1`` on a 2D one): anything with those three fields.
-
-
-def shard_placement(shard_placement_fn, p: nn.Parameter, where: list) -> tuple[int, Any]:
-    """The dim to cut ``p`` along and the ``DeviceMesh`` of its own (None: ``fully_shard``'s),
-    from ``shard_placement_fn(p)``; ``where`` names ``p``'s (module, attribute) holders."""
-    answer = shard_placement_fn(p) if shard_placement_fn is not None else None
-    mesh = None
-    if answer is not None and hasattr(answer, "mesh_info"):  # a ShardPlacementResult
-        answer, mesh = answer.placement, _own_mesh(answer.mesh_info, where, p)
-    name, owner = where[0][1], type(where[0][0]).__name__
-    if answer is None and p.dim() == 0:
-        raise FSDPUsageError(
-            f"fully_shard cannot shard the 0-dim parameter of {owner}. "
-            f"Change {name} to a 1D tensor with numel equal to 1 or ignore it"
-        )
-    if answer is None:
-        return 0, mesh
-    if isinstance(answer, Shard) and -p.dim() <= answer.dim < p.dim():
-        return answer.dim % p.dim(), mesh
-    raise FSDPUsageError(  # the first words are torch's
-        f"Shard dim {getattr(answer, 'dim', answer)} is invalid for {p.dim()}D tensor: "
-        f"shard_placement_fn returned {answer!r} for parameter '{name}' of {owner} "
-        f"(shape {tuple(p.shape)}); return Shard(dim), None or ShardPlacementResult"
-    )
-
-
-def _own_mesh(mesh_info: Any, where: list, p: nn.Parameter):
-    """The mesh of a ``ShardPlacementResult``'s ``mesh_info``: a 1D mesh it shards over, or a
-    2D (replicate, shard) mesh for HSDP; anything else is refused, naming the parameter."""
-    mesh = getattr(mesh_info, "mesh", None)
-    shard = getattr(mesh_info, "shard_mesh_dim", None)
-    replicate = getattr(mesh_info, "replicate_mesh_dim", None)
-    fsdp = mesh is not None and mesh.ndim == 1 and shard == 0 and replicate is None
-    hsdp = mesh is not None and mesh.ndim == 2 and (replicate, shard) == (0, 1)
-    if fsdp or hsdp:
-        return mesh
-    shape = tuple(mesh.shape) if mesh is not None else None
-    raise FSDPUsageError(
-        f"shard_placement_fn returned a ShardPlacementResult for parameter '{where[0][1]}' of "
-        f"{type(where[0][0]).__name__} (shape {tuple(p.shape)}) whose mesh_info has mesh shape "
-        f"{shape}, shard_mesh_dim={shard}, replicate_mesh_dim={replicate}; give "
-        "FSDPMeshInfo(mesh, shard_mesh_dim=0) of a 1D mesh, or HSDPMeshInfo(mesh, "
-        "shard_mesh_dim=1, replicate_mesh_dim=0) of a 2D one"
-    )
 
 
 @functools.cache

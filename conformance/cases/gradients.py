@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from twinshard.reference.more.devices import backends_by_device
+from twinshard.ranks.devices import backends_by_device
 
 from .. import models as M
 from .core import case, train_case

@@ -11,9 +11,10 @@ is also torch's ``FSDPModule``, for libraries that test ``isinstance``, and torc
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 
 from twinshard.api import FSDPModule as FSDPModuleContract
-from twinshard.api import FSDPUsageError, UnshardHandle, is_container_without_forward
+from twinshard.api import FSDPUsageError, UnshardHandle, fsdp_class
 
 from ..param_group import ParamGroup
 from ..state import FSDPState, get_state
@@ -162,34 +163,25 @@ def share_comm_ctx(modules: list) -> None:
             )
 
 
-def check_module(module: nn.Module) -> None:
-    """Refuse, with torch's words, what ``fully_shard`` cannot shard: no module, a container
-    without ``forward``, a module sharded already."""
-    if not isinstance(module, nn.Module):
-        raise FSDPUsageError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if is_container_without_forward(module):
-        raise FSDPUsageError(
-            f"fully_shard does not support containers without forward ({type(module).__name__}); "
-            "apply it to each module inside, or to the module that calls them"
-        )
-    if get_state(module) is not None:
-        raise FSDPUsageError(
-            f"fully_shard was already applied to this {type(module).__name__}; "
-            "apply it once per module"
-        )
+def make_fsdp_modules(modules: list[nn.Module], *, managed, methods, group, device) -> None:
+    """Give ``modules`` (holding their state already) the class with ``methods``
+    (``FSDPModule``) and what a sharded module owes the rest of torch: its buffers (not
+    sharded) on the compute ``device``; ``state_dict`` and ``load_state_dict`` on the sharded
+    parameters, so resharded first; the marks of torch's tools (``replicate()``'s registry,
+    and on every module of the call, ``managed``, the flags dynamo guards FSDP modules by)."""
+    for m in modules:
+        for owner in m.modules():
+            for name, b in owner._buffers.items():
+                if b is not None and b.device.type != "meta":
+                    owner._buffers[name] = b.to(device)
+    for m in group.modules_with_params() if group is not None else ():
+        m.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
+        m._register_load_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
+    for m in managed:
+        m._is_fsdp_managed_module = m._fsdp_use_orig_params = True
+    for m in modules:
+        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
+        m.__class__ = fsdp_class(methods, type(m))
 
 
-def raise_split_tie(module: nn.Module, fqn: str, p: nn.Parameter) -> None:
-    """Refuse a parameter of ``module`` that another ``fully_shard`` call already sharded."""
-    owner = p._twinshard_sharded_by
-    where = next((n for n, m in module.named_modules() if id(m) == owner), None)
-    where = f"'{where}'" if where is not None else "a module outside this one"
-    raise FSDPUsageError(
-        f"parameter '{fqn}' of this {type(module).__name__} is the same tensor as a parameter "
-        f"of {where}, which fully_shard already sharded as its own "
-        "group; a parameter shared by two modules (tied weights) must be in one group: apply "
-        "fully_shard to a module that holds both (and not to either one alone), or untie them"
-    )
-
-
-__all__ = ["FSDPModule", "check_module", "raise_split_tie", "share_comm_ctx"]
+__all__ = ["FSDPModule", "make_fsdp_modules", "share_comm_ctx"]

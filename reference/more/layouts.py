@@ -15,11 +15,10 @@ A tensor-parallel ``Shard(1)`` weight's unsharded parameter is the ``DTensor`` (
 of a contiguous copy (ShardDim) of the gathered rows (plain). A shard may get ``fsdp_pre_all_gather`` after it was sharded (after ``to_empty``): the extension
 is added when ``ShardedParam.refresh`` finds it (``layout_for_shard``), before an all-gather.
 
-Parameters the user replaced, or left on meta: ``model.to_empty(device=...)``,
-``load_state_dict(assign=True)`` and DCP put a new ``DTensor`` on the module. Before each
-all-gather ``ShardedParam.refresh`` adopts a replacement of the same shape; anything else, and
-a parameter still on meta, is refused by name (``layout_for_shard``); ``check_materialized``
-refuses meta parameters once, at the root's first forward, as torch's ``fully_shard`` does.
+Parameters the user replaced: ``model.to_empty(device=...)``, ``load_state_dict(assign=True)``
+and DCP put a new ``DTensor`` on the module. Before each all-gather ``ShardedParam.refresh``
+adopts a replacement of the same shape; anything else, and a parameter still on meta, is
+refused by name (``twinshard/arguments.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ from functools import cache
 import torch
 from torch.distributed.tensor import DTensor
 
-from twinshard.api import FSDPUsageError
+from twinshard.api import CPUOffloadPolicy
+from twinshard.arguments import check_replacement
 
 from ..layout import Layout
 from .extension import Extension, gathers_itself
@@ -74,12 +74,12 @@ def composed(features: tuple[type, ...]) -> type:
 
 def choose_layout(param, info, device: torch.device, dim: int, offload, mp, fqn: str) -> Layout:
     """The layout of ``param`` (named ``fqn``) sharded over ``info`` (a ``MeshInfo``) on
-    ``Shard(dim)``, with the group's ``offload`` (a ``CPUOffloadPolicy`` or None) and ``mp``
-    policy; each feature's ``setup`` fills its own fields."""
+    ``Shard(dim)``, with the group's ``offload`` and ``mp`` policies; each feature's ``setup``
+    fills its own fields."""
     wanted = {
         TensorParallel: isinstance(param, DTensor),
         ShardDim: dim != 0,
-        Offload: offload is not None,
+        Offload: isinstance(offload, CPUOffloadPolicy),
         PartialSums: info.replicate_group is not None,
     }
     features = tuple(f for f in ORDER if wanted.get(f))
@@ -96,19 +96,8 @@ def layout_for_shard(p, current) -> Layout:
     now: ``p``'s, with the extension first where ``current``'s shard gathers itself (fields
     carried over). A replacement that is no ``DTensor`` of ``p``'s shape (``to_empty``,
     ``load_state_dict(assign=True)`` and DCP put new ones), or one on meta, is refused."""
-    if current is not p.sharded_param and (
-        not isinstance(current, DTensor) or current.shape != p.shape
-    ):
-        raise FSDPUsageError(
-            f"parameter '{p.fqn}' was replaced by a {type(current).__name__} of shape "
-            f"{tuple(current.shape)} outside fully_shard; load values with "
-            "load_state_dict or copy_ into the existing DTensor instead"
-        )
-    if current.is_meta:
-        raise FSDPUsageError(
-            f"parameter '{p.fqn}' is still on the meta device; materialize it first, "
-            "e.g. model.to_empty(device=...) and then initialize or load the weights"
-        )
+    if current is not p.sharded_param or current.is_meta:
+        check_replacement(p.fqn, p.shape, current)  # a DTensor of its shape, not on meta
     layout = p.layout
     if isinstance(layout, Extension) or not gathers_itself(p, current._local_tensor):
         return layout
@@ -117,26 +106,3 @@ def layout_for_shard(p, current) -> Layout:
     extended.__dict__.update(layout.__dict__)
     Extension.setup(extended)
     return extended
-
-
-def on_meta(p) -> bool:
-    """Whether what the module of ``p`` holds is on the meta device."""
-    return p.held.is_meta
-
-
-def check_materialized(states: list) -> None:
-    """Refuse parameters still on the meta device in the ``FSDPState``s of a root, naming
-    those of the first group that has any, as torch's ``fully_shard`` does (its tests match
-    the words), and counting the others."""
-    groups = [s.group.params for s in states if s.group is not None]
-    meta = [[p.fqn for p in params if on_meta(p)] for params in groups]
-    meta = [names for names in meta if names]
-    if meta:
-        more = sum(map(len, meta[1:]))
-        raise FSDPUsageError(
-            "FSDP parameters should be materialized from meta device before training, but "
-            f"the following were still on meta device: {meta[0]}"
-            + (f" (and {more} more in other groups)" if more else "")
-            + "; materialize them first, e.g. model.to_empty(device=...), then initialize "
-            "or load the weights"
-        )

@@ -12,7 +12,7 @@ computes on
    default one: accelerator ``local_rank`` for a backend that runs on an accelerator only
    (nccl, xccl, a third-party device backend), the CPU for a host backend (gloo, mpi), even
    on a GPU machine;
-2. else what the reference's ``default_device_type`` says, which is FSDP2's rule: the device
+2. else what ``default_device_type`` says, which is FSDP2's rule: the device
    the default group is bound to (``init_process_group(device_id=...)``); else the
    accelerator ``torch.accelerator`` names, if one is available at run time and the default
    group has a backend for its device type (``"gloo"`` has one for cuda, ``"cpu:gloo"`` has
@@ -40,9 +40,11 @@ __all__ = [
     "accelerator_count",
     "accelerator_type",
     "backend_device",
+    "backends_by_device",
     "bind",
     "collectives_return_when_queued",
     "current_device",
+    "default_device_type",
     "device_count",
     "init_args",
     "initialized_accelerator",
@@ -81,9 +83,6 @@ def rank_device_type() -> str:
         return accelerator_type() or "cpu"
     if _group_device is not None and _group_device[0] is dist.group.WORLD:
         return _group_device[1].type
-    # late: the spec imports DTensor
-    from twinshard.reference.more.devices import default_device_type
-
     return default_device_type()
 
 
@@ -106,6 +105,29 @@ def _backend_devices(backend: str) -> dict[str, str]:
         pairs = (item.split(":", 1) for item in backend.split(","))
         return {device.strip(): name.strip() for device, name in pairs}
     return dict.fromkeys(dist.Backend.backend_capability.get(backend, ()), backend)
+
+
+def backends_by_device(group=None) -> dict[str, str]:
+    """Which backend runs a collective of each device type in ``group`` (default: the default
+    group): ``{"cpu": "gloo", "cuda": "nccl"}`` for ``"cpu:gloo,cuda:nccl"``; plain ``"gloo"``
+    serves both the CPU and cuda, plain ``"nccl"`` cuda only."""
+    config = dist.get_backend_config(group)  # "cpu:gloo,cuda:nccl"
+    pairs = (item.split(":", 1) for item in config.split(",") if ":" in item)
+    return {device.strip(): name.strip() for device, name in pairs}
+
+
+def default_device_type() -> str:
+    """The device type a rank computes on by FSDP2's rule (rule 2 of the module docstring),
+    which the reference's default mesh follows: the device the default group is bound to, else
+    the available accelerator the default group has a backend for, else the CPU. Never the
+    backend's name: ``"nccl"``, no backend and ``"cpu:gloo,cuda:nccl"`` all mean cuda."""
+    bound = dist.group.WORLD.bound_device_id
+    if bound is not None:
+        return bound.type
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is not None and accelerator.type in backends_by_device():
+        return accelerator.type
+    return "cpu"
 
 
 def backend_device(backend: str, local_rank: int) -> torch.device:
@@ -187,8 +209,6 @@ def collectives_return_when_queued() -> bool:
     kind = rank_device_type()
     if kind == "cpu":
         return False
-    from twinshard.reference.more.devices import backends_by_device
-
     name = backends_by_device().get(kind)
     return name is not None and name not in HOST_WAITING_BACKENDS
 
