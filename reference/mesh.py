@@ -30,8 +30,8 @@ class MeshInfo:
     shard_group: dist.ProcessGroup  # all-gather and reduce-scatter run here
     shard_size: int  # S: how many pieces a parameter is cut into
     shard_rank: int  # which piece this rank keeps
-    replicate_group: dist.ProcessGroup | None  # HSDP: gradients are all-reduced here
-    replicate_size: int  # R: 1 for FSDP
+    replicate_group: dist.ProcessGroup | None = None  # HSDP: gradients are all-reduced here
+    replicate_size: int = 1  # R: 1 for FSDP
 
     def placements(self, dim: int) -> tuple:
         """DTensor placements on ``mesh`` of a parameter cut along ``dim``."""
@@ -63,6 +63,6 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Read the shard and replicate groups off a 1D (FSDP) or 2D (HSDP) mesh."""
     check_mesh(mesh)  # a DeviceMesh of 1 dim, or of 2 named ones (which one replicates)
     if mesh.ndim == 1:
-        return MeshInfo(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
+        return MeshInfo(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0))
     shard = (mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1))
-    return MeshInfo(mesh, *shard, mesh.get_group(0), mesh.size(0))
+    return MeshInfo(mesh, *shard, replicate_group=mesh.get_group(0), replicate_size=mesh.size(0))

@@ -94,7 +94,8 @@ class ShardedParam:
         # our own, contiguous memory, not a view of the full tensor
         block = block.to(device).clone(memory_format=torch.contiguous_format)
         mesh, placements, stride = self.layout.shard_spec(self.info, self.stride)
-        return as_dtensor(self.layout.kept_shard(block), mesh, placements, self.shape, stride)
+        block = self.layout.kept_shard(block)  # in the memory the layout keeps it in
+        return as_dtensor(block, mesh, placements, shape=self.shape, stride=stride)
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Writing _parameters directly skips nn.Module.__setattr__'s checks on every swap.

@@ -107,8 +107,7 @@ class FSDPState:
             return self.mp.cast_inputs(args, kwargs)
         forward_started(self)  # the root counts steps, for the guard's messages
         if self.is_root and self.group is not None and self.group.device.type != "cpu":
-            to_device = lambda t: t.to(self.group.device)  # noqa: E731
-            args, kwargs = map_tensors(to_device, args), map_tensors(to_device, kwargs)
+            args, kwargs = map_tensors(lambda t: t.to(self.group.device), (args, kwargs))
         args, kwargs = self.mp.cast_inputs(args, kwargs)
         if not self.modules_to_run:  # the first of the group's modules to start forward
             self.modules_to_run = {id(m) for m in self.modules}

@@ -37,7 +37,7 @@ def post_forward_mesh_info(reshard_after_forward: bool | int, info: MeshInfo) ->
         return info
     # Rows of n consecutive ranks: rank r all-gathers with the others in its row in backward.
     small = rows_mesh(info.mesh, n)  # (S / n, n) ranks, built on the host
-    return MeshInfo(small, small.get_group(1), n, small.get_local_rank(1), None, 1)
+    return MeshInfo(small, small.get_group(1), n, small.get_local_rank(1))  # no replicas
 
 
 def rows_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
