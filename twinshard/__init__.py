@@ -25,7 +25,8 @@ Running ranks and observing them:
 - ``measure/``: bench, schedule, plan and the fake accelerator.
 
 The applications: ``train/`` (``twinshard train``, ``twinshard export``), ``cli.py`` (the
-``twinshard`` command), ``report_files.py`` (how a report command ends), ``models.py`` (small
+``twinshard`` command), ``commandline/`` (the words every command spells alike, below train
+and ``measure/``), ``report_files.py`` (how a report command ends), ``models.py`` (small
 example models), ``example.py`` (a first run), ``fakeaccel/`` (the fake accelerator's old
 command name).
 """

@@ -14,6 +14,7 @@ for the contract between the trees).
   (``twinshard/measure/world.py``): no other module of the measuring layer shards a model, makes
   an optimizer, or starts a process group or a backend's world.
 - One implementation resolver for every command: ``test_outside_impl.py``.
+- The commands' words live below train and the measuring package: ``test_vocabulary.py``.
 - The measuring package's size (``MEASURE_LINES``): product code only.
 """
 

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from twinshard.commandline.vocabulary import DTYPES
 from twinshard.models import Llama, LlamaConfig
 
 from .config import TrainConfig, load_impl
-from .flags import DTYPES
 
 
 def seed_rank_rngs(seed: int, step: int, rank: int) -> None:
