@@ -9,13 +9,12 @@ The engine, one interface written twice, and the suite that checks it:
 
 The interface, and the switch that puts it under code written for torch's:
 
-- ``api.py``, ``fsdp_module.py``: the shared types (policies, the ``FSDPModule`` contract,
-  errors); ``mesh_dims.py``: torch 2.13's mesh types for older releases; ``summon.py``: FSDP1's
-  ``summon_full_params``.
+- ``api/``: the shared types (policies, the ``FSDPModule`` contract, errors), torch 2.13's
+  mesh types for older releases, and where the collectives' buffers come from (torch's two
+  switches); ``summon.py``: FSDP1's ``summon_full_params``.
 - ``impls.py``: which implementation a command runs (a short name or any module).
 - ``switch.py``, ``run.py``: torch's ``fully_shard`` switched to twinshard's (a function, a
   context manager, ``python -m twinshard.run``).
-- ``comm_memory.py``: where the collectives' buffers come from (torch's two switches).
 
 Running ranks and observing them:
 

@@ -29,7 +29,7 @@ from .runner import run
 CATEGORIES = [
     ("/reference/", "twinshard.reference"),
     ("/optimized/", "twinshard.optimized"),
-    ("twinshard/api.py", "twinshard.api"),
+    ("twinshard/api/", "twinshard.api"),
     ("torch/distributed/fsdp/", "torch fsdp"),
     ("torch/distributed/tensor/", "DTensor"),
     ("torch/distributed/", "torch.distributed (c10d Python)"),
