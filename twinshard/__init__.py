@@ -12,7 +12,6 @@ The interface, and the switch that puts it under code written for torch's:
 - ``api/``: the shared types (policies, the ``FSDPModule`` contract, errors), torch 2.13's
   mesh types for older releases, and where the collectives' buffers come from (torch's two
   switches); ``summon.py``: FSDP1's ``summon_full_params``.
-- ``impls.py``: which implementation a command runs (a short name or any module).
 - ``switch.py``, ``run.py``: torch's ``fully_shard`` switched to twinshard's (a function, a
   context manager, ``python -m twinshard.run``).
 
@@ -24,8 +23,8 @@ Running ranks and observing them:
 - ``measure/``: bench, schedule, plan and the fake accelerator.
 
 The applications: ``train/`` (``twinshard train``, ``twinshard export``), ``cli.py`` (the
-``twinshard`` command), ``commandline/`` (the words every command spells alike, below train
-and ``measure/``), ``report_files.py`` (how a report command ends), ``models.py`` (small
+``twinshard`` command), ``commandline/`` (what every command shares: the words it spells
+alike, which implementation it runs, how a report ends), ``models.py`` (small
 example models), ``example.py`` (a first run), ``fakeaccel/`` (the fake accelerator's old
 command name).
 """

@@ -22,7 +22,7 @@ import argparse
 import contextlib
 from dataclasses import replace
 
-from twinshard import impls
+from twinshard.commandline import impls
 from twinshard.commandline.vocabulary import VOCABULARY, Renamed
 
 from .job import OVERRIDES, Job, parse_reshard

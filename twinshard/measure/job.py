@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from twinshard import impls
+from twinshard.commandline import impls
 from twinshard.commandline.vocabulary import DTYPES
 from twinshard.models import PRESETS, LlamaConfig
 from twinshard.ranks import devices

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from twinshard import api, impls
+from twinshard import api
+from twinshard.commandline import impls
 from twinshard.models import Llama
 
 

@@ -361,7 +361,7 @@ def load_impl(name: str):
     """The implementation module ``--impls`` names (``fully_shard`` is all train needs of it:
     ``twinshard.measure.step.shard`` gives one without policy classes ``twinshard.api``'s);
     ``TrainError`` when it cannot be imported or lacks ``fully_shard``."""
-    from twinshard import impls
+    from twinshard.commandline import impls
 
     try:
         return impls.load(name, "--impls")

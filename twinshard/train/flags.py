@@ -27,7 +27,7 @@ import argparse
 import sys
 from typing import Any
 
-from twinshard import impls
+from twinshard.commandline import impls
 from twinshard.commandline.vocabulary import DTYPES, VOCABULARY, Renamed
 from twinshard.models import PRESETS
 from twinshard.ranks.watchdog import DEFAULT_HANG_TIMEOUT

@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from twinshard import impls
+from twinshard.commandline import impls
 from twinshard.measure import flags, step, world
 from twinshard.measure.job import DTYPES, Job
 from twinshard.ranks import devices
