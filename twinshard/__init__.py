@@ -9,9 +9,10 @@ The engine, one interface written twice, and the suite that checks it:
 
 The interface, and the switch that puts it under code written for torch's:
 
-- ``api/``: the shared types (policies, the ``FSDPModule`` contract, errors), torch 2.13's
-  mesh types for older releases, and where the collectives' buffers come from (torch's two
-  switches); ``summon.py``: FSDP1's ``summon_full_params``.
+- ``api/``: the interface itself, what a user imports from ``twinshard.api`` (policies, the
+  ``FSDPModule`` contract, errors), with its pieces: torch 2.13's mesh types for older
+  releases, and where the collectives' buffers come from (torch's two switches).
+- ``summon.py``: FSDP1's ``summon_full_params`` for any FSDP2-style module.
 - ``switch.py``, ``run.py``: torch's ``fully_shard`` switched to twinshard's (a function, a
   context manager, ``python -m twinshard.run``).
 
@@ -22,11 +23,15 @@ Running ranks and observing them:
 - ``guard/``: checks across ranks (same model, same collectives, parameters used).
 - ``measure/``: bench, schedule, plan and the fake accelerator.
 
-The applications: ``train/`` (``twinshard train``, ``twinshard export``), ``cli.py`` (the
-``twinshard`` command), ``commandline/`` (what every command shares: the words it spells
-alike, which implementation it runs, how a report ends), ``models.py`` (small
-example models), ``example.py`` (a first run), ``fakeaccel/`` (the fake accelerator's old
-command name).
+The applications:
+
+- ``cli.py``: the ``twinshard`` command (``python -m twinshard.cli``), one subcommand per job.
+- ``commandline/``: what every command shares: the words it spells alike, which
+  implementation it runs (a short name or any module), how a report ends.
+- ``train/``: ``twinshard train`` and ``twinshard export``.
+- ``models.py``: small example models; ``example.py``: a first run
+  (``python -m twinshard.example``).
+- ``fakeaccel/``: the fake accelerator's old command name (``python -m twinshard.fakeaccel``).
 """
 
 # The one place the version is written; pyproject.toml reads it from here.
