@@ -45,10 +45,10 @@ def build_model(cfg: TrainConfig, device: torch.device, mesh) -> torch.nn.Module
 
 
 def sharding_job(cfg: TrainConfig) -> Job:
-    """What ``shard`` reads of a job, as ``cfg`` says it: the implementation, the
-    mixed-precision policy (none when both precisions are left at fp32: ``--param-dtype``
-    fp32 with a ``--reduce-dtype`` is a policy that names fp32, as train has always made it),
-    CPU offload and the communication variants. Blocks reshard after forward (the default)."""
+    """What ``shard`` reads of a job, as ``cfg`` says it: the implementation, CPU offload,
+    the communication variants and the mixed-precision policy as train has always made it:
+    none while the parameters stay fp32 and no reduce dtype is given, else one naming both
+    (fp32 parameters with a bf16 reduction name fp32). Blocks reshard after forward."""
     policy = cfg.param_dtype != "fp32" or cfg.reduce_dtype is not None
     return Job(
         impl=cfg.impl,
