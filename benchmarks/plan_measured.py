@@ -27,9 +27,9 @@ import argparse
 import statistics
 import sys
 
+from twinshard.commandline.report_files import publish
 from twinshard.measure.job import Job
 from twinshard.measure.units import markdown_table, ms
-from twinshard.report_files import publish
 
 IMPLS = ("reference", "optimized", "torch")
 LAYERS = 4

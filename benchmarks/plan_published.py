@@ -23,10 +23,10 @@ from dataclasses import replace
 
 from published_runs import FITTED, PLANNED, RUNS, configs  # beside this script
 
+from twinshard.commandline.report_files import publish
 from twinshard.measure.plan import config
 from twinshard.measure.plan.profiles import BF16, DEVICES, FP32
 from twinshard.measure.units import GiB
-from twinshard.report_files import publish
 
 MODES = ("expandable", "segments")  # the allocator model's two modes (measure/allocator.py)
 RESERVED_WITHIN = 0.10  # issue 36's target: planned reserved within 10% of the published figure

@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     suffix = "" if parts == list(PARTS) else "-" + "-".join(parts)
     base = os.path.join(args.out, f"{date}-targets{suffix}")
     os.makedirs(args.out, exist_ok=True)
-    from twinshard.report_files import publish
+    from twinshard.commandline.report_files import publish
 
     publish(text, base + ".md", base + ".json", {"header": header, "targets": rows, **data})
     missed = [r["name"] for r in rows if not r["met"]]

@@ -6,11 +6,11 @@
 
 MODULE is any importable module with the fully_shard interface (fully_shard, the policies,
 FSDPModule, register_fsdp_forward_method), or a short name: reference, optimized, torch
-(``twinshard.impls``). The exit status is 1 when a case fails or an expected failure passes, 0
-otherwise. Every argument is checked before a rank starts (the module imports and has the
-interface, meshes, case patterns, the expected-failures file, the timeout, enough GPUs for
-``--device cuda``, a writable ``--report``); a bad one ends the command with one line and status
-2.
+(``twinshard.commandline.impls``). The exit status is 1 when a case fails or an expected
+failure passes, 0 otherwise. Every argument is checked before a rank starts (the module imports
+and has the interface, meshes, case patterns, the expected-failures file, the timeout, enough
+GPUs for ``--device cuda``, a writable ``--report``); a bad one ends the command with one line
+and status 2.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import sys
 import tempfile
 
-from twinshard import impls
+from twinshard.commandline import impls
 
 from .cases import CASES
 from .lossy import load_variant
@@ -118,7 +118,7 @@ def refuse(message: str) -> SystemExit:
 
 def check_module(name: str) -> None:
     """Fail early, in the parent, if MODULE cannot be imported or lacks the interface (by
-    ``twinshard.impls``, as every command resolves an implementation)."""
+    ``twinshard.commandline.impls``, as every command resolves an implementation)."""
     try:
         impls.load(name, needs=REQUIRED)
     except impls.ImplError as error:

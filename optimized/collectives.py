@@ -112,7 +112,7 @@ def all_gather(
     group's padded blocks, flat, kept ready (``KeptBlocks.kept_shards``, ``kept_blocks.py``), concatenated as
     they are, and their total numel. ``after_current``: shards were written on the current
     stream since the optimizer step (``CommContext.before_all_gather``). ``memory``: where
-    the output comes from without a custom all-gather (``twinshard/comm_memory.py``). ``views``: the
+    the output comes from without a custom all-gather (``twinshard/api/comm_memory.py``). ``views``: the
     group's cache for ``gathered_views``. The copy-out follows the all-gather on its stream
     ([Note: the copy-out on a stream of its own]). Replaces the reference's
     ``ParamGroup.unshard_param`` loop, one blocking all-gather per parameter; see [Note: one

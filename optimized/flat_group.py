@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.api import MixedPrecisionPolicy, profiled, without_grad
-from twinshard.comm_memory import SymmetricMemory
+from twinshard.api.comm_memory import SymmetricMemory
 from twinshard.reference.mesh import MeshInfo
 from twinshard.reference.param_group import TrainingState
 from twinshard.reference.sharded_param import ParamState, ShardedParam
@@ -257,7 +257,7 @@ class FlatParamGroup(KeptBlocks):
 
     # --- reduce: one reduce-scatter, finished one group later ---------------------------------------
     def reduce_scatter_memory(self):
-        """Where the reduce-scatter's buffers come from (``twinshard/comm_memory.py``): symmetric memory
+        """Where the reduce-scatter's buffers come from (``twinshard/api/comm_memory.py``): symmetric memory
         only for a reduce-scatter that sums (NCCL's symmetric reduce-scatter knows no mean)."""
         if isinstance(self.comm_memory, SymmetricMemory) and not self.force_sum_reduction:
             return None

@@ -20,7 +20,7 @@ from twinshard.api import (
     check_fsdp_modules,
     register_fsdp_forward_method,
 )
-from twinshard.comm_memory import ProcessGroupMemory, SymmetricMemory
+from twinshard.api.comm_memory import ProcessGroupMemory, SymmetricMemory
 from twinshard.reference.fully_shard import Implementation, shard_module
 from twinshard.reference.more.fsdp_module import FSDPModule as ReferenceModule
 from twinshard.reference.more.fsdp_module import states_below

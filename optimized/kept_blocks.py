@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from twinshard.api import without_grad
-from twinshard.arguments import on_meta
+from twinshard.api.arguments import on_meta
 from twinshard.dispatch.storages import memory_key, starts
 from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState

@@ -72,7 +72,7 @@ post-backwards is one group's gradients in the compute dtype, where torch keeps 
 buffer in the reduce dtype: half the bytes in bf16 with fp32 reduction. On the CPU the pack
 is done when ``_chunk_cat`` returns, so the gradients go right after it. Where the packed
 buffer comes from a custom reduce-scatter's or the process group's memory
-(``twinshard/comm_memory.py``), or the collective leaves ``out`` in it (gloo's in-place path),
+(``twinshard/api/comm_memory.py``), or the collective leaves ``out`` in it (gloo's in-place path),
 it stays until ``accumulate``, as before.
 
 [Note: the gradients are cast as they are packed]
@@ -150,7 +150,7 @@ def reduce_scatter(
     by after them (None: nothing; ``FlatParamGroup.reduce_ops``, see [Note: the mean on the
     wire]). ``group``: another process group over the shard ranks for the reduce-scatter
     (``set_separate_reduce_scatter_group``). ``memory``: where the buffers come from without
-    a custom reduce-scatter (``twinshard/comm_memory.py``). ``blocks``: each parameter's block as (numel,
+    a custom reduce-scatter (``twinshard/api/comm_memory.py``). ``blocks``: each parameter's block as (numel,
     shape tuple), computed once by the group (``view(*shape)`` takes 0.9 us,
     ``view(torch.Size)`` 2.2 us: the group's blocks are viewed at every step)."""
     group = group or info.shard_group

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch.nn as nn
 
 from twinshard.api import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
-from twinshard.arguments import check_module, raise_split_tie, shard_placement
+from twinshard.api.arguments import check_module, raise_split_tie, shard_placement
 
 from . import more
 from .mesh import default_mesh, mesh_info

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from twinshard.arguments import check_distributed, check_mesh
+from twinshard.api.arguments import check_distributed, check_mesh
 from twinshard.ranks.devices import current_device, default_device_type
 
 

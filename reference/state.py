@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from twinshard.api import MixedPrecisionPolicy, map_tensors, profiled, tensors_in
-from twinshard.arguments import check_materialized, raise_ran_first
+from twinshard.api.arguments import check_materialized, raise_ran_first
 from twinshard.guard import check_model, forward_started
 
 from . import more

@@ -9,13 +9,13 @@ The engine, one interface written twice, and the suite that checks it:
 
 The interface, and the switch that puts it under code written for torch's:
 
-- ``api.py``, ``fsdp_module.py``: the shared types (policies, the ``FSDPModule`` contract,
-  errors); ``arguments.py``: what ``fully_shard`` refuses, in torch's words; ``mesh_dims.py``: torch 2.13's mesh types for older releases; ``summon.py``: FSDP1's
-  ``summon_full_params``.
-- ``impls.py``: which implementation a command runs (a short name or any module).
+- ``api/``: the interface itself, what a user imports from ``twinshard.api`` (policies, the
+  ``FSDPModule`` contract, errors), with its pieces: what ``fully_shard`` refuses, in torch's
+  words; torch 2.13's mesh types for older releases; where the collectives' buffers come from
+  (torch's two switches).
+- ``summon.py``: FSDP1's ``summon_full_params`` for any FSDP2-style module.
 - ``switch.py``, ``run.py``: torch's ``fully_shard`` switched to twinshard's (a function, a
   context manager, ``python -m twinshard.run``).
-- ``comm_memory.py``: where the collectives' buffers come from (torch's two switches).
 
 Running ranks and observing them:
 
@@ -24,10 +24,15 @@ Running ranks and observing them:
 - ``guard/``: checks across ranks (same model, same collectives, parameters used).
 - ``measure/``: bench, schedule, plan and the fake accelerator.
 
-The applications: ``train/`` (``twinshard train``, ``twinshard export``), ``cli.py`` (the
-``twinshard`` command), ``report_files.py`` (how a report command ends), ``models.py`` (small
-example models), ``example.py`` (a first run), ``fakeaccel/`` (the fake accelerator's old
-command name).
+The applications:
+
+- ``cli.py``: the ``twinshard`` command (``python -m twinshard.cli``), one subcommand per job.
+- ``commandline/``: what every command shares: the words it spells alike, which
+  implementation it runs (a short name or any module), how a report ends.
+- ``train/``: ``twinshard train`` and ``twinshard export``.
+- ``models.py``: small example models; ``example.py``: a first run
+  (``python -m twinshard.example``).
+- ``fakeaccel/``: the fake accelerator's old command name (``python -m twinshard.fakeaccel``).
 """
 
 # The one place the version is written; pyproject.toml reads it from here.

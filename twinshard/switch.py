@@ -48,7 +48,7 @@ import types
 import warnings
 from collections.abc import Iterator
 
-from twinshard import impls
+from twinshard.commandline import impls
 from twinshard.variants import switched
 from twinshard.variants.attach import parse as parse_variants
 from twinshard.variants.attach import refuse_unusable
@@ -98,7 +98,7 @@ def _torch_originals() -> dict[tuple[str, str], object]:
 
 def _resolve(impl: str | types.ModuleType) -> tuple[str, types.ModuleType]:
     """The module name and the module of ``impl`` (a short name, a module name or a module),
-    by ``twinshard.impls``, as every command resolves one."""
+    by ``twinshard.commandline.impls``, as every command resolves one."""
     if not isinstance(impl, (str, types.ModuleType)) or not impl:
         raise SwitchError(
             f"twinshard.switch: the implementation must be a module or its name "

@@ -18,7 +18,7 @@ is added when ``ShardedParam.refresh`` finds it (``layout_for_shard``), before a
 Parameters the user replaced: ``model.to_empty(device=...)``, ``load_state_dict(assign=True)``
 and DCP put a new ``DTensor`` on the module. Before each all-gather ``ShardedParam.refresh``
 adopts a replacement of the same shape; anything else, and a parameter still on meta, is
-refused by name (``twinshard/arguments.py``).
+refused by name (``twinshard/api/arguments.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from twinshard.api import CPUOffloadPolicy
-from twinshard.arguments import check_replacement
+from twinshard.api.arguments import check_replacement
 
 from ..layout import Layout
 from .extension import Extension, gathers_itself

@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
-from twinshard.arguments import check_reshard_after_forward
+from twinshard.api.arguments import check_reshard_after_forward
 
 from ..mesh import MeshInfo
 

@@ -178,7 +178,7 @@ def test_interface_page_renders_fsdp_module(site, browser):
         "set_requires_gradient_sync",
         "set_modules_to_forward_prefetch",
     ):
-        assert f"twinshard.fsdp_module.FSDPModule.{method}" in shown["ids"], method
+        assert f"twinshard.api.fsdp_module.FSDPModule.{method}" in shown["ids"], method
 
 
 def test_home_page_renders(browser):

@@ -1,4 +1,4 @@
-"""torch's switches for the collectives' memory (``twinshard/comm_memory.py``, used by the
+"""torch's switches for the collectives' memory (``twinshard/api/comm_memory.py``, used by the
 optimized path): on gloo, which has neither a tensor allocator nor symmetric memory, training
 is unchanged and one warning per switch says so; where a backend allocates, the group's
 buffers come from it."""
@@ -27,7 +27,7 @@ def _train(switch: str):
             elif switch == "symm_mem":
                 module.set_symm_mem_for_comm()
             elif switch == "allocating backend":  # a backend that allocates: every buffer
-                from twinshard.comm_memory import ProcessGroupMemory
+                from twinshard.api.comm_memory import ProcessGroupMemory
                 from twinshard.reference.state import get_state
 
                 get_state(module).group.comm_memory = ProcessGroupMemory(_Group())
@@ -77,7 +77,7 @@ class _Group:
 
 
 def test_a_backend_that_allocates_gives_every_buffer():
-    from twinshard.comm_memory import ProcessGroupMemory
+    from twinshard.api.comm_memory import ProcessGroupMemory
 
     plain = launch(_train, 2, "none")
     allocated = launch(_train, 2, "allocating backend")
@@ -105,7 +105,7 @@ def test_symmetric_memory_comes_from_the_pool_and_is_made_known_as_it_is_allocat
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    from twinshard.comm_memory import SymmetricMemory
+    from twinshard.api.comm_memory import SymmetricMemory
 
     calls = []
     monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")

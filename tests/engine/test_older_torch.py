@@ -3,7 +3,7 @@
 The first run on a GPU machine (torch 2.11) found that no twinshard module imported there:
 ``twinshard.api`` took ``DataParallelMeshDims`` from ``torch.distributed.fsdp``, which gained it
 in 2.13. twinshard now keeps a class of its own with the same fields for older releases
-(``twinshard/mesh_dims.py``). These tests check that class against torch's, and import the
+(``twinshard/api/mesh_dims.py``). These tests check that class against torch's, and import the
 implementations in a fresh interpreter whose torch has the name removed, as 2.11's lacks it.
 """
 
@@ -16,7 +16,7 @@ import sys
 import pytest
 from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
 
-from twinshard.mesh_dims import DataParallelMeshDims
+from twinshard.api.mesh_dims import DataParallelMeshDims
 
 DIMS = [
     {"shard": "dp_shard"},
@@ -44,7 +44,7 @@ WITHOUT_THE_NAME = """
 import torch.distributed.fsdp as fsdp
 del fsdp.DataParallelMeshDims  # as on torch 2.11 and 2.12
 import twinshard.reference as reference, twinshard.optimized as optimized, twinshard.api as api
-from twinshard.mesh_dims import DataParallelMeshDims
+from twinshard.api.mesh_dims import DataParallelMeshDims
 assert reference.DataParallelMeshDims is optimized.DataParallelMeshDims is DataParallelMeshDims
 print(api.DataParallelMeshDims(shard="dp").shard_names)
 """

@@ -60,7 +60,7 @@ def test_the_core_reads_in_one_sitting():
     # DESIGN.md: the core is what a student reads in one sitting. The whole reference had grown
     # to 1,873 lines in one folder; issue 32 split it into the core (1,200 at most) and the
     # second reading. Issue 52 made a parameter's features layouts and took fully_shard's
-    # refusals out of the reference (twinshard/arguments.py), leaving room under 1,100 for the
+    # refusals out of the reference (twinshard/api/arguments.py), leaving room under 1,100 for the
     # next feature. The bound only goes down: a feature goes to the second reading behind a seam.
     total = _lines(CORE)
     assert total <= 1100, f"the reference's core has {total} lines; keep it at most 1,100"
@@ -158,7 +158,7 @@ def test_reference_depends_only_on_torch_and_the_api():
                 }, (_name(path), node.module)
                 # the interface and what fully_shard refuses, the guard's checks across ranks,
                 # and the device a rank computes on (the default mesh's, decided in one place)
-                shared = ("twinshard.api", "twinshard.arguments", "twinshard.guard")
+                shared = ("twinshard.api", "twinshard.api.arguments", "twinshard.guard")
                 if top == "twinshard":
                     assert node.module in (*shared, "twinshard.ranks.devices"), (
                         _name(path),

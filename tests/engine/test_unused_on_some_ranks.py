@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinshard import impls
+from twinshard.commandline import impls
 from twinshard.ranks.launch import launch
 
 IMPLS = ("twinshard.reference", "twinshard.optimized")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from twinshard.cli import main
-from twinshard.measure import flags
+from twinshard.commandline.vocabulary import VOCABULARY
 from twinshard.measure.bench import cli as bench
 from twinshard.measure.bench import compare
 from twinshard.measure.fakeaccel import cli as fakeaccel
@@ -39,7 +39,7 @@ def _options(parser: argparse.ArgumentParser) -> dict:
 @pytest.mark.parametrize("name", COMMANDS)
 def test_every_command_spells_the_job_alike_with_one_help_text(name):
     options = _options(_parser(COMMANDS[name]))
-    for spelling, old, _, text in flags.VOCABULARY.values():
+    for spelling, old, _, text in VOCABULARY.values():
         if spelling not in options:
             continue
         action = options[spelling]
@@ -52,7 +52,7 @@ def test_every_command_spells_the_job_alike_with_one_help_text(name):
 ALIASES = [
     (command, old, spelling)
     for command in COMMANDS
-    for spelling, olds, kind, _ in flags.VOCABULARY.values()
+    for spelling, olds, kind, _ in VOCABULARY.values()
     for old in olds
     if spelling in _options(_parser(COMMANDS[command]))
 ]

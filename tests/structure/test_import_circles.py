@@ -1,8 +1,9 @@
-"""No import circle in the package but the documented ``api`` <-> ``fsdp_module`` face
-(DESIGN.md), counting every import statement, at module level or inside a function: a circle
-held together by a function-level import is still one. Broken by moving the shared piece down
-(the c10d table into ``twinshard/dispatch/c10d.py``, the fake accelerator's device name into its device
-module), never by hiding an import in a function.
+"""No import circle in the package, counting every import statement, at module level or inside
+a function: a circle held together by a function-level import is still one. Broken by moving
+the shared piece down (the c10d table into ``twinshard/dispatch/c10d.py``, the fake
+accelerator's device name into its device module), never by hiding an import in a function.
+A module importing its own package's face is no edge: ``twinshard/api/fsdp_module.py`` takes
+the errors from ``twinshard.api``, whose ``__getattr__`` exports its ``FSDPModule``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from test_layers import imported_modules
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"twinshard": "twinshard", "reference": "twinshard.reference"}
 FOLDERS.update(optimized="twinshard.optimized", conformance="twinshard.conformance")
-ALLOWED = [{"twinshard.api", "twinshard.fsdp_module"}]
+# none: ``twinshard.api.fsdp_module`` imports its own package's face, which is no edge
+ALLOWED: list[set[str]] = []
 
 
 def package_modules() -> dict[str, Path]:
@@ -76,7 +78,7 @@ def circles(edges: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_no_import_circle_but_the_documented_face():
+def test_no_import_circle():
     sources = {m: (p.read_text(), p.name == "__init__.py") for m, p in package_modules().items()}
     extra = [sorted(c) for c in circles(import_graph(sources)) if c not in ALLOWED]
     assert extra == [], "break each circle by moving the shared piece down"

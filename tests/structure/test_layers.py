@@ -12,8 +12,10 @@ for the contract between the trees).
   (``LAYERS``): the job, the step, the worlds, the observers, then the runs and commands.
 - One step builder and driver (``twinshard/measure/step.py``) and one way to join a world
   (``twinshard/measure/world.py``): no other module of the measuring layer shards a model, makes
-  an optimizer, or starts a process group or a backend's world.
+  an optimizer, or starts a process group or a backend's world; ``twinshard train`` shards
+  through it too.
 - One implementation resolver for every command: ``test_outside_impl.py``.
+- The commands' words live below train and the measuring package: ``test_vocabulary.py``.
 - The measuring package's size (``MEASURE_LINES``): product code only.
 """
 
@@ -222,6 +224,13 @@ def test_one_step_builder_and_one_way_to_join_a_world(path):
     where = f"{path.parent.name}/{path.name}"
     extra = steps_and_joins(path.read_text()) - OWN.get(where, set())
     assert not extra, f"{where} does {extra} itself: use twinshard.measure.step and world"
+
+
+@modules_of("train")
+def test_train_shards_through_the_one_step_builder(path):
+    assert "fully_shard" not in steps_and_joins(path.read_text()), (
+        f"train/{path.name} calls fully_shard itself: shard through twinshard.measure.step.shard"
+    )
 
 
 # The measuring package's layers, bottom first: a module imports its own layer and those below.

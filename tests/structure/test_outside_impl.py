@@ -1,6 +1,6 @@
-"""One implementation resolver (``twinshard/impls.py``) for every command: each takes a module
-from outside the project by its import path, as it takes the short names, and refuses a bad name
-naming its flag, before any rank starts. The commands that start ranks run in a process of their
+"""One implementation resolver (``twinshard/commandline/impls.py``) for every command: each
+takes a module from outside the project by its import path, as it takes the short names, and
+refuses a bad name naming its flag, before any rank starts. The commands that start ranks run in a process of their
 own, as a user starts them; the refusals and ``conform`` (whose ranks are the session's shared
 worlds) run in this one."""
 
@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from twinshard import impls
 from twinshard.cli import main as cli
+from twinshard.commandline import impls
 
-# One implementation resolver (twinshard/impls.py) for every command: a module from outside the
-# project, given by its import path, runs wherever the short names do.
+# One implementation resolver (twinshard/commandline/impls.py) for every command: a module from
+# outside the project, given by its import path, runs wherever the short names do.
 
 OUTSIDE = "my_outside_fsdp"  # re-exports twinshard.reference's interface
 TINY = "--model tiny --layers 2 --dim 32 --heads 2 --vocab 64 --seq 8 --per-rank 1".split()

@@ -42,7 +42,7 @@ def test_wheel_holds_only_the_namespaced_packages(tmp_path):
     assert "twinshard/conformance/cases/core.py" in names
     assert "twinshard/train/cli.py" in names
     assert any(n.endswith("licenses/LICENSE") for n in names)
-    assert "twinshard/api.py" in names
+    assert "twinshard/api/__init__.py" in names
     tops = {n.split("/")[0] for n in names}
     assert not tops & {"reference", "optimized", "conformance", "tests"}, tops
 

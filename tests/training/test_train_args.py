@@ -16,7 +16,7 @@ import pytest
 from train_support import run_train, snapshot
 
 from twinshard.cli import main as cli
-from twinshard.measure.flags import VOCABULARY
+from twinshard.commandline.vocabulary import VOCABULARY
 from twinshard.train import flags
 
 

@@ -2,7 +2,8 @@
 
 ``twinshard bench``, ``twinshard schedule``, ``twinshard plan`` and ``python -m
 twinshard.measure.fakeaccel`` add the flags of a job with ``add(parser, concept, ...)``: one spelling
-and one help text per concept (``VOCABULARY``), each command with its own defaults, which
+and one help text per concept (``VOCABULARY``, in ``twinshard/commandline/vocabulary.py``, which
+``twinshard train`` speaks too), each command with its own defaults, which
 ``--help`` shows. An old spelling still works and says on stderr, in one line, what replaces
 it: ``--impl`` (now ``--impls``), ``--preset`` (``--model``), ``--world-size`` and ``--nproc``
 (``--world``), ``--batch`` (``--per-rank``). ``job(args)`` is the ``Job`` the flags describe,
@@ -19,59 +20,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from dataclasses import replace
 
-from twinshard import impls
+from twinshard.commandline import impls
+from twinshard.commandline.vocabulary import VOCABULARY, Renamed
 
 from .job import OVERRIDES, Job, parse_reshard
 
-# concept -> (spelling, old spellings, type (None: a switch), help)
-VOCABULARY = {
-    "impls": (
-        "--impls",
-        ("--impl",),
-        str,
-        "comma-separated: reference, optimized, torch or an importable module "
-        "(my_pkg.my_fsdp); twinshard bench also takes plain and ddp",
-    ),
-    "model": (
-        "--model",
-        ("--preset",),
-        str,
-        "a preset (tiny, small, medium, 1b), a published model (llama3-8b, llama3-70b, "
-        "llama3-405b, llama2-7b, llama2-13b, llama2-70b) or a Hugging Face config.json; "
-        "twinshard schedule also takes mlp",
-    ),
-    "layers": ("--layers", (), int, "blocks (parameter groups), overriding the model's"),
-    "dim": ("--dim", (), int, "model width, overriding the model's"),
-    "heads": ("--heads", (), int, "attention heads, overriding the model's"),
-    "vocab": ("--vocab", (), int, "vocabulary size, overriding the model's"),
-    "world": ("--world", ("--world-size", "--nproc"), int, "ranks in the job (the world size)"),
-    "hsdp": ("--hsdp", (), int, "replicas of a 2D (HSDP) mesh; 1 is FSDP"),
-    "per_rank": ("--per-rank", ("--batch",), int, "sequences per rank per step"),
-    "seq": ("--seq", (), int, "tokens per sequence"),
-    "dtype": ("--dtype", (), str, "fp32, or bf16 compute with fp32 reduction"),
-    "reshard": ("--reshard-after-forward", (), str, "of the blocks: true, false or a group size"),
-    "prefetch": (
-        "--prefetch",
-        (),
-        int,
-        "all-gathers issued this many blocks ahead (explicit prefetch lists on the root and "
-        "every block); unset, the implementation's own choice",
-    ),
-    "offload": ("--offload", (), None, "CPUOffloadPolicy: shards and their gradients on the host"),
-    "variants": (
-        "--variants",
-        (),
-        str,
-        "communication variants (twinshard.variants) joined by +: qwz, qgz, bf16-wire, each "
-        "with options after colons (qgz:bits=4:block=128:node=8)",
-    ),
-    "json": ("--json", (), str, "write every number here"),
-    "markdown": ("--markdown", (), str, "write the tables here"),
-    "no_progress": ("--no-progress", (), None, "print no progress lines"),
-}
 JOB = ("impls", "model", "layers", "dim", "heads", "vocab", "world", "hsdp", "per_rank", "seq")
 JOB += ("dtype", "reshard", "offload", "variants")
 # a shared flag's dest -> the Job field it sets; the model's overrides -> LlamaConfig's names
@@ -79,15 +34,6 @@ FIELDS = {"model": "preset", "world": "world", "hsdp": "replicas", "per_rank": "
 FIELDS |= {"seq": "seq", "dtype": "dtype", "offload": "offload", "variants": "variants"}
 FIELDS |= {"reshard_after_forward": "reshard_after_forward", "prefetch": "prefetch"}
 MODEL = {flag.removeprefix("--"): name for name, flag in OVERRIDES.items()}  # layers: n_layers
-
-
-class Renamed(argparse.Action):
-    """Stores the value; given under an old spelling, says on stderr what replaces it."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string != self.option_strings[0]:
-            print(f"note: {option_string} is now {self.option_strings[0]}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
 
 
 def add(parser: argparse.ArgumentParser, *concepts: str, **defaults) -> None:

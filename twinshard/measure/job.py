@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from twinshard import impls
+from twinshard.commandline import impls
+from twinshard.commandline.vocabulary import DTYPES
 from twinshard.models import PRESETS, LlamaConfig
 from twinshard.ranks import devices
 
@@ -25,9 +26,8 @@ from . import hf
 
 BASELINES = ("plain", "ddp")  # run by the bench itself, without FSDP
 SHARDED = tuple(impls.SHORT_NAMES)  # FSDP by short name (and the memory model's coverage)
-# names -> torch dtypes, for every flag that takes a precision (--dtype, schedule's
-# --param-dtype and --reduce-dtype); a job's --dtype is fp32 or bf16 (see Job.low_precision)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# DTYPES names the precisions of every flag that takes one (--dtype, schedule's --param-dtype
+# and --reduce-dtype); a job's --dtype is fp32 or bf16 (see Job.low_precision)
 JOB_DTYPES = ("fp32", "bf16")
 # fake, simnet and fakeaccel: one process stands in for W (fakeaccel: on the fake accelerator)
 BACKENDS = ("gloo", "nccl", "fake", "simnet", "fakeaccel")

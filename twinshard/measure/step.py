@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from twinshard import impls
+from twinshard import api
+from twinshard.commandline import impls
 from twinshard.models import Llama
 
 
@@ -33,14 +34,20 @@ def mesh(job, device: torch.device):
 
 def shard(model, job, device: torch.device, on=None) -> None:
     """``fully_shard`` every block of ``model``, then the root, with the implementation and
-    policies of ``job``, on mesh ``on`` (default: ``mesh(job, device)``)."""
-    impl = impls.load(job.impl, "--impls", impls.MEASURED)
+    policies of ``job``, on mesh ``on`` (default: ``mesh(job, device)``): the one place the
+    project shards a model, for every measuring command and for ``twinshard train`` (whose
+    seeded model ``twinshard.train.build`` hands in). An implementation without policy classes
+    of its own (``twinshard train`` takes a module with ``fully_shard`` alone) gets
+    ``twinshard.api``'s."""
+    impl = impls.load(job.impl, "--impls")
     kwargs = {"mesh": on if on is not None else mesh(job, device)}
     if job.mixed_precision is not None:
         param, reduce = job.mixed_precision
-        kwargs["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+        policy = getattr(impl, "MixedPrecisionPolicy", api.MixedPrecisionPolicy)
+        kwargs["mp_policy"] = policy(param_dtype=param, reduce_dtype=reduce)
     if job.offload:  # pinned host memory where there is a device to copy to
-        kwargs["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=device.type != "cpu")
+        policy = getattr(impl, "CPUOffloadPolicy", api.CPUOffloadPolicy)
+        kwargs["offload_policy"] = policy(pin_memory=device.type != "cpu")
     for block in model.blocks:
         impl.fully_shard(block, reshard_after_forward=job.reshard_after_forward, **kwargs)
     impl.fully_shard(model, **kwargs)

@@ -3,23 +3,25 @@
 The model is built whole on every rank from ``--seed`` (so that the initial parameters are the
 same everywhere, and the same as the plain unsharded model's), then each transformer block and
 finally the root go through the chosen ``fully_shard``, which keeps this rank's shard of every
-parameter. ``seed_rank_rngs`` gives each rank its own random streams, derived from the seed,
-the step and the rank, which is also how a run resumed at another world size re-derives them.
+parameter: ``twinshard.measure.step.shard`` does it, the step builder every measuring command
+shards through, given the job ``sharding_job`` reads from the training config.
+``seed_rank_rngs`` gives each rank its own random streams, derived from the seed, the step and
+the rank, which is also how a run resumed at another world size re-derives them.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Any
 
 import numpy as np
 import torch
 
+from twinshard.measure.job import Job
+from twinshard.measure.step import shard
 from twinshard.models import Llama, LlamaConfig
 
-from .config import TrainConfig, load_impl
-from .flags import DTYPES
+from .config import TrainConfig
 
 
 def seed_rank_rngs(seed: int, step: int, rank: int) -> None:
@@ -32,28 +34,29 @@ def seed_rank_rngs(seed: int, step: int, rank: int) -> None:
 
 
 def build_model(cfg: TrainConfig, device: torch.device, mesh) -> torch.nn.Module:
-    """The model of ``cfg``, initialized from ``cfg.seed``, sharded per block plus root."""
-    fully_shard, MixedPrecision, CPUOffload = load_impl(cfg.impl)
+    """The model of ``cfg``, initialized from ``cfg.seed``, sharded per block plus root on
+    ``mesh`` by the measuring package's one step builder (``twinshard.measure.step.shard``)."""
     # Every rank builds the whole model on the CPU so the init is the same everywhere (and
     # the same as the plain model's); fully_shard then keeps this rank's part and frees the rest.
     model = Llama(LlamaConfig(**cfg.model))
     model.init_weights(cfg.seed)
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if cfg.param_dtype != "fp32" or cfg.reduce_dtype is not None:
-        kwargs["mp_policy"] = MixedPrecision(
-            param_dtype=DTYPES[cfg.param_dtype],
-            reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
-        )
-    if cfg.cpu_offload:
-        kwargs["offload_policy"] = CPUOffload(pin_memory=device.type != "cpu")
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    if cfg.variants:  # each sharded module's all-gather or reduce-scatter replaced
-        from twinshard import variants
-
-        variants.attach(model, variants.parse(cfg.variants), mesh)
+    shard(model, sharding_job(cfg), device, on=mesh)
     return model
+
+
+def sharding_job(cfg: TrainConfig) -> Job:
+    """What ``shard`` reads of a job, as ``cfg`` says it: the implementation, CPU offload,
+    the communication variants and the mixed-precision policy as train has always made it:
+    none while the parameters stay fp32 and no reduce dtype is given, else one naming both
+    (fp32 parameters with a bf16 reduction name fp32). Blocks reshard after forward."""
+    policy = cfg.param_dtype != "fp32" or cfg.reduce_dtype is not None
+    return Job(
+        impl=cfg.impl,
+        param_dtype=cfg.param_dtype if policy else None,
+        reduce_dtype=cfg.reduce_dtype if policy else None,
+        offload=cfg.cpu_offload,
+        variants=cfg.variants,
+    )
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module):

@@ -358,15 +358,12 @@ def fresh_run_name() -> Path:
 
 
 def load_impl(name: str):
-    """(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy) of the implementation ``--impls``."""
-    from twinshard import api, impls
+    """The implementation module ``--impls`` names (``fully_shard`` is all train needs of it:
+    ``twinshard.measure.step.shard`` gives one without policy classes ``twinshard.api``'s);
+    ``TrainError`` when it cannot be imported or lacks ``fully_shard``."""
+    from twinshard.commandline import impls
 
     try:
-        module = impls.load(name, "--impls")
+        return impls.load(name, "--impls")
     except impls.ImplError as error:
         raise TrainError(str(error)) from None
-    return (
-        module.fully_shard,
-        getattr(module, "MixedPrecisionPolicy", api.MixedPrecisionPolicy),
-        getattr(module, "CPUOffloadPolicy", api.CPUOffloadPolicy),
-    )

@@ -6,8 +6,9 @@ keeps the settings it was started with unless the command line changes them.
 
 [Note: train speaks the measuring commands' vocabulary]
 A concept that ``twinshard train`` shares with ``twinshard bench``, ``schedule``, ``plan`` and
-the fake accelerator is spelled as ``twinshard.measure.flags.VOCABULARY`` spells it (``SHARED``
-says which), with that help text where the meaning is the same. The argparse dest stays the one
+the fake accelerator is spelled as ``twinshard.commandline.vocabulary.VOCABULARY`` spells it
+(``SHARED`` says which), with that help text where the meaning is the same; train takes its
+words from there, not from the measuring package. The argparse dest stays the one
 train always had (``impl``, ``nproc``, ``preset``, ``n_layers``, ``n_heads``, ``seq_len``,
 ``cpu_offload``), so ``DEFAULTS``, ``FIXED``, the checkpoint's remembered settings and resume
 are unchanged, and a checkpoint written under the old spellings resumes. The old spellings still
@@ -26,16 +27,13 @@ import argparse
 import sys
 from typing import Any
 
-import torch
-
-from twinshard import impls
-from twinshard.measure.flags import VOCABULARY, Renamed
+from twinshard.commandline import impls
+from twinshard.commandline.vocabulary import DTYPES, VOCABULARY, Renamed
 from twinshard.models import PRESETS
 from twinshard.ranks.watchdog import DEFAULT_HANG_TIMEOUT
 
 from .data import BUILTIN
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "medium": 6e-4, "1b": 3e-4}
 # Defaults of the options that a resumed run otherwise takes from its checkpoint.
 DEFAULTS: dict[str, Any] = dict(

@@ -25,10 +25,10 @@ import json
 import sys
 from dataclasses import replace
 
+from twinshard.commandline.report_files import publish, write_json
 from twinshard.measure import flags
 from twinshard.measure.fakeaccel.report import check_and_report
 from twinshard.measure.job import BACKENDS, BASELINES, Job
-from twinshard.report_files import publish, write_json
 
 from . import compare, hooks, sweep
 from .report import memory_table, meta, plot, table

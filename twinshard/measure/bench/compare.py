@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from twinshard import impls as implementations
+from twinshard.commandline import impls as implementations
 from twinshard.measure import flags, memmodel, simnet
 from twinshard.measure.job import BASELINES, SHARDED, Job, positive
 

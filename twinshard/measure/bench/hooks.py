@@ -18,8 +18,8 @@ import statistics
 import tempfile
 from dataclasses import replace
 
+from twinshard.commandline.report_files import publish
 from twinshard.measure.units import markdown_table, ratio
-from twinshard.report_files import publish
 
 from .compare import side_by_side
 from .report import meta
@@ -29,7 +29,7 @@ from .runner import run
 CATEGORIES = [
     ("/reference/", "twinshard.reference"),
     ("/optimized/", "twinshard.optimized"),
-    ("twinshard/api.py", "twinshard.api"),
+    ("twinshard/api/", "twinshard.api"),
     ("torch/distributed/fsdp/", "torch fsdp"),
     ("torch/distributed/tensor/", "DTensor"),
     ("torch/distributed/", "torch.distributed (c10d Python)"),

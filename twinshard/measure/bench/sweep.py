@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import os
 
+from twinshard.commandline.report_files import write_json
 from twinshard.measure import grid
 from twinshard.measure.job import Job
 from twinshard.measure.units import MiB, figure, ms
-from twinshard.report_files import write_json
 
 from .compare import add_memory_model, side_by_side
 from .report import meta

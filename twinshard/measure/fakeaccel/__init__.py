@@ -14,6 +14,7 @@ One concept per file:
     planted.py    hazards planted into a model, so that the checks can be seen to fail
     report.py     the table and the findings
     cli.py        ``python -m twinshard.measure.fakeaccel`` and ``twinshard bench --backend fakeaccel``
+    __main__.py   ``python -m twinshard.measure.fakeaccel`` runs cli.py
 
 The order of waits and events on the device, against the stand-in streams', is a benchmark:
 ``benchmarks/stream_order.py``.

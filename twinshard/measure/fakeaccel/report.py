@@ -9,8 +9,8 @@ the findings list: docs/fake-accelerator.md, "How to run it".
 
 from __future__ import annotations
 
+from twinshard.commandline.report_files import publish
 from twinshard.measure.units import MB, markdown_table
-from twinshard.report_files import publish
 
 from .runner import run as run_checks
 

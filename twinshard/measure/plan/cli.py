@@ -26,9 +26,9 @@ import argparse
 import sys
 from dataclasses import replace
 
+from twinshard.commandline.report_files import publish
 from twinshard.measure import flags, grid
 from twinshard.measure.job import Job, positive
-from twinshard.report_files import publish
 
 from . import config, profiles
 from .ideal import job as ideal_job

@@ -11,7 +11,9 @@ Or, for the example model on N local ranks, ``record_step("optimized", world_siz
 the command ``twinshard schedule --impls optimized --out step.png --text step.txt``.
 
 ``steps.py`` holds what a recorded step is made of (plain data), ``record.py`` watches
-(hooks, autograd markers, a dispatch mode for collectives), ``attribute.py`` works out which
+(hooks, autograd markers, a dispatch mode for collectives), ``groups.py`` finds the sharded
+modules and the parameters each manages, ``buffers.py`` the buffers a collective leaves behind
+and whether the implementation still holds them, ``attribute.py`` works out which
 group each collective carries, ``text.py`` prints the table, ``timeline.py`` draws the
 picture (matplotlib, imported only there), ``cli.py`` runs the example model and is the
 command. (The site's schedule explorer records the example over a grid of settings with the

@@ -29,9 +29,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from twinshard import impls
+from twinshard.commandline import impls
+from twinshard.commandline.vocabulary import DTYPES
 from twinshard.measure import flags, step, world
-from twinshard.measure.job import DTYPES, Job
+from twinshard.measure.job import Job
 from twinshard.ranks import devices
 
 from .record import Recorder

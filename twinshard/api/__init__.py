@@ -1,21 +1,30 @@
 """The interface every twinshard implementation shares: policies, the FSDPModule contract, errors.
 
-This file holds no algorithm. It is the contract of PyTorch's FSDP2 ``fully_shard`` (torch >=
+This package holds no algorithm. It is the contract of PyTorch's FSDP2 ``fully_shard`` (torch >=
 2.11) written once, so that ``twinshard.reference`` and ``twinshard.optimized`` expose the same
 types and a user can swap ``torch.distributed.fsdp.fully_shard`` for either one and back.
 
 - ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``: user-facing settings.
   twinshard's implementations also accept torch's own policy objects (same fields).
-- ``FSDPModule`` (written in ``twinshard/fsdp_module.py``, exported here): the methods that
+- ``FSDPModule`` (written in ``fsdp_module.py``, exported here): the methods that
   ``fully_shard`` adds to a module. An implementation subclasses it and fills in the abstract
   methods; the docstrings there are the specification. ``CommHooks``: the communication a user
   swapped in with ``set_custom_all_gather`` and its siblings.
 - ``ShardPlacementResult``: a parameter's placement and mesh of its own, as ``shard_placement_fn``
-  may answer (torch 2.13's class where it exists); ``twinshard/arguments.py`` reads any answer.
+  may answer (torch 2.13's class where it exists); ``arguments.py`` reads any answer.
 - ``UnshardHandle``: what ``FSDPModule.unshard(async_op=True)`` returns.
 - ``fsdp_class``, ``register_fsdp_forward_method``: a sharded module's class, and another of
   its methods run with the hooks of ``forward``; the same for every implementation.
 - ``FSDPUsageError``: raised for misuse; it names the module or parameter and says what to do.
+
+Its files:
+
+__init__.py     the policies, the errors, ``UnshardHandle``, the helpers every implementation
+                calls (this face: what a user imports from ``twinshard.api``)
+fsdp_module.py  the ``FSDPModule`` contract: every method ``fully_shard`` adds, documented once
+arguments.py    what ``fully_shard`` refuses, in torch's words, before it shards anything
+mesh_dims.py    ``DataParallelMeshDims`` and ``ShardPlacementResult`` for torch before 2.13
+comm_memory.py  where the collectives' buffers come from: torch's two switches for NCCL's memory
 """
 
 from __future__ import annotations
@@ -32,17 +41,17 @@ import torch.nn as nn
 try:  # torch's own where it has one (2.13 on): the same object works with every implementation
     from torch.distributed.fsdp import DataParallelMeshDims
 except ImportError:  # torch 2.11 and 2.12
-    from twinshard.mesh_dims import DataParallelMeshDims
+    from twinshard.api.mesh_dims import DataParallelMeshDims
 try:  # the same: torch's own from 2.13 on
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 except ImportError:  # pragma: no cover - torch 2.11 and 2.12
-    from twinshard.mesh_dims import ShardPlacementResult
+    from twinshard.api.mesh_dims import ShardPlacementResult
 
 __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
-    "FSDPModule",  # noqa: F822 - defined in twinshard/fsdp_module.py, see __getattr__ below
+    "FSDPModule",  # noqa: F822 - defined in twinshard/api/fsdp_module.py, see __getattr__
     "CommHooks",  # noqa: F822
     "fsdp_class",
     "register_fsdp_forward_method",
@@ -163,7 +172,7 @@ class UnshardHandle:
 def check_fsdp_modules(modules: Iterable[Any], where: str) -> list:
     """The modules of a prefetch list, checked: each must be one that fully_shard was applied
     to. ``where`` names the method in the error."""
-    from twinshard.fsdp_module import FSDPModule
+    from twinshard.api.fsdp_module import FSDPModule
 
     modules = list(modules)
     for m in modules:
@@ -281,10 +290,10 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """``FSDPModule`` and ``CommHooks`` live in ``twinshard/fsdp_module.py`` (which uses the
+    """``FSDPModule`` and ``CommHooks`` live in ``twinshard/api/fsdp_module.py`` (which uses the
     names above); they are part of this interface and load on first use."""
     if name in ("FSDPModule", "CommHooks"):
-        from twinshard import fsdp_module
+        from twinshard.api import fsdp_module
 
         return getattr(fsdp_module, name)
     raise AttributeError(f"module 'twinshard.api' has no attribute {name!r}")
