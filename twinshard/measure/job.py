@@ -24,7 +24,7 @@ from twinshard.ranks import devices
 from . import hf
 
 BASELINES = ("plain", "ddp")  # run by the bench itself, without FSDP
-SHARDED = tuple(impls.SHORT_NAMES)  # FSDP by short name (and the memory model's coverage)
+SHARDED = tuple(impls.SHORT_NAMES)  # FSDP by short name
 # names -> torch dtypes, for every flag that takes a precision (--dtype, schedule's
 # --param-dtype and --reduce-dtype); a job's --dtype is fp32 or bf16 (see Job.low_precision)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
