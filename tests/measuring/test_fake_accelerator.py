@@ -11,7 +11,7 @@ JSON:
   host tensors in collectives, the CPU run's collectives, memory reported, and the memory
   predictor's figures of the same recording (the reserved peak at least the allocated one, at
   least the device's) (at 64, one setting in the default tier: ``FULL_NAMES``);
-- hazards planted into a hook (``twinshard.measure.fakeaccel.planted``): each is reported, with where
+- hazards planted into a hook (``support/fake_accelerator_hazards.py``): each is reported, with where
   it came from, so the checks above can fail;
 - the optimized path's stream order on the fake accelerator against the stand-in streams'
   (``benchmarks/stream_order.py``);
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import background
 import pytest
@@ -49,8 +50,9 @@ import json, sys, time, traceback
 from twinshard.ranks import fresh_process
 from twinshard.measure.job import Job
 from twinshard.measure.fakeaccel.runner import check_all
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
 from stream_order import first_difference, orders
+from fake_accelerator_hazards import planter
 from twinshard.measure.schedule.cli import record_on_fake_accelerator
 
 def attempt(work):
@@ -74,7 +76,7 @@ spec = json.loads(sys.argv[1])
 base = dict(preset="tiny", seq=16, per_rank=2, dtype="bf16", backend="fakeaccel")
 start = time.perf_counter()
 jobs = [Job(**base, **c) for c in spec["configs"]]
-jobs += [(Job(**base, **spec["hazard_config"]), {"planted": h}) for h in spec["hazards"]]
+jobs += [(Job(**base, **spec["hazard_config"]), {"plant": planter(h)}) for h in spec["hazards"]]
 results = check_all(jobs)
 print(json.dumps(dict(
     names=spec["names"],
@@ -119,7 +121,8 @@ def _command(items) -> list[str]:
         "hazard_config": HAZARD_CONFIG,
         "hazards": HAZARDS,
     }
-    return [sys.executable, "-c", SCRIPT, json.dumps(spec), str(BENCHMARKS)]
+    support = Path(__file__).resolve().parents[1] / "support"
+    return [sys.executable, "-c", SCRIPT, json.dumps(spec), str(BENCHMARKS), str(support)]
 
 
 # The run starts in the background once the session is collected (support/background.py).
@@ -215,7 +218,7 @@ def test_an_item_in_a_hook_is_a_host_sync_with_its_site(found):
     assert "error" not in result, result.get("error")
     sites = _sites(result, "sync_sites")
     assert [s["what"] for s in sites] == ["item: aten._local_scalar_dense"] * 2  # one a step
-    assert any("planted.py" in frame and "_item" in frame for frame in sites[0]["stack"])
+    assert any("hazards.py" in frame and "_item" in frame for frame in sites[0]["stack"])
 
 
 def test_a_blocking_copy_to_the_host_is_a_host_sync(found):

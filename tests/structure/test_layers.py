@@ -300,7 +300,7 @@ def build(model, impl):
 # Issue 52: the measuring package is product code only (benchmarks and the docs' recorders live
 # beside what uses them). The issue asks for at most 6,700 lines; the package is at 7,222 after
 # the first moves (8,026 before), and this bound holds that and only ever comes down.
-MEASURE_LINES = 7_010
+MEASURE_LINES = 6_960
 
 
 def lines_of(folder: Path) -> int:

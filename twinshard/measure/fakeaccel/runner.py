@@ -12,7 +12,8 @@ offload, ``reshard_after_forward``) twice:
    momentum and ``foreach``, which reads no scalar on the host) under ``monitor.Monitor``,
    which logs the device's allocations, with ``measure.probe.Probe`` sorting the bytes FSDP
    holds into categories;
-2. on the CPU, with real tensors and PyTorch's fake process group at the same world size (as
+2. on the CPU, through the same loop with real tensors (no values: the model is moved with
+   ``to_empty``) and PyTorch's fake process group at the same world size (the code path of
    ``twinshard bench --backend fake``), recording the collectives only.
 
 It returns a plain dict (``report`` prints it): per step the host syncs and where they come
@@ -22,8 +23,9 @@ memory predictor's figures of the same recording (``measure.memory.prediction``:
 bytes by category, the allocated and the caching allocator's reserved peak).
 
 ``run(configs)`` spawns one fresh process for many configurations (the registration cannot
-be undone, and a test session must not get an accelerator); ``planted`` names a hazard to
-plant into every model, for the tests of the checks themselves (see ``planted.py``).
+be undone, and a test session must not get an accelerator); ``plant(model)``, when given, is
+called on every model once it is built, before the steps: the tests of the checks themselves
+plant a hazard with it (``tests/support/fake_accelerator_hazards.py``).
 """
 
 from __future__ import annotations
@@ -35,14 +37,12 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from twinshard.measure import memory, step, world
+from twinshard.measure import memory, observe, step, world
 from twinshard.measure.fakedevice import backend_name
 from twinshard.measure.job import Job
 from twinshard.measure.monitor import Monitor, Phase
 from twinshard.measure.probe import Probe, sharded_modules
 from twinshard.ranks import fresh_process
-
-from .planted import plant
 
 STEPS = 2  # the first step initializes lazily; the second is the steady state
 
@@ -51,7 +51,7 @@ def check(
     config: Job,
     steps: int = STEPS,
     cpu: bool = True,
-    planted: str | None = None,
+    plant=None,
     on: str = "fake",
 ) -> dict:
     """Both runs of ``config`` in this process (see the module docstring); a failure of the
@@ -59,12 +59,12 @@ def check(
     (the fake accelerator) or a real device type, for the same checks on a lent GPU
     (``device_run``)."""
     config = replace(config, foreach=True)
-    result = {"config": config.as_dict(), "planted": planted, "on": on}
+    result = {"config": config.as_dict(), "on": on}
     try:
         if on == "fake":
-            monitor, phases = memory.record(config, steps, lambda model: plant(planted, model))
+            monitor, phases = memory.record(config, steps, plant)
         else:
-            monitor, phases = device_run(config, steps, on, planted)
+            monitor, phases = device_run(config, steps, on, plant)
     except Exception:  # the implementation failed on the device: that is the finding
         result["error"] = traceback.format_exc(limit=-40)
         return result
@@ -73,7 +73,7 @@ def check(
     result["memory"] = memory.prediction(monitor, phases)
     if cpu:
         try:
-            reference = cpu_run(config, steps, planted)
+            reference = cpu_run(config, steps, plant)
         except Exception:
             result["cpu_error"] = traceback.format_exc(limit=-40)
             return result
@@ -85,7 +85,7 @@ def check(
 
 def check_all(configs: list, **options) -> list[dict]:
     """``check`` each of ``configs`` in this process with ``options``; an item may also be a
-    pair (config, options of its own), such as ``(config, {"planted": "item"})``."""
+    pair (config, options of its own), such as ``(config, {"plant": planter("item")})``."""
     results = []
     for item in configs:
         config, own = item if isinstance(item, tuple) else (item, {})
@@ -99,7 +99,7 @@ def run(configs: list, timeout: float = 900, **options) -> list[dict]:
 
 
 # --- the runs besides --------------------------------------------------------------------------------
-def device_run(config: Job, steps: int, device_type: str, planted=None) -> tuple:
+def device_run(config: Job, steps: int, device_type: str, plant=None) -> tuple:
     """The same checks on a real accelerator, for the day one is lent (``benchmarks/gpu.sh``):
     real tensors on ``device_type`` and the fake process group registered for it alone
     (``measure.world``'s ``lent``), so that one GPU plays rank 0 of W and a host tensor in a
@@ -119,7 +119,8 @@ def device_run(config: Job, steps: int, device_type: str, planted=None) -> tuple
     named = replace(config, backend=backend_name(device_type))
     with Monitor(device_type) as monitor:
         model, opt = step.build(named, device)
-        plant(planted, model)
+        if plant is not None:
+            plant(model)
         tokens = step.tokens(config, model.config.vocab_size, device=device)
         monitor.probe = Probe(model, opt, sharded_modules(model))
         debug = getattr(module, "set_sync_debug_mode", None)
@@ -136,20 +137,16 @@ def device_run(config: Job, steps: int, device_type: str, planted=None) -> tuple
     return monitor, monitor.finish()
 
 
-def cpu_run(config: Job, steps: int, planted) -> list[list[tuple]]:
+def cpu_run(config: Job, steps: int, plant=None) -> list[list[tuple]]:
     """The collectives of each step of the same configuration on the CPU (real tensors, the
-    fake process group), as ``Collective.key()`` tuples."""
+    fake process group: the same loop, ``observe.record``, joined there), as
+    ``Collective.key()`` tuples."""
+    ready = (lambda monitor, model, opt: plant(model)) if plant is not None else None
     cpu = replace(config, backend="fake")
-    device = world.join("fake", config.world)  # leaves the fake accelerator's group
-    model, opt = step.build(cpu, device)  # SGD with momentum, foreach (``check`` sets it)
-    plant(planted, model)
-    tokens = step.tokens(config, model.config.vocab_size)
-    with Monitor("cpu") as monitor:
-        for k in range(steps):
-            monitor.begin(f"step {k + 1}")
-            step.train_step(model, opt, tokens)
+    monitor = lambda device: Monitor("cpu")  # noqa: E731
+    _, phases = observe.record(cpu, monitor, steps, backend="fake", real=True, ready=ready)
     dist.destroy_process_group()
-    return [[c.key() for c in p.collectives] for p in monitor.finish()[1:]]
+    return [[c.key() for c in p.collectives] for p in phases[1:]]
 
 
 # --- summaries -----------------------------------------------------------------------------------
