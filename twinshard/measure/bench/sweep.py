@@ -104,4 +104,4 @@ def plot_axis(axis: str, rows: list, impls: list, path: str, base: Job) -> None:
             ax.set_title(title, fontsize=9)
         axes[0].legend(fontsize=7)
         link = f", link {base.link}" if base.backend == "simnet" else ""
-        fig.suptitle(f"{base.backend}{link}; dotted: memory model", fontsize=8)
+        fig.suptitle(f"{base.backend}{link}; dotted: memory prediction", fontsize=8)
