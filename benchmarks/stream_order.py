@@ -119,13 +119,13 @@ class CudaRecorder:
 def orders(config: Job, steps: int = 2, on: str = "fake") -> tuple[list, list]:
     """The optimized path's canonical logs of ``steps`` steps of ``config``: on the device
     (``on``: "fake" for the fake accelerator, "cuda" for a GPU) and with the stand-ins."""
-    from twinshard.measure import fakecuda
+    from twinshard.measure import fakecuda, memory
     from twinshard.measure.fakeaccel import runner
 
     config = replace(config, impl="optimized", foreach=True)
     if on == "fake":
         start = len(fakecuda.LOG)
-        runner.fake_accelerator_run(config, steps, None)
+        memory.record(config, steps)
         device_log = fakecuda.LOG[start:]
     else:
         with CudaRecorder() as recorder:

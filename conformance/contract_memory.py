@@ -27,9 +27,12 @@ The bytes allowed after a hook are the sum, over the groups whose window covers 
 group padded to the shard group (in ``param_dtype`` for parameters, in the larger of
 ``param_dtype`` and ``reduce_dtype`` for gradients, whose unsharded copy may be cast for the
 reduction), plus one rank's block of the reduced sums (in ``reduce_dtype``) where that may
-live, and for an HSDP group whose all-reduce waits (``set_requires_all_reduce(False)``). With the default prefetch of one
-group this is the memory model's bound (``twinshard.measure.memmodel``): the root, the group
-computing and the one prefetched; ``reshard_after_forward=False`` keeps them all.
+live, and for an HSDP group whose all-reduce waits (``set_requires_all_reduce(False)``). With the
+default prefetch of one group the bound is the root, the group computing and the one
+prefetched; ``reshard_after_forward=False`` keeps them all. The bytes are measured on the
+recorded step, as the memory predictor (``twinshard.measure.memory``) measures them on the fake
+accelerator; the windows are the setting's, not a recording's, so that a step holding more
+than its setting allows fails here.
 """
 
 from __future__ import annotations

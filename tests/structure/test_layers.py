@@ -238,7 +238,7 @@ LAYERS = (
     ("__init__", "job", "flags", "hf", "grid", "units"),  # the job, its flags, its grid
     ("step",),  # one training step built and driven
     ("world", "simnet", "fakedevice", "fakecuda"),  # ways to join a world, and their backends
-    ("observe", "probe", "monitor", "memmodel", "allocator"),  # observers, memory models
+    ("observe", "probe", "monitor", "memory", "allocator"),  # observers, the memory predictor
     ("fakeaccel", "schedule"),  # runs that import neither each other nor a command above
     ("bench",),
     ("plan",),
@@ -309,7 +309,7 @@ def build(model, impl):
 # Issue 52: the measuring package is product code only (benchmarks and the docs' recorders live
 # beside what uses them). The issue asks for at most 6,700 lines; the package is at 7,222 after
 # the first moves (8,026 before), and this bound holds that and only ever comes down.
-MEASURE_LINES = 7_250
+MEASURE_LINES = 6_960
 
 
 def lines_of(folder: Path) -> int:

@@ -19,9 +19,10 @@ never one above (``tests/structure/test_layers.py`` checks it); bottom first:
                                simulated network), ``fakedevice.py`` and ``fakecuda.py`` (the
                                fake accelerator and its device module)
     probe.py monitor.py        the observers of a step (memory by category; host syncs, host
-    observe.py memmodel.py     collectives and device bytes); the one loop that records a job's
+    observe.py memory.py       collectives and device bytes); the one loop that records a job's
     allocator.py               steps on the fake accelerator with observers plugged in; the
-                               memory model and the caching allocator's model
+                               memory predictor (that loop's recording and the caching
+                               allocator's model replayed over it)
     fakeaccel/ schedule/       runs: a job on the fake accelerator (``python -m
                                twinshard.measure.fakeaccel``); one step recorded hook by hook
                                (``twinshard schedule``); neither imports the other

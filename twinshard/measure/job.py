@@ -25,7 +25,7 @@ from twinshard.ranks import devices
 from . import hf
 
 BASELINES = ("plain", "ddp")  # run by the bench itself, without FSDP
-SHARDED = tuple(impls.SHORT_NAMES)  # FSDP by short name (and the memory model's coverage)
+SHARDED = tuple(impls.SHORT_NAMES)  # FSDP by short name
 # DTYPES names the precisions of every flag that takes one (--dtype, schedule's --param-dtype
 # and --reduce-dtype); a job's --dtype is fp32 or bf16 (see Job.low_precision)
 JOB_DTYPES = ("fp32", "bf16")

@@ -14,7 +14,7 @@ Memory: every storage an operator touches is held by a strong reference to the s
 object, so that its identity (``_cdata``) stays unique while it is counted, and is dropped at
 the count after nothing else uses it; its bytes are read at each count, after each operator
 that made a new storage. On real tensors this holding only delays a storage's release to the
-next count. ``probe``, when given, sorts the same bytes into the memory model's categories.
+next count. ``probe``, when given, sorts the same bytes into its categories.
 
 What each check counts and its target: docs/fake-accelerator.md, the table of checks.
 """

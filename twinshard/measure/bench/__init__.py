@@ -11,7 +11,7 @@ One concept per file:
     compare.py   the job of a command line (the mode's defaults), its checks, the side-by-side run
     cli.py       the command
 
-What one run is comes from ``twinshard.measure.job``; the memory probe, the memory model and
+What one run is comes from ``twinshard.measure.job``; the memory probe, the memory predictor and
 the simulated network it runs on are layers below it (``twinshard/measure/probe.py``,
-``memmodel.py``, ``simnet.py``). See ``docs/benchmarks.md`` for how to read the results.
+``memory.py``, ``simnet.py``). See ``docs/benchmarks.md`` for how to read the results.
 """

@@ -83,6 +83,8 @@ def run(args) -> int:
     if base.backend == "fakeaccel":
         return fake_accelerator(base, impls, args)
     result = compare.side_by_side(base, impls, args.repeat, not args.no_progress)
+    if base.memory:
+        compare.add_memory_model([(result["summary"], base)])
     if args.json:
         write_json(args.json, {"meta": meta(base.as_dict()), **result})
     show(base, result["summary"], args)
@@ -104,7 +106,7 @@ def show(base: Job, summary: dict, args) -> None:
     """Print the tables; write them (``--markdown``) and the plot (``--plot``) if asked."""
     text = describe(base) + "\n\n" + table(summary)
     if base.memory:
-        text += "\n\nMemory at the peak (bytes alive by category; model = memmodel.predict)\n\n"
+        text += "\n\nMemory at the peak (bytes alive by category; model = measure.memory)\n\n"
         text += memory_table(summary)
     publish(text, args.markdown)
     if args.plot:
@@ -113,12 +115,10 @@ def show(base: Job, summary: dict, args) -> None:
 
 def rerender(args) -> int:
     """``--from-json FILE``: the tables and plot of a recorded run, without running it again
-    (the memory model and the overlap formula are applied anew)."""
+    (the overlap formula is applied anew; the memory prediction is the one recorded)."""
     with open(args.from_json) as f:
         recorded = json.load(f)
     base = Job(**recorded["meta"]["config"])
-    if base.memory:
-        compare.add_memory_model(recorded["summary"], base)
     for row in recorded["summary"].values():
         if "compute_s" in row:
             keys = ("compute_s", "comm_s", "step_s", "first_all_gather_s", "last_reduce_scatter_s")

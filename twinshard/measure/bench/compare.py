@@ -3,7 +3,8 @@
 ``job_of(args)`` fills what the flags left open with the defaults of the mode (compare,
 hooks, sweep) and returns the base job and the implementations; ``problem`` says what is
 wrong with them in one line (``Job.problem``, then what only the bench checks);
-``side_by_side`` runs the implementations and summarizes them, with the memory model beside.
+``side_by_side`` runs the implementations and summarizes them; ``add_memory_model`` puts the
+memory predictor's figures (``measure.memory``) beside the measured ones.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from twinshard.commandline import impls as implementations
-from twinshard.measure import flags, memmodel, simnet
+from twinshard.measure import flags, simnet
+from twinshard.measure.fakeaccel.runner import run as on_fake_accelerator
 from twinshard.measure.job import BASELINES, SHARDED, Job, positive
 
 from .runner import compare
@@ -79,7 +81,7 @@ def side_by_side(
     base: Job, impls: list[str], repeat: int, progress: bool = True, overlap: bool = True
 ) -> dict:
     """Run ``impls`` on ``base`` and summarize: figures, ratios, overlap (``simnet``: the same
-    runs on an instant network too), memory model."""
+    runs on an instant network too)."""
     configs = [replace(base, impl=i) for i in impls]
     instant = []
     if overlap and base.backend == "simnet" and base.link != "inf":
@@ -91,14 +93,20 @@ def side_by_side(
     if instant:
         fast = {c.impl: summarize(r, tokens) for c, r in zip(instant, runs[len(configs) :])}
         add_overlap(summary, fast)
-    if base.memory:
-        add_memory_model(summary, base)
     return {"summary": summary, "runs": {c.impl: r for c, r in zip(configs, runs)}}
 
 
-def add_memory_model(summary: dict, base: Job) -> None:
-    for name, row in summary.items():
-        pred = memmodel.for_job(replace(base, impl=name))
-        if pred is not None:  # a module from outside: the model knows twinshard's and torch's
-            row["model"] = pred
-            row["model_total"] = sum(pred.values())
+def add_memory_model(summaries: list[tuple[dict, Job]]) -> None:
+    """Beside each FSDP implementation's row of each (summary, its base job) pair, the memory
+    predictor's figures for that job (``measure.memory``: ``model``, bytes by category at the
+    peak, ``model_total``, ``model_reserved``, the caching allocator's reserved peak), from the
+    fake accelerator's run of every such job in one spawned process. A baseline (plain, DDP),
+    which the fake accelerator does not run, gets none; nor does a job whose step failed there."""
+    rows = []
+    for summary, base in summaries:
+        rows += [(row, replace(base, impl=n)) for n, row in summary.items() if n not in BASELINES]
+    for (row, _), result in zip(rows, on_fake_accelerator([job for _, job in rows], cpu=False)):
+        if "memory" in result:
+            predicted = result["memory"]
+            row.update(model=predicted["categories"], model_total=predicted["fsdp_total"])
+            row["model_reserved"] = predicted["reserved_peak"]

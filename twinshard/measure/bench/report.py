@@ -52,7 +52,7 @@ def table(summary: dict) -> str:
 
 
 def memory_table(summary: dict) -> str:
-    """Bytes at the peak by category, measured (probe) and predicted (memory model)."""
+    """Bytes at the peak by category, measured (probe) and predicted (``measure.memory``)."""
     head = ["impl", "sharded+optim MB", "unsharded MB", "grad MB", "sharded grad MB", "comm MB"]
     head += ["peak MB", "model MB", "model/measured", "heap MB", "RSS growth MB"]
     rows = []

@@ -2,7 +2,8 @@
 
 ``summarize`` pools the step times of one implementation's repetitions into its figures
 (``quantiles`` of single steps, repetition medians, tokens per second, CPU time, the probe's
-memory and the part of it FSDP adds, ``memmodel.tracked``); ``add_ratios`` and ``add_overlap`` then add what needs
+memory and the part of it FSDP adds on top of the persistent state, ``TRACKED``); ``add_ratios``
+and ``add_overlap`` then add what needs
 every implementation's summary (the ratios to DDP and to torch) or the instant network's run
 (``overlap_efficiency``). Nothing here runs or prints anything.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 
-from twinshard.measure import memmodel
+TRACKED = ("unsharded", "grad", "comm", "sharded_grad")  # what FSDP adds to shards and state
 
 
 def quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -65,7 +66,7 @@ def summarize(runs: list[dict], tokens_per_step: int) -> dict:
     if "memory" in last:
         out["memory"] = last["memory"]
         out["memory_total"] = last["memory_total"]
-        out["tracked"] = memmodel.tracked(last["memory"])
+        out["tracked"] = sum(last["memory"].get(c, 0) for c in TRACKED)
         out["heap_peak"] = statistics.median(r["heap_peak"] for r in runs)
         out["collectives"] = last["collectives"]
     if "accelerator_peak" in last:

@@ -39,13 +39,11 @@ def point(base: Job, axis: str, value: int) -> Job:
 
 
 def replot(args) -> int:
-    """``--from-json``: plot a recorded sweep again, with the memory model applied anew."""
+    """``--from-json``: plot a recorded sweep again, with the memory prediction recorded."""
     with open(args.from_json) as f:
         recorded = json.load(f)
     base = Job(**recorded["meta"]["config"])
     for axis in FILES:
-        for row in recorded[axis]:
-            add_memory_model(row["summary"], Job(**row["config"]))
         impls = list(recorded[axis][0]["summary"])
         plot_axis(axis, recorded[axis], impls, os.path.join(args.out, FILES[axis]), base)
     write_json(os.path.join(args.out, "sweep.json"), recorded)
@@ -68,6 +66,9 @@ def run_sweep(args, base: Job, impls: list[str]) -> int:
                 row["overhead_per_group_s"] = (row["cpu_s"] - floor) / groups
             results[axis].append({"value": value, "config": config.as_dict(), "summary": summary})
             print(f"{axis} = {value}: " + _line(summary), flush=True)
+    if base.memory:  # every point's prediction, recorded in one process
+        points = [(r["summary"], Job(**r["config"])) for rows in results.values() for r in rows]
+        add_memory_model(points)
     os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, "sweep.json"), {"meta": meta(base.as_dict()), **results})
     for axis, rows in results.items():
@@ -103,4 +104,4 @@ def plot_axis(axis: str, rows: list, impls: list, path: str, base: Job) -> None:
             ax.set_title(title, fontsize=9)
         axes[0].legend(fontsize=7)
         link = f", link {base.link}" if base.backend == "simnet" else ""
-        fig.suptitle(f"{base.backend}{link}; dotted: memory model", fontsize=8)
+        fig.suptitle(f"{base.backend}{link}; dotted: memory prediction", fontsize=8)

@@ -11,13 +11,13 @@ One concept per file:
     ../monitor.py     the dispatch mode: host syncs, host collectives, collectives, memory
     runner.py     one configuration on the fake accelerator and on the CPU, or on a lent GPU
                   (``benchmarks/gpu.sh``); a spawned process
-    planted.py    hazards planted into a model, so that the checks can be seen to fail
     report.py     the table and the findings
     cli.py        ``python -m twinshard.measure.fakeaccel`` and ``twinshard bench --backend fakeaccel``
     __main__.py   ``python -m twinshard.measure.fakeaccel`` runs cli.py
 
 The order of waits and events on the device, against the stand-in streams', is a benchmark:
-``benchmarks/stream_order.py``.
+``benchmarks/stream_order.py``; the hazards its tests plant live beside them
+(``tests/support/fake_accelerator_hazards.py``).
 """
 
 from twinshard.measure.fakedevice import BACKEND, DEVICE_TYPE, is_registered, register

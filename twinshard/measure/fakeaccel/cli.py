@@ -10,9 +10,9 @@ Each implementation (``--impls``: reference, optimized, torch or a module path) 
 ``--steps`` steps on the fake accelerator in one spawned process, which plays rank 0 of
 ``--world`` ranks; the report gives per configuration the host syncs, the explicit syncs, the
 collectives with host tensors, the collectives (and whether they equal the CPU run's), the peak
-bytes on the device and the memory model beside what FSDP holds (see ``report.py``). The exit
-status is 1 if any configuration failed, synced the host, sent a host tensor to a collective or
-issued other collectives than the CPU run.
+bytes on the device, what FSDP holds and the caching allocator's reserved peak (see
+``report.py``). The exit status is 1 if any configuration failed, synced the host, sent a host
+tensor to a collective or issued other collectives than the CPU run.
 """
 
 from __future__ import annotations

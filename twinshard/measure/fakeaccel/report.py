@@ -1,8 +1,7 @@
 """The fake-accelerator run's results as text: one table, then what needs a reader's eye.
 
 ``table`` writes a row per configuration, ``details`` the findings of those that are not
-``clean``, ``uncovered`` the settings the memory model does not cover, and ``render`` puts them
-together; ``check_and_report`` runs the checks and publishes that (``python -m
+``clean``, and ``render`` puts them together; ``check_and_report`` runs the checks and publishes that (``python -m
 twinshard.measure.fakeaccel``, ``twinshard bench --backend fakeaccel``). The columns and what
 the findings list: docs/fake-accelerator.md, "How to run it".
 """
@@ -29,7 +28,7 @@ def describe(config: dict) -> str:
 
 def table(results: list[dict]) -> str:
     head = ["impl", "mesh", "dtype", "offload", "reshard", "host syncs", "explicit", "host colls"]
-    head += ["colls", "= CPU", "peak MB", "FSDP MB", "model/FSDP"]
+    head += ["colls", "= CPU", "peak MB", "FSDP MB", "reserved MB"]
     rows = []
     for r in results:
         c = r["config"]
@@ -42,7 +41,7 @@ def table(results: list[dict]) -> str:
         cells += [str(last[k]) for k in ("host_syncs", "explicit_syncs", "host_collectives")]
         cells += [str(last["collectives"]), _same(r)]
         fsdp = sum(last["categories"].values())
-        cells += [f"{last['peak_bytes'] / MB:.3f}", f"{fsdp / MB:.3f}", _ratio(r)]
+        cells += [f"{last['peak_bytes'] / MB:.3f}", f"{fsdp / MB:.3f}", _reserved(r)]
         rows.append(cells)
     return markdown_table(head, rows)
 
@@ -55,9 +54,10 @@ def _same(result: dict) -> str:
     return "yes" if result["collective_difference"] is None else "NO"
 
 
-def _ratio(result: dict) -> str:
-    model = result.get("memory_model") or {}
-    return f"{model['ratio']:.3f}" if model.get("covered") else "-"
+def _reserved(result: dict) -> str:
+    """The caching allocator's reserved peak (``measure.memory``); '-' on a real device."""
+    reserved = (result.get("memory") or {}).get("reserved_peak")
+    return f"{reserved / MB:.3f}" if reserved is not None else "-"
 
 
 def details(results: list[dict]) -> str:
@@ -94,18 +94,9 @@ def _indent(text: str, n: int) -> str:
     return "\n".join(" " * n + line for line in text.rstrip().splitlines())
 
 
-def uncovered(results: list[dict]) -> str:
-    """The settings the memory model does not cover, once each."""
-    why = {r["memory_model"]["why"] for r in results if r.get("memory_model", {}).get("why")}
-    return "; ".join(sorted(why))
-
-
 def render(results: list[dict], title: str) -> str:
-    """The whole report: title, table, the memory model's gaps, the details."""
+    """The whole report: title, table, the details."""
     text = title + "\n\n" + table(results)
-    gaps = uncovered(results)
-    if gaps:
-        text += f"\n\nmodel/FSDP '-': {gaps}."
     found = details(results)
     return text + ("\n\n" + found if found else "\n\nNo host sync, host collective or difference.")
 

@@ -4,24 +4,28 @@
 (``measure.job.Job``: implementation, Llama-style model, world, HSDP replicas, dtype,
 offload, ``reshard_after_forward``) twice:
 
-1. on the fake accelerator (``measure.observe.record``, the plan's loop too): inside
-   ``FakeTensorMode`` (torch's ``fully_shard`` makes device tensors when it shards), the model
-   is built on ``meta``, sharded and moved with ``to_empty`` (``measure.step.build_on_meta``,
-   which says where an offloaded one is built). Then it trains for ``steps`` steps (forward, backward, SGD with momentum and
-   ``foreach``, which reads no scalar on the host) under ``monitor.Monitor``, with
-   ``measure.probe.Probe`` sorting the bytes FSDP holds into the memory model's categories;
-2. on the CPU, with real tensors and PyTorch's fake process group at the same world size (as
+1. on the fake accelerator, as the memory predictor records it (``measure.memory.record``,
+   through ``measure.observe.record``, the plan's loop too): inside ``FakeTensorMode`` (torch's
+   ``fully_shard`` makes device tensors when it shards), the model is built on ``meta``,
+   sharded and moved with ``to_empty`` (``measure.step.build_on_meta``, which says where an
+   offloaded one is built). Then it trains for ``steps`` steps (forward, backward, SGD with
+   momentum and ``foreach``, which reads no scalar on the host) under ``monitor.Monitor``,
+   which logs the device's allocations, with ``measure.probe.Probe`` sorting the bytes FSDP
+   holds into categories;
+2. on the CPU, through the same loop with real tensors (no values: the model is moved with
+   ``to_empty``) and PyTorch's fake process group at the same world size (the code path of
    ``twinshard bench --backend fake``), recording the collectives only.
 
 It returns a plain dict (``report`` prints it): per step the host syncs and where they come
 from, the explicit synchronizations, the collectives with host tensors, the collectives and
 whether they equal the CPU run's, the accelerator's peak bytes and, for the last step, the
-FSDP-held bytes by category beside ``measure.memmodel.predict`` where the model covers the
-setting (no offload, ``reshard_after_forward=True``).
+memory predictor's figures of the same recording (``measure.memory.prediction``: the FSDP-held
+bytes by category, the allocated and the caching allocator's reserved peak).
 
 ``run(configs)`` spawns one fresh process for many configurations (the registration cannot
-be undone, and a test session must not get an accelerator); ``planted`` names a hazard to
-plant into every model, for the tests of the checks themselves (see ``planted.py``).
+be undone, and a test session must not get an accelerator); ``plant(model)``, when given, is
+called on every model once it is built, before the steps: the tests of the checks themselves
+plant a hazard with it (``tests/support/fake_accelerator_hazards.py``).
 """
 
 from __future__ import annotations
@@ -33,15 +37,12 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from twinshard.measure import memmodel, observe, step, world
-from twinshard.measure.fakecuda import DEVICE_TYPE
+from twinshard.measure import memory, observe, step, world
 from twinshard.measure.fakedevice import backend_name
-from twinshard.measure.job import SHARDED, Job
+from twinshard.measure.job import Job
 from twinshard.measure.monitor import Monitor, Phase
 from twinshard.measure.probe import Probe, sharded_modules
 from twinshard.ranks import fresh_process
-
-from .planted import plant
 
 STEPS = 2  # the first step initializes lazily; the second is the steady state
 
@@ -50,7 +51,7 @@ def check(
     config: Job,
     steps: int = STEPS,
     cpu: bool = True,
-    planted: str | None = None,
+    plant=None,
     on: str = "fake",
 ) -> dict:
     """Both runs of ``config`` in this process (see the module docstring); a failure of the
@@ -58,21 +59,21 @@ def check(
     (the fake accelerator) or a real device type, for the same checks on a lent GPU
     (``device_run``)."""
     config = replace(config, foreach=True)
-    result = {"config": config.as_dict(), "planted": planted, "on": on}
+    result = {"config": config.as_dict(), "on": on}
     try:
         if on == "fake":
-            phases = fake_accelerator_run(config, steps, planted)
+            monitor, phases = memory.record(config, steps, plant)
         else:
-            phases = device_run(config, steps, on, planted)
+            monitor, phases = device_run(config, steps, on, plant)
     except Exception:  # the implementation failed on the device: that is the finding
         result["error"] = traceback.format_exc(limit=-40)
         return result
     result["steps"] = [_summary(p) for p in phases[1:]]
     result["setup"] = _summary(phases[0])
-    result["memory_model"] = _memory_model(config, phases[-1])
+    result["memory"] = memory.prediction(monitor, phases)
     if cpu:
         try:
-            reference = cpu_run(config, steps, planted)
+            reference = cpu_run(config, steps, plant)
         except Exception:
             result["cpu_error"] = traceback.format_exc(limit=-40)
             return result
@@ -84,7 +85,7 @@ def check(
 
 def check_all(configs: list, **options) -> list[dict]:
     """``check`` each of ``configs`` in this process with ``options``; an item may also be a
-    pair (config, options of its own), such as ``(config, {"planted": "item"})``."""
+    pair (config, options of its own), such as ``(config, {"plant": planter("item")})``."""
     results = []
     for item in configs:
         config, own = item if isinstance(item, tuple) else (item, {})
@@ -97,17 +98,8 @@ def run(configs: list, timeout: float = 900, **options) -> list[dict]:
     return fresh_process.call(check_all, list(configs), timeout=timeout, **options)
 
 
-# --- the two runs --------------------------------------------------------------------------------
-def fake_accelerator_run(config: Job, steps: int, planted) -> list[Phase]:
-    def ready(monitor, model, opt):
-        plant(planted, model)
-        monitor.probe = Probe(model, opt, sharded_modules(model))
-
-    # SGD with foreach: a few multi-tensor operations and no scalar read on the host, as on a GPU
-    return observe.record(config, lambda _: Monitor(DEVICE_TYPE), steps, ready=ready)[1]
-
-
-def device_run(config: Job, steps: int, device_type: str, planted=None) -> list[Phase]:
+# --- the runs besides --------------------------------------------------------------------------------
+def device_run(config: Job, steps: int, device_type: str, plant=None) -> tuple:
     """The same checks on a real accelerator, for the day one is lent (``benchmarks/gpu.sh``):
     real tensors on ``device_type`` and the fake process group registered for it alone
     (``measure.world``'s ``lent``), so that one GPU plays rank 0 of W and a host tensor in a
@@ -115,7 +107,8 @@ def device_run(config: Job, steps: int, device_type: str, planted=None) -> list[
     device before sharding, as ``twinshard bench`` does (with offload it stays on the host).
     The steps run under the device module's sync debug mode ("error": the device's own check,
     which raises at the first operator that waits for the device), so a sync the monitor
-    cannot see (inside a C++ kernel) still fails the run. The monitor's phases, setup first."""
+    cannot see (inside a C++ kernel) still fails the run. The monitor and its phases, setup
+    first."""
     module = torch.get_device_module(device_type)
     if device_type == "cpu" or not module.is_available():
         raise RuntimeError(
@@ -126,7 +119,8 @@ def device_run(config: Job, steps: int, device_type: str, planted=None) -> list[
     named = replace(config, backend=backend_name(device_type))
     with Monitor(device_type) as monitor:
         model, opt = step.build(named, device)
-        plant(planted, model)
+        if plant is not None:
+            plant(model)
         tokens = step.tokens(config, model.config.vocab_size, device=device)
         monitor.probe = Probe(model, opt, sharded_modules(model))
         debug = getattr(module, "set_sync_debug_mode", None)
@@ -140,23 +134,19 @@ def device_run(config: Job, steps: int, device_type: str, planted=None) -> list[
                 if debug is not None:
                     debug(0)
             module.synchronize()
-    return monitor.finish()
+    return monitor, monitor.finish()
 
 
-def cpu_run(config: Job, steps: int, planted) -> list[list[tuple]]:
+def cpu_run(config: Job, steps: int, plant=None) -> list[list[tuple]]:
     """The collectives of each step of the same configuration on the CPU (real tensors, the
-    fake process group), as ``Collective.key()`` tuples."""
+    fake process group: the same loop, ``observe.record``, joined there), as
+    ``Collective.key()`` tuples."""
+    ready = (lambda monitor, model, opt: plant(model)) if plant is not None else None
     cpu = replace(config, backend="fake")
-    device = world.join("fake", config.world)  # leaves the fake accelerator's group
-    model, opt = step.build(cpu, device)  # SGD with momentum, foreach (``check`` sets it)
-    plant(planted, model)
-    tokens = step.tokens(config, model.config.vocab_size)
-    with Monitor("cpu") as monitor:
-        for k in range(steps):
-            monitor.begin(f"step {k + 1}")
-            step.train_step(model, opt, tokens)
+    monitor = lambda device: Monitor("cpu")  # noqa: E731
+    _, phases = observe.record(cpu, monitor, steps, backend="fake", real=True, ready=ready)
     dist.destroy_process_group()
-    return [[c.key() for c in p.collectives] for p in monitor.finish()[1:]]
+    return [[c.key() for c in p.collectives] for p in phases[1:]]
 
 
 # --- summaries -----------------------------------------------------------------------------------
@@ -187,27 +177,6 @@ def _summary(phase: Phase) -> dict:
         "peak_bytes": phase.peak_bytes,
         "peak_host_bytes": phase.peak_host_bytes,
         "categories": phase.categories,
-    }
-
-
-def _memory_model(config: Job, phase: Phase) -> dict:
-    """The memory model's prediction for the last step beside the probe's measurement, or why
-    the model does not cover this setting."""
-    measured = sum(phase.categories.values())
-    if config.impl not in SHARDED:
-        return {"covered": False, "why": f"the model covers {', '.join(SHARDED)} only"}
-    if config.offload:
-        return {"covered": False, "why": "the model has no offload (shards on the host)"}
-    if config.reshard_after_forward is not True:
-        return {"covered": False, "why": "the model reshards after forward"}
-    predicted = memmodel.for_job(config)
-    total = sum(predicted.values())
-    return {
-        "covered": True,
-        "predicted": predicted,
-        "predicted_total": total,
-        "measured_total": measured,
-        "ratio": total / measured if measured else float("nan"),
     }
 
 

@@ -1,7 +1,8 @@
 """Hazards planted into a model, so that the tests of the fake-accelerator run can fail.
 
 Each is a forward hook on the first block that does what a hook must not do on an
-accelerator; ``plant(name, model)`` attaches one. The run must report it, and where:
+accelerator; ``planter(name)`` is what attaches one, for ``fakeaccel.runner.check``'s
+``plant``. The run must report it, and where (``tests/measuring/test_fake_accelerator.py``):
 
     item                    reads a device value on the host (``.item()``): a host sync
     blocking_copy           copies the block's output to the host, blocking: a host sync
@@ -41,10 +42,7 @@ HAZARDS = {
 }
 
 
-def plant(name: str | None, model: torch.nn.Module) -> None:
-    """Attach hazard ``name`` (a key of ``HAZARDS``; None: none) to ``model.blocks[0]``."""
-    if name is None:
-        return
-    if name not in HAZARDS:
-        raise ValueError(f"no planted hazard {name!r}; choose one of {', '.join(HAZARDS)}")
-    model.blocks[0].register_forward_hook(HAZARDS[name])
+def planter(name: str):
+    """What attaches hazard ``name`` (a key of ``HAZARDS``) to a model's first block."""
+    hook = HAZARDS[name]
+    return lambda model: model.blocks[0].register_forward_hook(hook)
