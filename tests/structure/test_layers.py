@@ -307,9 +307,10 @@ def build(model, impl):
 
 
 # Issue 52: the measuring package is product code only (benchmarks and the docs' recorders live
-# beside what uses them). The issue asks for at most 6,700 lines; the package is at 7,222 after
-# the first moves (8,026 before), and this bound holds that and only ever comes down.
-MEASURE_LINES = 6_960
+# beside what uses them). The issue asks for at most 6,700 lines. It was 8,026; the first moves
+# left 7,222, one memory predictor in place of memmodel.py's schedules and the commands' words
+# moved below train and measure left 6,911. This bound holds that and only ever comes down.
+MEASURE_LINES = 6_920
 
 
 def lines_of(folder: Path) -> int:
