@@ -16,10 +16,13 @@ run adds plugs in:
 - ``ready(observer, model, opt)``: once they and the batch exist (a probe, labels, a planted
   hazard);
 - ``steps_in(device)``: a context around the steps (the plan's attention kernel);
-- ``before(observer, k)``: at the start of step k's phase; ``mark``: ``step.train_step``'s.
+- ``batch(job, model, device)``: the batch instead of ``step.tokens``'s (the schedule's MLP);
+- ``before(observer, k)``: at the start of step k's phase; ``mark``: ``step.train_step``'s;
+- ``after(job, model, opt, batch)``: once the steps are done, inside the same contexts (the
+  schedule records its own step there, with ``steps`` 0).
 
-The fake accelerator's run (``fakeaccel/runner.py``) and the plan (``plan/runner.py``) record
-through it.
+The fake accelerator's run (``fakeaccel/runner.py``), the plan (``plan/runner.py``) and the
+schedule's fake-accelerator recording (``schedule/cli.py``) record through it.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ def record(
     optimizer: tuple = ("sgd", True),
     ready=None,
     steps_in=None,
+    batch=None,
     before=None,
     mark=None,
+    after=None,
 ) -> tuple:
     """The observer and its phases (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -60,7 +65,10 @@ def record(
         else:
             model = step.build_on_meta(job, device, mesh, model)
             opt = step.optimizer(model, *optimizer)
-        tokens = step.tokens(job, model.config.vocab_size, device=device)
+        if batch is None:
+            tokens = step.tokens(job, model.config.vocab_size, device=device)
+        else:
+            tokens = batch(job, model, device)
         if ready is not None:
             ready(seen, model, opt)
         with steps_in(device) if steps_in is not None else contextlib.nullcontext():
@@ -69,4 +77,6 @@ def record(
                 if before is not None:
                     before(seen, k)
                 step.train_step(model, opt, tokens, mark)
+        if after is not None:
+            after(job, model, opt, tokens)
     return seen, seen.finish()
