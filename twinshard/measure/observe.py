@@ -5,9 +5,9 @@ with observers plugged in.
 the job's mesh, builds its model on ``meta`` and shards it inside ``FakeTensorMode``
 (``step.build_on_meta``; with ``real``, real tensors without values), makes its optimizer and
 one batch, and trains ``steps`` steps, each a phase of ``observer`` of its own. ``observer``
-makes the observer for the device joined: a ``monitor.Monitor`` or one built on it, entered
-around everything after the mesh. It returns the observer and its phases, setup first. What a
-run adds plugs in:
+makes the observer for the device joined: a ``monitor.Monitor`` or one built on it (None: a
+plain one of the device's type), entered around everything after the mesh. It returns the
+observer and its phases, setup first. What a run adds plugs in:
 
 - ``watch``: more contexts entered with the observer, given it (the plan's waits);
 - ``model``: a model the caller built on ``meta`` (the plan's, wrapped for checkpointing);
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import step, world
+from . import monitor, step, world
 
 
 def record(
@@ -55,7 +55,7 @@ def record(
 
     device = world.join(backend, job.world)
     mesh = step.mesh(job, device)  # outside the fake mode: DeviceMesh computes on the host
-    seen = observer(device)
+    seen = observer(device) if observer is not None else monitor.Monitor(device.type)
     fake = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
     with fake, seen, contextlib.ExitStack() as more:
         for context in watch:

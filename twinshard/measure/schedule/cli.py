@@ -96,16 +96,14 @@ def record_on_fake_accelerator(
     model is built on ``meta`` and moved with ``to_empty`` (``measure.step.build_on_meta``):
     no values, so the recorder attributes collectives by size and context."""
     from twinshard.measure import observe
-    from twinshard.measure.monitor import Monitor
 
     schedules = []
     for impl in impls:
         job = example(impl, world_size, layers, backend="fakeaccel", **policies)
         with torch.device("meta"):
             net = mlp(model, layers)
-        monitor = lambda device: Monitor(device.type)  # noqa: E731
         done = lambda *recorded: schedules.append(_record(*recorded))  # noqa: E731
-        observe.record(job, monitor, 0, model=net, optimizer=("sgd", None), batch=batch, after=done)
+        observe.record(job, None, 0, model=net, optimizer=("sgd", None), batch=batch, after=done)
     return schedules
 
 
