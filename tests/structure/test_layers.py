@@ -309,8 +309,10 @@ def build(model, impl):
 # Issue 52: the measuring package is product code only (benchmarks and the docs' recorders live
 # beside what uses them). The issue asks for at most 6,700 lines. It was 8,026; the first moves
 # left 7,222, one memory predictor in place of memmodel.py's schedules and the commands' words
-# moved below train and measure left 6,911. This bound holds that and only ever comes down.
-MEASURE_LINES = 6_920
+# moved below train and measure left 6,911, and the schedule's fake-accelerator recording through
+# observe.record with the plan's swaps by mock.patch.object left 6,905. This bound holds that and
+# only ever comes down.
+MEASURE_LINES = 6_910
 
 
 def lines_of(folder: Path) -> int:

@@ -5,9 +5,9 @@ with observers plugged in.
 the job's mesh, builds its model on ``meta`` and shards it inside ``FakeTensorMode``
 (``step.build_on_meta``; with ``real``, real tensors without values), makes its optimizer and
 one batch, and trains ``steps`` steps, each a phase of ``observer`` of its own. ``observer``
-makes the observer for the device joined: a ``monitor.Monitor`` or one built on it, entered
-around everything after the mesh. It returns the observer and its phases, setup first. What a
-run adds plugs in:
+makes the observer for the device joined: a ``monitor.Monitor`` or one built on it (None: a
+plain one of the device's type), entered around everything after the mesh. It returns the
+observer and its phases, setup first. What a run adds plugs in:
 
 - ``watch``: more contexts entered with the observer, given it (the plan's waits);
 - ``model``: a model the caller built on ``meta`` (the plan's, wrapped for checkpointing);
@@ -16,17 +16,20 @@ run adds plugs in:
 - ``ready(observer, model, opt)``: once they and the batch exist (a probe, labels, a planted
   hazard);
 - ``steps_in(device)``: a context around the steps (the plan's attention kernel);
-- ``before(observer, k)``: at the start of step k's phase; ``mark``: ``step.train_step``'s.
+- ``batch(job, model, device)``: the batch instead of ``step.tokens``'s (the schedule's MLP);
+- ``before(observer, k)``: at the start of step k's phase; ``mark``: ``step.train_step``'s;
+- ``after(job, model, opt, batch)``: once the steps are done, inside the same contexts (the
+  schedule records its own step there, with ``steps`` 0).
 
-The fake accelerator's run (``fakeaccel/runner.py``) and the plan (``plan/runner.py``) record
-through it.
+The fake accelerator's run (``fakeaccel/runner.py``), the plan (``plan/runner.py``) and the
+schedule's fake-accelerator recording (``schedule/cli.py``) record through it.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from . import step, world
+from . import monitor, step, world
 
 
 def record(
@@ -42,15 +45,17 @@ def record(
     optimizer: tuple = ("sgd", True),
     ready=None,
     steps_in=None,
+    batch=None,
     before=None,
     mark=None,
+    after=None,
 ) -> tuple:
     """The observer and its phases (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = world.join(backend, job.world)
     mesh = step.mesh(job, device)  # outside the fake mode: DeviceMesh computes on the host
-    seen = observer(device)
+    seen = observer(device) if observer is not None else monitor.Monitor(device.type)
     fake = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
     with fake, seen, contextlib.ExitStack() as more:
         for context in watch:
@@ -60,7 +65,10 @@ def record(
         else:
             model = step.build_on_meta(job, device, mesh, model)
             opt = step.optimizer(model, *optimizer)
-        tokens = step.tokens(job, model.config.vocab_size, device=device)
+        if batch is None:
+            tokens = step.tokens(job, model.config.vocab_size, device=device)
+        else:
+            tokens = batch(job, model, device)
         if ready is not None:
             ready(seen, model, opt)
         with steps_in(device) if steps_in is not None else contextlib.nullcontext():
@@ -69,4 +77,6 @@ def record(
                 if before is not None:
                     before(seen, k)
                 step.train_step(model, opt, tokens, mark)
+        if after is not None:
+            after(job, model, opt, tokens)
     return seen, seen.finish()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -145,7 +146,6 @@ def _release_last_graph(device: torch.device) -> None:
     (x * 2).sum().backward()
 
 
-@contextlib.contextmanager
 def _watch_waits(trace: StepTrace):
     """Tell ``trace`` of every ``Work.wait()`` on the fake process group's work handles."""
     work_type = torch._C._distributed_c10d.FakeWork
@@ -155,11 +155,7 @@ def _watch_waits(trace: StepTrace):
         trace.waited(work)
         return original(work, *args, **kwargs)
 
-    work_type.wait = wait
-    try:
-        yield
-    finally:
-        work_type.wait = original
+    return mock.patch.object(work_type, "wait", wait)
 
 
 def _flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
@@ -171,7 +167,6 @@ def _flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     return out[0]
 
 
-@contextlib.contextmanager
 def _flash_attention(enabled: bool):
     """``torch.nn.functional.scaled_dot_product_attention`` is ``_flash`` while the steps run.
 
@@ -179,14 +174,9 @@ def _flash_attention(enabled: bool):
     not do, as modes belong to a thread and activation checkpointing recomputes the forward
     in autograd's device thread, where the composite would run instead and the recomputed
     tensors would not match the saved ones."""
-    functional = torch.nn.functional
-    original = functional.scaled_dot_product_attention
-    if enabled:
-        functional.scaled_dot_product_attention = _flash
-    try:
-        yield
-    finally:
-        functional.scaled_dot_product_attention = original
+    if not enabled:
+        return contextlib.nullcontext()
+    return mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _flash)
 
 
 def _thin(timeline: list, points: int = 4000) -> list:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from twinshard.commandline import impls
 from twinshard.commandline.vocabulary import DTYPES
-from twinshard.measure import flags, step, world
+from twinshard.measure import flags, step
 from twinshard.measure.job import Job
 from twinshard.ranks import devices
 
@@ -91,24 +91,19 @@ def record_on_fake_accelerator(
 ) -> list[Schedule]:
     """``record_on_rank`` for each of ``impls`` on the fake accelerator, as rank 0 of
     ``world_size`` ranks, in this process (which it makes an accelerator process for good:
-    ``record_fake_steps`` spawns one). The model is built on ``meta`` and moved with
-    ``to_empty`` (``measure.step.build_on_meta``): no values, so the recorder attributes
-    collectives by size and context."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    ``record_fake_steps`` spawns one), through the one recording loop (``measure.observe``)
+    with no steps of its own: ``_record`` trains and records once the model is sharded. The
+    model is built on ``meta`` and moved with ``to_empty`` (``measure.step.build_on_meta``):
+    no values, so the recorder attributes collectives by size and context."""
+    from twinshard.measure import observe
 
-    from twinshard.measure.monitor import Monitor
-
-    device = world.join("fakeaccel", world_size)
     schedules = []
     for impl in impls:
         job = example(impl, world_size, layers, backend="fakeaccel", **policies)
-        mesh = step.mesh(job, device)  # outside the fake mode: it computes with real tensors
         with torch.device("meta"):
             net = mlp(model, layers)
-        # the monitor builds meshes on the host; see its [Note: meshes are built on the host]
-        with FakeTensorMode(allow_non_fake_inputs=True), Monitor(device.type):
-            net = step.build_on_meta(job, device, mesh, net)
-            schedules.append(_record(job, net, step.optimizer(net), batch(job, net, device)))
+        done = lambda *recorded: schedules.append(_record(*recorded))  # noqa: E731
+        observe.record(job, None, 0, model=net, optimizer=("sgd", None), batch=batch, after=done)
     return schedules
 
 
