@@ -310,9 +310,10 @@ def build(model, impl):
 # beside what uses them). The issue asks for at most 6,700 lines. It was 8,026; the first moves
 # left 7,222, one memory predictor in place of memmodel.py's schedules and the commands' words
 # moved below train and measure left 6,911, and the schedule's fake-accelerator recording through
-# observe.record with the plan's swaps by mock.patch.object left 6,905. This bound holds that and
-# only ever comes down.
-MEASURE_LINES = 6_910
+# observe.record with the plan's swaps by mock.patch.object left 6,905; one dispatch mode for
+# memory (the probe plugged into the monitor) and the lent GPU's checks through the one loop left
+# 6,878. This bound holds that and only ever comes down.
+MEASURE_LINES = 6_880
 
 
 def lines_of(folder: Path) -> int:

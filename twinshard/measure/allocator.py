@@ -119,7 +119,7 @@ class CachingAllocator:
 
     # --- requests ---------------------------------------------------------------------------------
     def malloc(self, key, nbytes: int, stream: str = "default") -> None:
-        """Serve a request of ``nbytes`` for ``key`` (freed later by ``free(key)``) on ``stream``."""
+        """Serve a request of ``nbytes`` for ``key`` on ``stream`` (freed by ``free(key)``)."""
         size = round_size(nbytes)
         pool = (stream, size <= SMALL_SIZE)
         block = self._best_fit(pool, size)
@@ -150,7 +150,7 @@ class CachingAllocator:
         s = self.stats
         return 1 - s.allocated / s.reserved if s.reserved else 0.0
 
-    # --- the pools ----------------------------------------------------------------------------------
+    # --- the pools --------------------------------------------------------------------------------
     def _list(self, block: Block) -> None:
         bisect.insort(self.pools.setdefault(block.segment.pool, []), block, key=Block.key)
 
@@ -195,7 +195,7 @@ class CachingAllocator:
         first.free = True
         return first
 
-    # --- memory from the driver ----------------------------------------------------------------------
+    # --- memory from the driver -------------------------------------------------------------------
     def _reserve(self, nbytes: int, pool: tuple, request: int) -> None:
         """Count ``nbytes`` more reserved, first giving cached memory back where the limit
         says so; a request that still does not fit is recorded as out of memory."""

@@ -1,14 +1,14 @@
 """The flags every measuring command spells alike, and the job they describe.
 
 ``twinshard bench``, ``twinshard schedule``, ``twinshard plan`` and ``python -m
-twinshard.measure.fakeaccel`` add the flags of a job with ``add(parser, concept, ...)``: one spelling
-and one help text per concept (``VOCABULARY``, in ``twinshard/commandline/vocabulary.py``, which
-``twinshard train`` speaks too), each command with its own defaults, which
-``--help`` shows. An old spelling still works and says on stderr, in one line, what replaces
-it: ``--impl`` (now ``--impls``), ``--preset`` (``--model``), ``--world-size`` and ``--nproc``
-(``--world``), ``--batch`` (``--per-rank``). ``job(args)`` is the ``Job`` the flags describe,
-``jobs(args)`` one per implementation, ``problem(jobs)`` the first thing wrong with them: every
-command makes its jobs with these (the plan with its own defaults and checks).
+twinshard.measure.fakeaccel`` add the flags of a job with ``add(parser, concept, ...)``: one
+spelling and one help text per concept (``VOCABULARY``, in ``twinshard/commandline/vocabulary.py``,
+which ``twinshard train`` speaks too), each command with its own defaults, which ``--help`` shows.
+An old spelling still works and says on stderr, in one line, what replaces it: ``--impl`` (now
+``--impls``), ``--preset`` (``--model``), ``--world-size`` and ``--nproc`` (``--world``),
+``--batch`` (``--per-rank``). ``job(args)`` is the ``Job`` the flags describe, ``jobs(args)`` one
+per implementation, ``problem(jobs)`` the first thing wrong with them: every command makes its jobs
+with these (the plan with its own defaults and checks).
 
 ``--impls`` takes a comma-separated list in every command: bench compares them, plan prices
 each, schedule draws them one above the other, the fake accelerator checks each. ``--device``

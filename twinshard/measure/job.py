@@ -1,10 +1,10 @@
 """One training job, as every measuring command describes it, and what is wrong with it.
 
 ``Job`` is what ``twinshard bench`` times, ``twinshard plan`` records and prices,
-``twinshard schedule`` draws and ``python -m twinshard.measure.fakeaccel`` checks: an implementation,
-a Llama-style model, a world, the policies, the optimizer. It travels to the ranks by pickle.
-``Job.problem()`` is the one validator: the first thing wrong, in one line naming the flag
-(``flags.py`` holds the spellings), or ``None``.
+``twinshard schedule`` draws and ``python -m twinshard.measure.fakeaccel`` checks: an
+implementation, a Llama-style model, a world, the policies, the optimizer. It travels to the ranks
+by pickle. ``Job.problem()`` is the one validator: the first thing wrong, in one line naming the
+flag (``flags.py`` holds the spellings), or ``None``.
 
 The model (``preset``) is a twinshard preset (``tiny``, ``small``, ``medium``, ``1b``), a
 published model's shape (``PUBLISHED``: ``llama3-8b``, ``llama2-70b``, ...) or the path of a

@@ -13,8 +13,8 @@ requests (``allocator.replay``, plain segments).
 The fake accelerator's run (``fakeaccel.runner.check``, many jobs in one spawned process: the
 registration is for good) records through ``record`` and reports the prediction;
 ``twinshard bench`` takes it from there to show it beside its measurement. The plan records
-through the same loop with its own observer (``plan/runner.py``). How to read it: docs/benchmarks.md, "The memory
-prediction".
+through the same loop with its own observer (``plan/runner.py``). How to read it:
+docs/benchmarks.md, "The memory prediction".
 """
 
 from __future__ import annotations
@@ -27,24 +27,24 @@ from .probe import CATEGORIES, Probe, sharded_modules
 STEPS = 2  # the first step initializes lazily; the second is the steady state
 
 
-def logging_monitor(device) -> Monitor:
-    """A monitor of the fake accelerator that keeps the device's allocations and frees."""
-    monitor = Monitor(DEVICE_TYPE)
-    monitor.alloc_log = []
-    return monitor
-
-
-def record(job, steps: int = STEPS, ready=None) -> tuple[Monitor, list]:
+def record(job, steps: int = STEPS, ready=None, **where) -> tuple[Monitor, list]:
     """``job``'s steps on the fake accelerator in this process, a probe plugged in: the
     monitor and its phases, setup first. ``ready(model)``: called once the model is sharded
-    (the fake accelerator's checks plant a hazard there)."""
+    (the fake accelerator's checks plant a hazard there); ``where``: ``observe.record``'s
+    options for another device (the same checks on a lent GPU, whose allocations the
+    monitor does not log: its own allocator has them)."""
+
+    def logging_monitor(device) -> Monitor:  # the fake device's allocations and frees kept
+        monitor = Monitor(device.type)
+        monitor.alloc_log = [] if device.type == DEVICE_TYPE else None
+        return monitor
 
     def attach(monitor, model, opt):
         if ready is not None:
             ready(model)
         monitor.probe = Probe(model, opt, sharded_modules(model))
 
-    return observe.record(job, logging_monitor, steps, ready=attach)
+    return observe.record(job, logging_monitor, steps, ready=attach, **where)
 
 
 def prediction(monitor: Monitor, phases: list) -> dict:

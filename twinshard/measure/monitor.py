@@ -14,7 +14,11 @@ Memory: every storage an operator touches is held by a strong reference to the s
 object, so that its identity (``_cdata``) stays unique while it is counted, and is dropped at
 the count after nothing else uses it; its bytes are read at each count, after each operator
 that made a new storage. On real tensors this holding only delays a storage's release to the
-next count. ``probe``, when given, sorts the same bytes into its categories.
+next count. ``probe``, when given, sorts the same bytes into its categories: this mode is the
+one observer of a step's memory, on the fake accelerator and on the host (``twinshard bench``'s
+memory step: ``Monitor("cpu", probe)``, where nothing waits, so it counts only memory and
+collectives). ``saw`` takes a collective no dispatcher shows: a Python process group's
+(``simnet``).
 
 What each check counts and its target: docs/fake-accelerator.md, the table of checks.
 """
@@ -49,6 +53,7 @@ class Collective:
     dtype: str
     numel: int
     ranks: tuple[int, ...]
+    nbytes: int = 0  # of its largest tensor (the whole buffer of an exchange in place)
 
     def key(self) -> tuple:
         return (self.op, self.dtype, self.numel, len(self.ranks), self.ranks)
@@ -169,7 +174,7 @@ class Monitor(TorchDispatchMode):
         self.phase.peak_bytes = max(self.phase.peak_bytes, now)
         self.phase.peak_host_bytes = max(self.phase.peak_host_bytes, live.get("cpu", 0))
 
-    # --- dispatch ----------------------------------------------------------------------------------
+    # --- dispatch ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.phase.name == "setup" and _host_only(args, kwargs):
@@ -216,12 +221,17 @@ class Monitor(TorchDispatchMode):
         return out
 
     def _collective(self, call: c10d.Call) -> None:
-        entry = Collective(call.op, call.dtype, call.numel, tuple(call.ranks()))
+        entry = Collective(call.op, call.dtype, call.numel, tuple(call.ranks()), call.nbytes)
         self.phase.collectives.append(entry)
         if not self.on_host and any(t.device.type != self.accelerator for t in call.tensors):
             self.phase.host_collectives.append((entry, tuple(short_stack())))
         if self.probe is not None:
-            self.probe.saw_collective(call.op, call.tensors, call.nbytes)
+            self.probe.saw_collective(call.tensors)
+
+    def saw(self, op: str, tensors: list[torch.Tensor]) -> None:
+        """Collective ``op`` on ``tensors``, issued where no dispatcher shows it."""
+        big = max(tensors, key=lambda t: t.numel())
+        self._collective(c10d.Call(op, op, big.numel(), big, tensors, tensors, None, False))
 
     def _copy(self, src: torch.Tensor, to, kwargs, pin, dst=None) -> bool:
         """Note a copy of ``src`` to device ``to`` (into ``dst`` for ``copy_``) if the host

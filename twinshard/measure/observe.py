@@ -1,7 +1,9 @@
 """One recording loop: a job's steps on the fake accelerator (or the CPU's fake process group),
 with observers plugged in.
 
-``record(job, observer, steps)`` plays rank 0 of ``job.world`` ranks (``world.join``), makes
+``record(job, observer, steps)`` plays rank 0 of ``job.world`` ranks (``world.join``, with
+``backend`` and ``device_type``: the fake accelerator, the CPU's fake process group, a lent
+GPU), makes
 the job's mesh, builds its model on ``meta`` and shards it inside ``FakeTensorMode``
 (``step.build_on_meta``; with ``real``, real tensors without values), makes its optimizer and
 one batch, and trains ``steps`` steps, each a phase of ``observer`` of its own. ``observer``
@@ -21,8 +23,9 @@ observer and its phases, setup first. What a run adds plugs in:
 - ``after(job, model, opt, batch)``: once the steps are done, inside the same contexts (the
   schedule records its own step there, with ``steps`` 0).
 
-The fake accelerator's run (``fakeaccel/runner.py``), the plan (``plan/runner.py``) and the
-schedule's fake-accelerator recording (``schedule/cli.py``) record through it.
+The fake accelerator's run and its checks on a lent GPU (``fakeaccel/runner.py``), the plan
+(``plan/runner.py``) and the schedule's fake-accelerator recording (``schedule/cli.py``) record
+through it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def record(
     steps: int,
     *,
     backend: str = "fakeaccel",
+    device_type: str = "cpu",
     real: bool = False,
     watch=(),
     model=None,
@@ -53,7 +57,7 @@ def record(
     """The observer and its phases (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    device = world.join(backend, job.world)
+    device = world.join(backend, job.world, device_type)
     mesh = step.mesh(job, device)  # outside the fake mode: DeviceMesh computes on the host
     seen = observer(device) if observer is not None else monitor.Monitor(device.type)
     fake = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)

@@ -1,17 +1,16 @@
 """Memory by category and collectives, observed from outside the implementation.
 
-``Probe(model, optimizer)`` is a ``TorchDispatchMode``: after every operator it remembers the
-tensors visible now (parameters, gradients, optimizer state; ``_look``) under the category
-each is in, and ``sample`` adds up the bytes of those still alive, keeping the categories at
-the largest sum as ``peak``. Tensors are held by weak references keyed by ``id``, so the probe
-never keeps anything alive; an ``id`` reused after its tensor died is remembered anew. Bytes
-are counted per storage (``storages.memory_key``), once, in the first category of
-``CATEGORIES`` that claims it; ``roles`` gives the same first-claim answer per storage for
-callers that sort storages themselves. ``saw_collective`` is the one entry for collectives:
-the mode calls it for every c10d operator, and a Python process group (``simnet``), which the
-dispatcher never sees, calls it itself. ``heap_in_use`` reads glibc's ``mallinfo2`` (0 where
-the C library has none). ``sharded_modules`` finds the modules that hold ``DTensor``
-parameters, which is all the probe needs to know of an implementation.
+``Probe(model, optimizer)`` is what ``monitor.Monitor``, the one dispatch mode that watches a
+step, asks after every operator: ``sample`` remembers the tensors visible now (parameters,
+gradients, optimizer state; ``_look``) under the category each is in and adds up the bytes of those
+still alive, keeping the categories at the largest sum as ``peak``. Tensors are held by weak
+references keyed by ``id``, so the probe never keeps anything alive; an ``id`` reused after its
+tensor died is remembered anew. Bytes are counted per storage (``storages.memory_key``), once, in
+the first category of ``CATEGORIES`` that claims it; ``roles`` gives the same first-claim answer per
+storage for callers that sort storages themselves; ``saw_collective`` counts a collective's buffers
+as ``comm``. ``heap_in_use`` reads glibc's ``mallinfo2`` (0 where the C library has none).
+``sharded_modules`` finds the modules that hold ``DTensor`` parameters, which is all the probe needs
+to know of an implementation.
 
 The categories and how to read them: docs/benchmarks.md, "Memory by category, observed from
 outside".
@@ -25,9 +24,7 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinshard.dispatch import c10d
 from twinshard.dispatch.storages import memory_key
 
 CATEGORIES = ("sharded", "sharded_grad", "optimizer", "params", "unsharded", "grad", "comm")
@@ -67,11 +64,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-class Probe(TorchDispatchMode):
-    """Tracks bytes by category while active (the categories: docs/benchmarks.md)."""
+class Probe:
+    """Tracks bytes by category, sample by sample (the categories: docs/benchmarks.md)."""
 
     def __init__(self, model: nn.Module, optimizer=None, sharded_modules=None):
-        super().__init__()
         self.modules = list(sharded_modules or [])
         self.plain = not self.modules
         self.optimizer = optimizer
@@ -81,8 +77,6 @@ class Probe(TorchDispatchMode):
         self.peak_total = 0
         self.heap_base = heap_in_use()
         self.heap_peak = 0
-        self.collectives: list[tuple[str, int]] = []  # (op, bytes of the larger side)
-        self.samples = 0
 
     # --- what is alive ----------------------------------------------------------------------
     def _remember(self, category: str, t: torch.Tensor | None) -> None:
@@ -136,7 +130,6 @@ class Probe(TorchDispatchMode):
         if total > self.peak_total:
             self.peak_total, self.peak = total, now
         self.heap_peak = max(self.heap_peak, heap_in_use() - self.heap_base)
-        self.samples += 1
         return now
 
     def roles(self, shards=()) -> dict[int, str]:
@@ -153,27 +146,11 @@ class Probe(TorchDispatchMode):
                     roles[t.untyped_storage()._cdata] = category
         return roles
 
-    # --- collectives --------------------------------------------------------------------------
-    def saw_collective(
-        self, op: str, tensors: list[torch.Tensor], nbytes: int | None = None
-    ) -> None:
-        """Count collective ``op`` on ``tensors`` and the ``nbytes`` it moves (default: those of
-        its largest tensor)."""
-        if nbytes is None:
-            big = max(tensors, key=lambda t: t.numel())
-            nbytes = big.numel() * big.element_size()
-        self.collectives.append((op, nbytes))
+    def saw_collective(self, tensors: list[torch.Tensor]) -> None:
+        """A collective on ``tensors``: they count as ``comm`` while they live."""
         for t in tensors:
             self._remember("comm", t)
         self.sample()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if (call := c10d.call(func, args, kwargs)) is not None:
-            self.saw_collective(call.op, call.tensors, call.nbytes)
-        else:
-            self.sample()
-        return out
 
 
 def sharded_modules(model: nn.Module) -> list[nn.Module]:

@@ -5,7 +5,7 @@ ring) and ``Link.seconds`` the time of one collective on it; ``twinshard plan``'
 it too. ``SimProcessGroup`` is the process group, registered by ``register`` under the
 ``"simnet"`` backend and started by ``init(world_size, link)``. Each collective goes through
 ``_issue``, which logs a ``Call`` in the ``Network`` (``network()``: the link, the log, the
-optional probe to tell) and either hands the collective to its group's ``_Wire``, a thread
+optional observer to tell) and either hands the collective to its group's ``_Wire``, a thread
 that completes collectives one after the other at their simulated end, or, on a GPU, writes
 the values at once and sleeps on the stream (``_gpu_sleep``). A Python process group is called
 directly by ``torch.distributed``, so neither the dispatcher nor ``conformance.trace`` sees
@@ -48,7 +48,8 @@ class Link:
     per_step_s: float = 0.0  # per step of the ring
 
     def seconds(self, op: str, nbytes: int, size: int) -> float:
-        """How long ``op`` on ``nbytes`` over ``size`` ranks takes (docs/benchmarks.md, "The simulated network")."""
+        """How long ``op`` on ``nbytes`` over ``size`` ranks takes (docs/benchmarks.md, "The
+        simulated network")."""
         if size <= 1:
             return 0.0
         steps = 2 * (size - 1) if op == "all_reduce" else size - 1
@@ -107,7 +108,7 @@ class Network:
     link: Link
     calls: list = field(default_factory=list)
     fill: bool = True  # write the values (docs/benchmarks.md, "The simulated network")
-    observer: Any = None  # called with (op, tensors) at every collective (measure.probe)
+    observer: Any = None  # called with (op, tensors) at every collective (Monitor.saw)
 
 
 _NETWORK: Network | None = None

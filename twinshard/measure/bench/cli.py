@@ -8,14 +8,14 @@
     twinshard bench --device cuda --world 1 --model 1b --dtype bf16
     twinshard bench --backend fakeaccel --world 64 --hsdp 8 --offload   # accelerator checks
 
-Backends: ``gloo`` and ``nccl`` start one process per rank; ``fake`` (PyTorch's fake process
-group: collectives do nothing) and ``simnet`` (a simulated network: collectives take latency +
-bytes / bandwidth of ``--link``) run one process as rank 0 of a world of ``--world`` ranks, with
-the shapes, memory and CPU work of that world. With ``simnet`` every implementation also runs on
-an instant network, which gives its compute time and so its overlap efficiency. ``fakeaccel``
-runs the sharded implementations on the fake accelerator instead (``twinshard.measure.fakeaccel``): no
-timings, but the host syncs, host tensors in collectives, collectives and device memory of
-rank 0 of a ``--world``-rank accelerator job.
+Backends: ``gloo`` and ``nccl`` start one process per rank; ``fake`` (PyTorch's fake process group:
+collectives do nothing) and ``simnet`` (a simulated network: collectives take latency + bytes /
+bandwidth of ``--link``) run one process as rank 0 of a world of ``--world`` ranks, with the shapes,
+memory and CPU work of that world. With ``simnet`` every implementation also runs on an instant
+network, which gives its compute time and so its overlap efficiency. ``fakeaccel`` runs the sharded
+implementations on the fake accelerator instead (``twinshard.measure.fakeaccel``): no timings, but
+the host syncs, host tensors in collectives, collectives and device memory of rank 0 of a
+``--world``-rank accelerator job.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Running the implementations: one training run in one process, and many side by side.
 
 ``run_rank(config)`` is what every rank executes: join the world (``measure.world``; a
-simulated one, ``fake`` or ``simnet``, as rank 0 of ``config.world``), build the model and
-step it (``measure.step``), warm up, time ``config.steps`` steps (wall clock, and CPU time of
-the whole process), then one untimed step under ``probe.Probe`` for memory by category and the
-collectives.
+simulated one, ``fake`` or ``simnet``, as rank 0 of ``config.world``), build the model and step it
+(``measure.step``), warm up, time ``config.steps`` steps (wall clock, and CPU time of the whole
+process), then one untimed step under ``monitor.Monitor`` with ``probe.Probe`` for memory by
+category and the collectives.
 
 ``run(config)`` starts the processes: ``twinshard.ranks.launch`` for real ranks (gloo, nccl), one
 freshly spawned process for a simulated world. Every run gets processes of its own, so no
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from twinshard.measure import step, world
 from twinshard.measure.job import Job
+from twinshard.measure.monitor import Monitor
 from twinshard.measure.probe import Probe, sharded_modules
 from twinshard.ranks import fresh_process
 
@@ -115,19 +116,22 @@ def run_rank(config: Job) -> dict:
 
 
 def _measure_memory(model, opt, tokens, net) -> dict:
-    """One more step under the probe: bytes by category at the peak, and the collectives."""
-    probe = Probe(model, opt, sharded_modules(model))
+    """One more step under the monitor, with the probe: bytes by category at the peak, and the
+    collectives."""
+    monitor = Monitor("cpu", Probe(model, opt, sharded_modules(model)))
+    monitor.begin("step")  # out of "setup", where host operators are not watched
     if net is not None:
-        net.observer = probe.saw_collective
-    with probe:
+        net.observer = monitor.saw
+    with monitor:
         step.train_step(model, opt, tokens)
     if net is not None:
         net.observer = None
     ops: dict[str, list[int]] = {}
-    for op, nbytes in probe.collectives:
-        entry = ops.setdefault(op, [0, 0])
+    for c in monitor.finish()[-1].collectives:
+        entry = ops.setdefault(c.op, [0, 0])
         entry[0] += 1
-        entry[1] += nbytes
+        entry[1] += c.nbytes
+    probe = monitor.probe
     return {
         "memory": probe.peak,
         "memory_total": probe.peak_total,

@@ -12,7 +12,7 @@ One concept per file:
     runner.py     one configuration on the fake accelerator and on the CPU, or on a lent GPU
                   (``benchmarks/gpu.sh``); a spawned process
     report.py     the table and the findings
-    cli.py        ``python -m twinshard.measure.fakeaccel`` and ``twinshard bench --backend fakeaccel``
+    cli.py        ``python -m twinshard.measure.fakeaccel``, ``twinshard bench --backend fakeaccel``
     __main__.py   ``python -m twinshard.measure.fakeaccel`` runs cli.py
 
 The order of waits and events on the device, against the stand-in streams', is a benchmark:

@@ -1,10 +1,10 @@
 """The fake-accelerator run from the command line: a W-rank accelerator job, checked on the CPU.
 
-    python -m twinshard.measure.fakeaccel                              # W = 8, tiny Llama, bf16, all three
+    python -m twinshard.measure.fakeaccel                  # W = 8, tiny Llama, bf16, all three
     python -m twinshard.measure.fakeaccel --world 64 --hsdp 8 --offload --reshard-after-forward 4
     python -m twinshard.measure.fakeaccel --impls optimized --world 1024 --json out.json
-    twinshard bench --backend fakeaccel --world 64             # the same, from twinshard bench
-    python -m twinshard.measure.fakeaccel --device cuda                # the same checks on a real GPU
+    twinshard bench --backend fakeaccel --world 64         # the same, from twinshard bench
+    python -m twinshard.measure.fakeaccel --device cuda    # the same checks on a real GPU
 
 Each implementation (``--impls``: reference, optimized, torch or a module path) trains
 ``--steps`` steps on the fake accelerator in one spawned process, which plays rank 0 of

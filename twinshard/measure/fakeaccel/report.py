@@ -1,9 +1,9 @@
 """The fake-accelerator run's results as text: one table, then what needs a reader's eye.
 
 ``table`` writes a row per configuration, ``details`` the findings of those that are not
-``clean``, and ``render`` puts them together; ``check_and_report`` runs the checks and publishes that (``python -m
-twinshard.measure.fakeaccel``, ``twinshard bench --backend fakeaccel``). The columns and what
-the findings list: docs/fake-accelerator.md, "How to run it".
+``clean``, and ``render`` puts them together; ``check_and_report`` runs the checks and publishes
+that (``python -m twinshard.measure.fakeaccel``, ``twinshard bench --backend fakeaccel``). The
+columns and what the findings list: docs/fake-accelerator.md, "How to run it".
 """
 
 from __future__ import annotations

@@ -1,35 +1,24 @@
 """The fake-accelerator run: one process plays one rank of a W-rank accelerator job.
 
-``check(config)`` runs, in this process, a configuration of ``twinshard bench``
-(``measure.job.Job``: implementation, Llama-style model, world, HSDP replicas, dtype,
-offload, ``reshard_after_forward``) twice:
-
-1. on the fake accelerator, as the memory predictor records it (``measure.memory.record``,
-   through ``measure.observe.record``, the plan's loop too): inside ``FakeTensorMode`` (torch's
-   ``fully_shard`` makes device tensors when it shards), the model is built on ``meta``,
-   sharded and moved with ``to_empty`` (``measure.step.build_on_meta``, which says where an
-   offloaded one is built). Then it trains for ``steps`` steps (forward, backward, SGD with
-   momentum and ``foreach``, which reads no scalar on the host) under ``monitor.Monitor``,
-   which logs the device's allocations, with ``measure.probe.Probe`` sorting the bytes FSDP
-   holds into categories;
-2. on the CPU, through the same loop with real tensors (no values: the model is moved with
-   ``to_empty``) and PyTorch's fake process group at the same world size (the code path of
-   ``twinshard bench --backend fake``), recording the collectives only.
-
-It returns a plain dict (``report`` prints it): per step the host syncs and where they come
-from, the explicit synchronizations, the collectives with host tensors, the collectives and
-whether they equal the CPU run's, the accelerator's peak bytes and, for the last step, the
-memory predictor's figures of the same recording (``measure.memory.prediction``: the FSDP-held
-bytes by category, the allocated and the caching allocator's reserved peak).
+``check(config)`` runs a ``measure.job.Job`` in this process twice: on the fake accelerator,
+recorded as the memory predictor records it (``memory.record``: built on ``meta`` inside
+``FakeTensorMode``, trained with SGD with momentum and ``foreach``, which reads no scalar on
+the host), and on the CPU through the same loop with real tensors (no values) and PyTorch's
+fake process group at the same world size (``twinshard bench --backend fake``'s code path),
+for its collectives. It returns a plain dict (``report`` prints it): per step the host syncs
+and explicit synchronizations with where they come from, the collectives with host tensors,
+the collectives and whether they equal the CPU run's, the accelerator's peak bytes, and the
+memory predictor's figures of the last step (``memory.prediction``).
 
 ``run(configs)`` spawns one fresh process for many configurations (the registration cannot
-be undone, and a test session must not get an accelerator); ``plant(model)``, when given, is
-called on every model once it is built, before the steps: the tests of the checks themselves
-plant a hazard with it (``tests/support/fake_accelerator_hazards.py``).
+be undone, and a test session must not get an accelerator); ``plant(model)`` is called on
+every model before its steps: the checks' own tests plant a hazard with it
+(``tests/support/fake_accelerator_hazards.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from collections import Counter
 from dataclasses import replace
@@ -37,11 +26,10 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from twinshard.measure import memory, observe, step, world
+from twinshard.measure import memory, observe, step
 from twinshard.measure.fakedevice import backend_name
 from twinshard.measure.job import Job
-from twinshard.measure.monitor import Monitor, Phase
-from twinshard.measure.probe import Probe, sharded_modules
+from twinshard.measure.monitor import Phase
 from twinshard.ranks import fresh_process
 
 STEPS = 2  # the first step initializes lazily; the second is the steady state
@@ -98,7 +86,7 @@ def run(configs: list, timeout: float = 900, **options) -> list[dict]:
     return fresh_process.call(check_all, list(configs), timeout=timeout, **options)
 
 
-# --- the runs besides --------------------------------------------------------------------------------
+# --- the runs besides -----------------------------------------------------------------------------
 def device_run(config: Job, steps: int, device_type: str, plant=None) -> tuple:
     """The same checks on a real accelerator, for the day one is lent (``benchmarks/gpu.sh``):
     real tensors on ``device_type`` and the fake process group registered for it alone
@@ -112,29 +100,24 @@ def device_run(config: Job, steps: int, device_type: str, plant=None) -> tuple:
     module = torch.get_device_module(device_type)
     if device_type == "cpu" or not module.is_available():
         raise RuntimeError(
-            f"twinshard.measure.fakeaccel: no {device_type!r} device here; run the checks on the fake "
-            "accelerator instead (on='fake', or --device fake)"
+            f"twinshard.measure.fakeaccel: no {device_type!r} device here; run the checks on "
+            "the fake accelerator instead (on='fake', or --device fake)"
         )
-    device = world.join("lent", config.world, device_type)
-    named = replace(config, backend=backend_name(device_type))
-    with Monitor(device_type) as monitor:
-        model, opt = step.build(named, device)
-        if plant is not None:
-            plant(model)
-        tokens = step.tokens(config, model.config.vocab_size, device=device)
-        monitor.probe = Probe(model, opt, sharded_modules(model))
-        debug = getattr(module, "set_sync_debug_mode", None)
-        for k in range(steps):
-            monitor.begin(f"step {k + 1}")
-            if debug is not None:
-                debug("error")
-            try:
-                step.train_step(model, opt, tokens)
-            finally:
-                if debug is not None:
-                    debug(0)
+    debug = getattr(module, "set_sync_debug_mode", lambda mode: None)
+
+    @contextlib.contextmanager
+    def checked(device):  # the steps under the device's own check
+        debug("error")
+        try:
+            yield
+        finally:
+            debug(0)
             module.synchronize()
-    return monitor, monitor.finish()
+
+    named = replace(config, backend=backend_name(device_type))
+    build = lambda device, mesh: step.build(named, device, on=mesh)  # noqa: E731
+    where = dict(backend="lent", device_type=device_type, real=True, build=build, steps_in=checked)
+    return memory.record(config, steps, plant, **where)
 
 
 def cpu_run(config: Job, steps: int, plant=None) -> list[list[tuple]]:

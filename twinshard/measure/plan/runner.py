@@ -1,26 +1,17 @@
 """One training step of the real code at the user's scale, recorded in a process of its own.
 
-``record(config)`` plays rank 0 of ``config.world`` ranks (``config.hsdp`` replicas) in this
-process and returns what ``trace.StepTrace`` saw of the second step (the first initializes
-lazily and creates the optimizer's state):
-
-- on an accelerator profile, the fake-accelerator run (``twinshard.measure.fakeaccel``): the
-  ``fakecuda`` device, PyTorch's fake process group for it, stand-in streams behind
-  ``torch.cuda``'s API, ``FakeTensor``s. Attention runs PyTorch's flash-attention kernel,
-  which a GPU's ``scaled_dot_product_attention`` picks for these shapes, rather than the
-  composite a CPU build would fall back to (it keeps a T x T matrix a GPU never holds);
-- on the CPU profile, ``FakeTensor``s on the CPU and the fake process group there, the code
-  path ``twinshard bench`` runs on a CPU rank (collectives issued asynchronously where the
-  implementation does so on a CPU, waited for by ``Work.wait()``); with ``config.real``, the
-  same with real tensors (uninitialized values), to check the fake tensors' memory against.
-
-The world is joined and the steps recorded by the measuring layer's one loop
-(``twinshard.measure.observe.record``, with ``trace.StepTrace`` plugged in): the model is built
-on ``meta`` (``twinshard.models.Llama``), wrapped for activation checkpointing
-(``checkpointing.py``), sharded by the implementation with the plan's policies inside the fake
-mode, moved with ``to_empty`` (to the host with offload) and trained with AdamW (fused, as
-torchtitan) or SGD with momentum (foreach). The implementation ``plain`` is the job's ideal
-step instead: the same model with no FSDP (``ideal.py``).
+``record(config)`` plays rank 0 of ``config.world`` ranks (``config.hsdp`` replicas) through
+the measuring layer's one loop (``measure.observe.record``) with ``trace.StepTrace`` plugged
+in, and returns what it saw of the second step (the first initializes lazily and creates the
+optimizer's state). On an accelerator profile that is the fake accelerator, where attention
+runs PyTorch's flash-attention kernel, as a GPU's ``scaled_dot_product_attention`` picks for
+these shapes, rather than the composite a CPU build falls back to (which keeps a T x T matrix
+a GPU never holds); on the CPU profile, ``FakeTensor``s on the CPU and the fake process group
+(``twinshard bench``'s code path on a CPU rank); with ``config.real``, real tensors without
+values, to check the fake tensors' memory against. The model is a ``twinshard.models.Llama``
+built on ``meta``, wrapped for activation checkpointing (``checkpointing.py``) and trained
+with AdamW (fused, as torchtitan) or SGD with momentum (foreach); the implementation
+``plain`` is the job's ideal step (``ideal.py``).
 
 ``record_many(configs)`` runs several in one spawned process (the fake accelerator's
 registration is process-wide and for good); ``progress`` receives a line per stage.
@@ -117,7 +108,7 @@ def record(config, progress=print) -> dict:
         "peak_host_bytes": recorded.peak_host_bytes,
         "parts": trace.parts_at_peak(),
         "allocator": reserved,  # the caching allocator's model over every step (None: CPU)
-        "alloc_log": trace.alloc_log,  # what it replayed, to replay again (``plan_published.py --fit``)
+        "alloc_log": trace.alloc_log,  # what it replayed (``plan_published.py --fit`` again)
         "peak_label": getattr(trace, "peak_label", ""),
         "parts_step_bytes": trace.snapshot_bytes,  # the next step's at the same point
         "probe": dict(recorded.categories),

@@ -1,9 +1,10 @@
 """Which modules of a model are sharded, and which parameters each one manages.
 
-The schedule view (``record.py``) follows every parameter group through a step. A group is a
-module that ``fully_shard`` was applied to, by either twinshard implementation, a variant of
-them, or torch's own (twinshard's ``FSDPModule`` is a subclass of torch's); it manages its own parameters and those of its children that are not
-sharded themselves. A tied parameter belongs to the lowest group that holds it.
+The schedule view (``record.py``) follows every parameter group through a step. A group is a module
+that ``fully_shard`` was applied to, by either twinshard implementation, a variant of them, or
+torch's own (twinshard's ``FSDPModule`` is a subclass of torch's); it manages its own parameters and
+those of its children that are not sharded themselves. A tied parameter belongs to the lowest group
+that holds it.
 """
 
 from __future__ import annotations

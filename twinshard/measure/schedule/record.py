@@ -14,8 +14,8 @@ collective issued). It never calls into the implementation; it sees what a user 
   the implementation wraps them (a prepended pre-hook), so in backward it runs after theirs;
 - the end of backward: an autograd-engine callback queued behind the implementation's;
 - collectives: a ``TorchDispatchMode`` (like ``twinshard.conformance.trace``) that sees each
-  c10d operator of ``twinshard.dispatch.c10d``'s table, its tensors and its process group, and notices
-  the first operator that reads a collective's result (for an asynchronous collective, the
+  c10d operator of ``twinshard.dispatch.c10d``'s table, its tensors and its process group, and
+  notices the first operator that reads a collective's result (for an asynchronous collective, the
   moment it had to be finished).
 
 After each hook it notes the state of every parameter of every group (a sharded ``DTensor``,
