@@ -30,9 +30,9 @@ def quantiles(values: list[float]) -> tuple[float, float, float]:
 def overlap_efficiency(
     compute: float, comm: float, measured: float, first: float, last: float
 ) -> float | None:
-    """docs/benchmarks.md, "Overlap efficiency"; None when there is too little to overlap to measure
-    it: less
-    than 5% of the serial time (then noise in the step times would decide the figure)."""
+    """docs/benchmarks.md, "Overlap efficiency"; None when there is too little to overlap to
+    measure it: less than 5% of the serial time (then noise in the step times would decide the
+    figure)."""
     serial = compute + comm
     ideal = max(compute, comm) + first + last
     if serial - ideal < 0.05 * serial:

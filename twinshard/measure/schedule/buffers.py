@@ -27,9 +27,8 @@ from .steps import Collective
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
-    """(key, bytes) of a plain tensor's memory (``twinshard.dispatch.storages.memory_key``: its
-    address,
-    or a ``FakeTensor``'s storage object), None for subclasses or freed memory."""
+    """(key, bytes) of a plain tensor's memory (``storages.memory_key``: its address, or a
+    ``FakeTensor``'s storage object), None for subclasses or freed memory."""
     if is_traceable_wrapper_subclass(t) or t.device.type == "meta":
         return None
     s = t.untyped_storage()
