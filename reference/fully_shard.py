@@ -120,16 +120,17 @@ def shard_module(
 
 def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[dict, list]:
     """Map each parameter this call manages to every (module, attribute) holding it; also
-    return the modules visited (those this call manages).
+    return the modules visited (those this call manages), depth first: torch's order of a
+    group's parameters, which a custom collective's message follows (a variant's blocks).
 
     Sharded children are skipped: their parameters are theirs. A parameter that a child
     already sharded but that also sits elsewhere in this subtree is a tie split across two
     groups, which cannot work: each group would hold its own copy.
     """
     owners: dict[nn.Parameter, list] = {}
-    todo, managed = [("", module) for module in modules], []
+    todo, managed = [("", module) for module in reversed(modules)], []
     while todo:
-        prefix, m = todo.pop(0)
+        prefix, m = todo.pop()
         managed.append(m)
         for name, p in m._parameters.items():
             if p is None or p in ignored:
@@ -137,7 +138,6 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[dict, list]
             if hasattr(p, "_twinshard_sharded_by"):
                 raise_split_tie(modules[0], prefix + name, p)
             owners.setdefault(p, []).append((m, name))
-        for child_name, child in m._modules.items():
-            if child is not None and get_state(child) is None:
-                todo.append((f"{prefix}{child_name}.", child))
+        own = [(n, c) for n, c in m._modules.items() if c is not None and get_state(c) is None]
+        todo += [(f"{prefix}{n}.", child) for n, child in reversed(own)]  # the first on top
     return owners, managed

@@ -46,10 +46,24 @@ class Variant:
 KINDS = ("qwz", "qgz", "bf16-wire")
 
 
-def fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [
-        (n or "(root)", m) for n, m in model.named_modules() if hasattr(m, "set_custom_all_gather")
-    ]
+def fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module | list[nn.Module]]]:
+    """Every parameter group of ``model`` by name: a ``fully_shard``-ed module, or the list of
+    modules sharded as one group (``fully_shard([norm, head])``: one state, whose collectives
+    each of them sets), named by its first."""
+    groups: dict = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "set_custom_all_gather"):
+            groups.setdefault(id(_group_of(m)), (name or "(root)", []))[1].append(m)
+    return [(name, found if len(found) > 1 else found[0]) for name, found in groups.values()]
+
+
+def _group_of(module: nn.Module):
+    """The object whose hooks run for ``module``'s group: one per ``fully_shard`` call. What
+    ``_get_fsdp_state()`` returns has the group's ``_pre_forward`` (torch's
+    ``register_fsdp_forward_method`` calls it): torch's state itself, or twinshard's view of its
+    own, made anew at each call, whose method is bound to the one state."""
+    state = getattr(module, "_get_fsdp_state", lambda: module)()
+    return getattr(getattr(state, "_pre_forward", None), "__self__", state)
 
 
 def attach(model: nn.Module, variants: list[Variant], mesh) -> dict[str, dict]:
@@ -82,10 +96,12 @@ def node_groups(variants: list[Variant], mesh) -> NodeGroups | None:
     return NodeGroups(mesh, per_node) if per_node > 1 else None
 
 
-def attach_module(module: nn.Module, variants: list[Variant], groups, name: str = "") -> dict:
-    """Set the variants' collectives on one ``fully_shard``-ed ``module``; ``groups``: what
-    ``node_groups`` made for its mesh. Returns {"all_gather" | "reduce_scatter": the object}."""
+def attach_module(module, variants: list[Variant], groups, name: str = "") -> dict:
+    """Set the variants' collectives on one ``fully_shard``-ed ``module`` (or a list sharded as
+    one group); ``groups``: what ``node_groups`` made for its mesh. Returns {"all_gather" |
+    "reduce_scatter": the object}."""
     layout, hooks = Layout(module, name), {}
+    module = module[0] if isinstance(module, (list, tuple)) else module  # the group's state
     for v in variants:
         if v.kind == "qwz":
             hooks["all_gather"] = QuantizedAllGather(layout, v.bits, v.block)

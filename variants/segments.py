@@ -39,16 +39,20 @@ def managed_params(module: nn.Module) -> list[nn.Parameter]:
 
 
 class Layout:
-    """The segments of ``module``'s messages: ``split(numel, ranks)`` gives the numel of each
-    parameter's piece of a message of ``numel`` values per rank, for a group of ``ranks``.
+    """The segments of the messages of ``module`` (or of a list of modules sharded as one
+    group, ``fully_shard([norm, head])``: their parameters in the list's order):
+    ``split(numel, ranks)`` gives the numel of each parameter's piece of a message of ``numel``
+    values per rank, for a group of ``ranks``.
 
     After forward with ``reshard_after_forward=k`` (hpZ) a rank keeps the pieces of ``S / k``
     ranks of the full mesh's layout (S ranks), and backward gathers those from the node's k:
     such a message is that layout ``S / k`` times over."""
 
-    def __init__(self, module: nn.Module, name: str = ""):
-        self.name = name or type(module).__name__
-        self.params = managed_params(module)
+    def __init__(self, module: nn.Module | list[nn.Module], name: str = ""):
+        modules = list(module) if isinstance(module, (list, tuple)) else [module]
+        self.name = name or type(modules[0]).__name__
+        found = [p for m in modules for p in managed_params(m)]
+        self.params = list({id(p): p for p in found}.values())  # a tie counted once
         mesh = getattr(self.params[0], "device_mesh", None) if self.params else None
         self.mesh_ranks = mesh.mesh.shape[-1] if mesh is not None else None
 

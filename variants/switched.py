@@ -5,8 +5,9 @@ there is no moment at which a user could call ``attach`` on the sharded model. T
 (``twinshard.switch.use(impl, variants=...)``, ``TWINSHARD_VARIANTS``, ``python -m
 twinshard.run --variants``) instead rebinds torch's ``fully_shard`` to ``attaching(impl's
 fully_shard, variants)``: every call shards as the implementation does and then sets the
-variants' collectives on the module it sharded, exactly as ``attach`` would have. Calls come
-bottom-up, so each module's ``Layout`` sees its own parameters only, as ``attach`` sees them.
+variants' collectives on the module it sharded (a list sharded as one group: on the group, its
+parameters in the list's order), exactly as ``attach`` would have. Calls come bottom-up, so
+each module's ``Layout`` sees its own parameters only, as ``attach`` sees them.
 
 The process groups by node that a hierarchical qgZ needs are made at the first ``fully_shard``
 over each mesh (every rank shards the same modules in the same order, so ``new_group`` is
@@ -38,19 +39,15 @@ def attaching(fully_shard, variants: list[Variant]):
 
     @functools.wraps(fully_shard)
     def fully_shard_with_variants(module, *args, **kwargs):
-        if isinstance(module, (list, tuple)):
-            raise ValueError(
-                "twinshard.switch: with variants, fully_shard takes one module at a time "
-                f"(got a list of {len(module)}); shard each module on its own, or switch the "
-                "variants off (TWINSHARD_VARIANTS unset)"
-            )
         sharded = fully_shard(module, *args, **kwargs)
-        mesh = mesh_of(sharded, kwargs)
+        group = list(module) if isinstance(module, (list, tuple)) else sharded  # one group
+        first = group[0] if isinstance(group, list) else group
+        mesh = mesh_of(first, kwargs)
         key = None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), mesh.mesh.shape)
         if key not in groups_by_mesh:
             groups_by_mesh[key] = None if mesh is None else node_groups(variants, mesh)
-        name = f"{type(sharded).__name__}#{len(fully_shard_with_variants.hooks)}"
-        hooks = attach_module(sharded, variants, groups_by_mesh[key], name)
+        name = f"{type(first).__name__}#{len(fully_shard_with_variants.hooks)}"
+        hooks = attach_module(group, variants, groups_by_mesh[key], name)
         fully_shard_with_variants.hooks[name] = hooks
         return sharded
 

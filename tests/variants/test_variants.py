@@ -160,8 +160,9 @@ def _attach_planted(model: nn.Module, cls) -> dict:
     from twinshard.variants.qgz import QuantizedReduceScatter
 
     hooks = {}
-    for name, module in fsdp_modules(model):
-        hook = cls(Layout(module, name), 8, BLOCK)
+    for name, group in fsdp_modules(model):
+        hook = cls(Layout(group, name), 8, BLOCK)
+        module = group[0] if isinstance(group, list) else group  # a list shares one state
         if isinstance(hook, QuantizedReduceScatter):
             module.set_custom_reduce_scatter(hook)
             hooks[name] = {"reduce_scatter": hook}
