@@ -7,7 +7,11 @@ implementation, switched in with ``twinshard.switch.using``. Every twinshard run
 bitwise equal to torch's on every rank: the loss and the gradient norm of every step, every
 parameter shard and every optimizer-state shard at the end. Then each twinshard
 implementation resumes torch's checkpoint (saved by the client's own mechanism after step 2)
-and must end bitwise where torch's uninterrupted run ended. How each client is brought to its
+and must end bitwise where torch's uninterrupted run ended. Last, each implementation trains
+with communication variants set by the switch (``qwz+qgz`` at the default block, which every
+client's own ``fully_shard`` calls get, the lists of modules accelerate and the Trainer shard as
+one group included): the three must be bitwise equal to each other there too, and differ from
+the exact run. How each client is brought to its
 FSDP2 path on gloo is said in its file (client_accelerate.py, client_lightning.py,
 client_trainer.py).
 
@@ -59,14 +63,17 @@ def client_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("client", list(CLIENTS))
 def test_client_is_bitwise_equal_to_torch_and_resumes_its_checkpoint(client_runs, client):
-    from client_common import compare_runs
+    from client_common import IMPLS, WITH_VARIANTS, compare_runs
 
     per_rank = [runs[client] for runs in client_runs]
     expected = {"torch", "reference", "optimized", "reference resumed", "optimized resumed"}
+    expected |= {impl + WITH_VARIANTS for impl in IMPLS}
     assert set(per_rank[0]) == expected
     assert all(len(r.loss) > 0 and len(r.params) > 0 for r in per_rank[0].values())
     report = compare_runs(per_rank)
     assert report == {run: [] for run in expected}, report
+    for runs in per_rank:  # the variants changed the numbers: they were set and ran
+        assert runs["torch" + WITH_VARIANTS].differences(runs["torch"]), client
 
 
 def test_the_comparison_sees_one_ulp_and_a_run_torch_sharded():

@@ -23,6 +23,7 @@ from client_common import (
     switched,
     tiny_llama,
     tokens,
+    variant_runs,
 )
 
 
@@ -47,10 +48,11 @@ def fsdp_on_gloo(plugin_args: dict | None = None):
     return accelerator
 
 
-def train(impl: str, checkpoint: str, first: int, save: bool) -> Record:
-    """Steps ``first``..STEPS-1 of one run under ``impl``; from ``checkpoint`` when first > 0."""
+def train(impl: str, checkpoint: str, first: int, save: bool, variants: str = "") -> Record:
+    """Steps ``first``..STEPS-1 of one run under ``impl`` (with ``variants``); from
+    ``checkpoint`` when first > 0."""
     record = Record()
-    with switched(impl):
+    with switched(impl, variants):
         accelerator = fsdp_on_gloo()
         model = tiny_llama()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -78,4 +80,4 @@ def ranks(folder: str) -> dict[str, Record]:
     runs = {impl: train(impl, checkpoint, 0, save=impl == "torch") for impl in IMPLS}
     for impl in IMPLS[1:]:
         runs[f"{impl} resumed"] = train(impl, checkpoint, SAVE_AT, save=False)
-    return runs
+    return runs | variant_runs(lambda impl, variants: train(impl, "", 0, False, variants))

@@ -19,6 +19,10 @@ from twinshard import switch
 
 # The implementations every client runs under, torch's own first (the one the others match).
 IMPLS = ("torch", "reference", "optimized")
+# Communication variants every client also trains with, through the switch, at the default
+# block: the three implementations must give the same bits with them too (docs/variants.md).
+VARIANTS = "qwz+qgz"
+WITH_VARIANTS = f" with {VARIANTS}"  # the suffix of those runs' names
 STEPS = 4  # training steps of a run
 SAVE_AT = 2  # the step after which the torch run's checkpoint is taken (resumed to STEPS)
 BATCH, SEQ, VOCAB = 2, 8, 96  # per rank
@@ -113,21 +117,29 @@ def norm_value(norm) -> float:
 
 
 @contextlib.contextmanager
-def switched(impl: str):
-    """The documented switch: torch's ``fully_shard`` is ``impl``'s inside the block."""
-    with switch.using(impl):
+def switched(impl: str, variants: str = ""):
+    """The documented switch: torch's ``fully_shard`` is ``impl``'s inside the block, setting
+    ``variants`` on every module it shards."""
+    with switch.using(impl, variants):
         yield
+
+
+def variant_runs(train) -> dict[str, Record]:
+    """``train(impl, variants)`` under every implementation with ``VARIANTS``, by run name."""
+    return {f"{impl}{WITH_VARIANTS}": train(impl, VARIANTS) for impl in IMPLS}
 
 
 def compare_runs(results: list[dict[str, Record]]) -> dict[str, list[str]]:
     """Per run, what differs from torch's run on the same rank: for a resumed run, from the
-    steps of torch's run after the checkpoint. A run must have been sharded by its own
-    implementation (``"optimized resumed"`` by the optimized path)."""
+    steps of torch's run after the checkpoint; for a run with variants, from torch's with the
+    same variants. A run must have been sharded by its own implementation (``"optimized
+    resumed"`` by the optimized path)."""
     report = {}
     for run in results[0]:
         found = []
         for rank, runs in enumerate(results):
-            truth, mine = runs["torch"], runs[run]
+            truth = runs["torch" + (WITH_VARIANTS if run.endswith(WITH_VARIANTS) else "")]
+            mine = runs[run]
             if run.endswith(" resumed"):
                 truth = Record(
                     truth.loss[SAVE_AT:], truth.grad_norm[SAVE_AT:], truth.params, truth.optim

@@ -57,14 +57,15 @@ class LlamaModule(L.LightningModule):
         return torch.utils.data.DataLoader(range(STEPS), batch_size=None)
 
 
-def train(impl: str, checkpoint: str, resume: bool) -> Record:
-    """One fit under ``impl``: from step 0 (torch's saves ``checkpoint``), or resumed from it."""
+def train(impl: str, checkpoint: str, resume: bool, variants: str = "") -> Record:
+    """One fit under ``impl`` (with ``variants``): from step 0 (torch's saves ``checkpoint``),
+    or resumed from it."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     environ = dict(os.environ)  # Lightning's teardown removes WORLD_SIZE
     try:
-        with common.switched(impl):
-            module = LlamaModule(checkpoint if impl == "torch" else None)
+        with common.switched(impl, variants):
+            module = LlamaModule(checkpoint if impl == "torch" and not variants else None)
             trainer = L.Trainer(
                 accelerator="cpu",
                 devices=2,
@@ -89,4 +90,4 @@ def ranks(folder: str) -> dict[str, Record]:
     runs = {impl: train(impl, checkpoint, resume=False) for impl in IMPLS}
     for impl in IMPLS[1:]:
         runs[f"{impl} resumed"] = train(impl, checkpoint, resume=True)
-    return runs
+    return runs | common.variant_runs(lambda impl, variants: train(impl, "", False, variants))

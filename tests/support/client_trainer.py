@@ -14,7 +14,16 @@ AdamW, clipping, logging, checkpoints (``SHARDED_STATE_DICT``: DCP) and
 from __future__ import annotations
 
 import torch
-from client_common import IMPLS, SAVE_AT, STEPS, Record, fill_final_state, switched, tiny_llama
+from client_common import (
+    IMPLS,
+    SAVE_AT,
+    STEPS,
+    Record,
+    fill_final_state,
+    switched,
+    tiny_llama,
+    variant_runs,
+)
 from client_common import tokens as step_tokens
 
 
@@ -61,9 +70,9 @@ def configured_arguments(folder: str, save: bool):
     return arguments(folder, save, configured=True)
 
 
-def train(impl: str, folder: str, resume: str | None) -> Record:
-    """One ``Trainer.train`` under ``impl``: from step 0 (torch's saves a checkpoint every
-    SAVE_AT steps), or resumed from the checkpoint ``resume``."""
+def train(impl: str, folder: str, resume: str | None, variants: str = "") -> Record:
+    """One ``Trainer.train`` under ``impl`` (with ``variants``): from step 0 (torch's saves a
+    checkpoint every SAVE_AT steps), or resumed from the checkpoint ``resume``."""
     from transformers import Trainer, TrainerCallback
 
     record = Record()
@@ -79,8 +88,9 @@ def train(impl: str, folder: str, resume: str | None) -> Record:
             if logs and "grad_norm" in logs:
                 record.grad_norm.append(logs["grad_norm"])
 
-    with switched(impl):
-        args = configured_arguments(f"{folder}/{impl}", save=impl == "torch")
+    with switched(impl, variants):
+        where = f"{folder}/{impl}{'-variants' if variants else ''}"
+        args = configured_arguments(where, save=impl == "torch" and not variants)
         trainer = Recording(
             model=tiny_llama(), args=args, train_dataset=Samples(), callbacks=[GradNorms()]
         )
@@ -93,4 +103,4 @@ def ranks(folder: str) -> dict[str, Record]:
     runs = {impl: train(impl, folder, resume=None) for impl in IMPLS}
     for impl in IMPLS[1:]:
         runs[f"{impl} resumed"] = train(impl, folder, f"{folder}/torch/checkpoint-{SAVE_AT}")
-    return runs
+    return runs | variant_runs(lambda impl, variants: train(impl, folder, None, variants))
