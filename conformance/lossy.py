@@ -9,11 +9,14 @@ computes with, ``gathered``, and the sum of one shard group's gradients, ``gradi
   parameter's gradients summed as the variant sums them, replica by replica, then averaged).
   The run must equal it to fp32's tolerances: a wrong scale, a block cut elsewhere, a sum
   without its division all show.
-- **the wire**: what the run put on the wire is what the variant says it sends: qwZ's
-  all-gathers are of packed bytes, as many as its wire format gives (an "int8" all-gather
-  that sends bf16 shows here even if its numbers were right), with no floating-point
-  all-gather beside them but hpZ's within a node; qgZ and the bf16 wire leave no
-  floating-point reduce-scatter, and exchange packed bytes or bf16 by all-to-all.
+- **the wire** (``lossy_wire.py``): what the run put on the wire is what the variant's
+  declared format gives, computed from its bits, block and the parameters' segments, not from
+  what the variant reports (an "int4" all-gather that sends a code a byte shows here even if
+  its numbers were right), with no floating-point all-gather beside them but hpZ's within a
+  node; qgZ and the bf16 wire leave no floating-point reduce-scatter.
+- **the collectives' results** (``lossy_witness.py``): every gathered parameter is the
+  declared transform of its shards, bit for bit, and every sharded gradient the declared sum
+  of the ranks' gradients, on every rank, step and run, oracles or not.
 - **the error budget**: against the exact plain model, the run may be off by at most twice
   what the oracle itself is off, plus one rounding step of the transform at the tensor's
   magnitude (the ``low_precision`` class of ``compare.py``, with the oracle as its
@@ -32,8 +35,11 @@ import torch.nn as nn
 from twinshard.dispatch.standin import paused
 
 from . import driver
+from . import lossy_witness as witness
 from .compare import Checker
 from .driver import Recipe, Trace, compare, make_optimizer, run_oracle, run_plain, run_sharded
+from .lossy_wire import check_wire
+from .lossy_witness import Witness
 from .trace import CollectiveTrace
 
 VARIANT_ENV = "TWINSHARD_CONFORM_VARIANT"  # twinshard conform --variant, for the ranks
@@ -110,58 +116,47 @@ def _plain_with(recipe: Recipe, comm, shape: tuple[int, ...]) -> Trace:
     return trace
 
 
-def with_variant(recipe: Recipe, comm, wrap) -> Recipe:
-    """``recipe`` whose sharded runs put ``comm``'s variants on the model after ``wrap``."""
+def with_variant(recipe: Recipe, comm, wrap, witnesses: list | None = None) -> Recipe:
+    """``recipe`` whose sharded runs put ``comm``'s variants on the model after ``wrap``, and
+    (given a list) a ``lossy_witness.Witness`` appended to ``witnesses`` per run."""
 
     def wrapped(impl, model: nn.Module, mesh) -> None:
         wrap(impl, model, mesh)
         comm.attach(model, mesh)
+        if witnesses is not None:
+            witnesses.append(Witness(model))
 
     return Recipe(**{**recipe.__dict__, "wrap": wrapped})
 
 
-def train_lossy(ctx, recipe: Recipe, comm) -> Checker:
-    """The implementation under ``comm`` against its exact oracle (tight) and the exact plain
-    model (within the budget); so are torch's ``fully_shard`` and the reference, where they
-    are not what is under test."""
+def train_lossy(ctx, recipe: Recipe, comm, wrap) -> Checker:
+    """The implementation under ``comm`` (put on after ``wrap`` shards the model) against its
+    exact oracle (tight) and the exact plain model (within the budget), and its collectives'
+    results against the declared transform (``lossy_witness.py``); so are torch's
+    ``fully_shard`` and the reference, where they are not what is under test."""
     tight = Checker("fp32")
     budget = Checker("low_precision", low_eps=comm.step)
+    witnesses: list = []
+    recipe = with_variant(recipe, comm, wrap, witnesses)
     truth, oracle = run_plain(recipe), run_plain_with(recipe, comm, ctx.mesh_shape)
     with CollectiveTrace() as seen:
         runs = {ctx.impl_name: run_sharded(recipe, ctx.impl, ctx.mesh)[0]}
+    seen_by = {ctx.impl_name: witnesses[-1]}
     from twinshard.variants import Communication
 
     if isinstance(comm, Communication):  # twinshard.variants' own: their wire formats known
-        check_wire(tight, comm, seen.calls, ctx.impl_name)
+        check_wire(tight, comm, seen.calls, ctx.impl_name, ctx.shard_size)
     else:
         tight.notes.append("wire not checked: the variant declares no wire format")
     for name, impl in (("reference", ctx.reference), ("torch", ctx.oracle)):
         if impl is not None:
             runs[name] = run_oracle(recipe, impl, ctx.mesh)[0]
-    for name, run in runs.items():
+            seen_by[name] = witnesses[-1]
+    for name, run in runs.items():  # the most direct evidence first: what was gathered
+        witness.check(tight, seen_by[name], run, comm, ctx.mesh, name, recipe.low_reduce)
+        seen_by[name].remove()
         compare(tight, f"{name} vs the variant's plain oracle", run, oracle)
         compare(budget, f"{name} vs the exact plain model", run, truth, truth_low=oracle)
     tight.absorb(budget)
     tight.notes.append(f"variant: {comm.name}")
     return tight
-
-
-def check_wire(checker: Checker, comm, calls: list, label: str) -> None:
-    """What ``calls`` (one sharded run's collectives) sent, against what ``comm``'s variants
-    declare (see the module docstring)."""
-    checker.count += 1
-    floats = lambda op: [c for c in calls if c.op == op and c.dtype.is_floating_point]  # noqa: E731
-    if comm.weights is not None:
-        packed = sum(c.numel for c in calls if c.op == "all_gather" and c.dtype == torch.uint8)
-        declared = sum(h["all_gather"].gathered_bytes for h in comm.hooks.values())
-        if packed != declared:
-            checker.fail(f"{label}: {packed} bytes of packed all-gathers, {declared} declared")
-        if floats("all_gather") and comm.reshard_after_forward in (None, True, False):
-            dtypes = sorted({str(c.dtype) for c in floats("all_gather")})
-            checker.fail(f"{label}: {len(floats('all_gather'))} all-gathers sent {dtypes}")
-    if comm.grads is not None:
-        if floats("reduce_scatter"):
-            checker.fail(f"{label}: {len(floats('reduce_scatter'))} floating reduce-scatters")
-        wire = torch.bfloat16 if comm.grads.kind == "bf16-wire" else torch.uint8
-        if not any(c.op == "all_to_all" and c.dtype == wire for c in calls):
-            checker.fail(f"{label}: no all-to-all in {wire}: the gradients were not exchanged")

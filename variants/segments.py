@@ -56,8 +56,12 @@ class Layout:
         mesh = getattr(self.params[0], "device_mesh", None) if self.params else None
         self.mesh_ranks = mesh.mesh.shape[-1] if mesh is not None else None
 
+    def params_with_grads(self) -> list:
+        """The parameters a reduce-scatter's message holds: those that take gradients."""
+        return [p for p in self.params if p.requires_grad]
+
     def split(self, numel: int, ranks: int, grads: bool = False) -> list[int]:
-        params = [p for p in self.params if p.requires_grad] if grads else self.params
+        params = self.params_with_grads() if grads else self.params
         layouts = [(ranks, 1)]  # (ranks the pieces are cut for, copies in one message)
         if self.mesh_ranks and self.mesh_ranks > ranks and self.mesh_ranks % ranks == 0:
             layouts.append((self.mesh_ranks, self.mesh_ranks // ranks))

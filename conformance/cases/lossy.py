@@ -12,7 +12,7 @@ from __future__ import annotations
 from twinshard.variants import Communication, Variant
 
 from .. import models as M
-from ..lossy import given_variant, train_lossy, with_variant
+from ..lossy import given_variant, train_lossy
 from .core import case
 
 BLOCK = 8
@@ -36,8 +36,7 @@ def _judge(ctx, comm):
             impl.fully_shard(block, mesh=mesh, **after)
         impl.fully_shard(model, mesh=mesh)  # the root keeps its parameters after forward
 
-    recipe = M.mlp_recipe(ctx.world)
-    return train_lossy(ctx, with_variant(recipe, comm, wrap), comm)
+    return train_lossy(ctx, M.mlp_recipe(ctx.world), comm, wrap)
 
 
 def _sharded(ctx) -> bool:

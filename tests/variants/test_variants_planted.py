@@ -59,30 +59,42 @@ def test_each_planted_lossy_bug_misses_the_oracle_of_what_it_claims(name):
     assert caught, f"{name}: every loss and shard met the {CLAIMS[name]} oracle"
 
 
-def test_the_suite_reads_the_wire_an_int8_gather_that_sends_bf16_is_caught():
-    """``conformance.lossy.check_wire`` on made-up traces: packed all-gathers as many bytes as
-    the hooks gathered pass; the same amount sent as bf16 fails, and so does a qgZ run whose
-    gradients were reduce-scattered in fp32 with no all-to-all."""
+def test_the_suite_reads_the_wire_from_the_declared_format():
+    """``conformance.lossy_wire.check_wire`` on made-up traces, the sizes computed from the
+    declared bits and block and the parameters, never from what the variant says it sent: a
+    (6, 4) weight over 2 ranks is a 12-value piece, 2 blocks of 8, so an int8 message of
+    2 x 8 codes + 2 fp32 scales = 24 bytes and 48 gathered, an int4 one 16 and 32. An int4
+    all-gather that sends a code a byte (48), one that sends bf16, and a qgZ run whose
+    gradients were reduce-scattered in fp32 are each caught."""
     from types import SimpleNamespace
 
     from twinshard.conformance.compare import Checker
-    from twinshard.conformance.lossy import check_wire
+    from twinshard.conformance.lossy_wire import check_wire
     from twinshard.conformance.trace import Call
     from twinshard.variants import Communication
 
-    comm = Communication([Variant("qwz", 8, BLOCK)])
-    comm.hooks = {"a": {"all_gather": SimpleNamespace(gathered_bytes=96)}}
-    right, wrong = Checker(), Checker()
-    check_wire(right, comm, [Call("all_gather", torch.uint8, 96)], "impl")
-    check_wire(wrong, comm, [Call("all_gather", torch.bfloat16, 48)], "impl")
-    assert right.failures == []
-    assert wrong.failures == [
-        "impl: 0 bytes of packed all-gathers, 96 declared",
+    weight = torch.zeros(6, 4, requires_grad=True)
+    layout = SimpleNamespace(params=[weight], params_with_grads=lambda: [weight])
+
+    def run(variant, calls) -> list[str]:
+        comm = Communication([variant])
+        comm.hooks = {"a": {variant.collective: SimpleNamespace(layout=layout)}}
+        checker = Checker()
+        check_wire(checker, comm, calls, "impl", 2)
+        return checker.failures
+
+    int8, int4 = Variant("qwz", 8, BLOCK), Variant("qwz", 4, BLOCK)
+    assert run(int8, [Call("all_gather", torch.uint8, 48)]) == []
+    assert run(int4, [Call("all_gather", torch.uint8, 32)]) == []
+    (byte_a_code,) = run(int4, [Call("all_gather", torch.uint8, 48)])
+    assert "packed all-gathers of [48] bytes" in byte_a_code and "32" in byte_a_code
+    assert run(int8, [Call("all_gather", torch.bfloat16, 48)]) == [
+        "impl: no packed all-gathers: the variant sent no qwz int8, blocks of 8 message",
         "impl: 1 all-gathers sent ['torch.bfloat16']",
     ]
-    grads, unexchanged = Communication([Variant("qgz", 8, BLOCK)]), Checker()
-    check_wire(unexchanged, grads, [Call("reduce_scatter", torch.float32, 64)], "impl")
-    assert unexchanged.failures == [
+    qgz = Variant("qgz", 8, BLOCK)
+    assert run(qgz, [Call("all_to_all", torch.uint8, 48)]) == []
+    assert run(qgz, [Call("reduce_scatter", torch.float32, 64)]) == [
         "impl: 1 floating reduce-scatters",
         "impl: no all-to-all in torch.uint8: the gradients were not exchanged",
     ]
