@@ -218,11 +218,7 @@ def _low_precision_backward(
     work = copy.deepcopy(master).to(low)
     # Cast the model's floating-point inputs where the root module begins, as
     # cast_forward_inputs does (the loss's own targets stay in full precision).
-    work.register_forward_pre_hook(
-        lambda module, args: tuple(
-            a.to(low) if torch.is_tensor(a) and a.is_floating_point() else a for a in args
-        )
-    )
+    work.register_forward_pre_hook(lambda module, args: cast_floats(args, low))
     losses, sums = [], None
     for r in range(world):
         part = _slice(batch, r, world)
@@ -244,6 +240,11 @@ def _low_precision_backward(
             g = (g / world).float()
             p.grad = g if p.grad is None else p.grad + g
     return torch.stack(losses).mean()
+
+
+def cast_floats(args: tuple, dtype: torch.dtype) -> tuple:
+    """``args`` with each floating-point tensor in ``dtype`` (a module's inputs, cast)."""
+    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
 def _add(sums: list | None, grads: list) -> list:

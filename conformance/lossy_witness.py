@@ -13,8 +13,9 @@ and without any oracle:
   any difference is a difference of arithmetic, however small.
 - **reduced**: each step's sharded gradient is ``comm.gradient_sum`` of the unsharded
   gradients the ranks of each shard group made (in the reduce dtype, in rank order), added
-  over the replicas of an HSDP mesh and divided by the world, within one fp32 rounding step
-  per addition: an exact reduce-scatter or all-reduce adds in the backend's order.
+  over the replicas of an HSDP mesh, divided by the world and rounded to the reduce dtype,
+  within one rounding step of that dtype per addition: an exact reduce-scatter or all-reduce
+  adds in the backend's order.
 
 ``Witness(model)`` goes on a sharded model after its variants: hooks that only read. Before
 the root's forward (its hook runs before the implementation's) it keeps this rank's shard of
@@ -37,8 +38,6 @@ from twinshard.dispatch.standin import paused
 from twinshard.variants import fsdp_modules
 from twinshard.variants.segments import Layout
 from twinshard.variants.transform import chunks
-
-EPS = torch.finfo(torch.float32).eps
 
 
 class Witness:
@@ -145,15 +144,17 @@ def reduced_failures(checker, trace, grads: list, index: int, comm, label: str, 
                 continue
             sums = [comm.gradient_sum([_as(c, like, dtype) for c in row], ranks) for row in made]
             total = sum(sums[1:], sums[0]).to(torch.float32) / (replicas * ranks)
+            total = total.to(dtype or total.dtype).float()  # the reduce's output, its dtype
             expected = chunks(total, ranks)[index][: local.numel()].view_as(local)
             off = (local.float() - expected).abs().max().item()
-            bound = (ranks + replicas) * EPS * max(expected.abs().max().item(), 1e-30)
+            eps = torch.finfo(dtype or torch.float32).eps
+            bound = (ranks + replicas) * eps * max(expected.abs().max().item(), 1e-30)
             margins.append(off / bound)
             if off > bound:
                 checker.fail(
                     f"{label}: {name}'s sharded gradient in step {step} is not the declared sum "
                     f"of the ranks' gradients: off by {off:.3g}, {off / bound:.1f}x the bound "
-                    f"of one fp32 rounding step per addition ({bound:.3g})"
+                    f"of one rounding step per addition ({bound:.3g})"
                 )
     if margins:
         checker.notes.append(f"{label}: gradients at most {max(margins):.2f}x their bound")

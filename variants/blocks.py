@@ -119,10 +119,11 @@ def dequantize(
     return dequantize_into(codes, scales, bits, block, out)
 
 
-def roundtrip(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    """What the receiver of ``x`` (..., n) gets: quantized, then dequantized into its dtype."""
+def roundtrip(x: torch.Tensor, bits: int, block: int, dtype=None) -> torch.Tensor:
+    """What the receiver of ``x`` (..., n) gets: quantized, then dequantized into ``dtype``
+    (default: ``x``'s)."""
     codes, scales = quantize(x, bits, block)
-    return dequantize(codes, scales, x.shape[-1], bits, block, x.dtype)
+    return dequantize(codes, scales, x.shape[-1], bits, block, dtype or x.dtype)
 
 
 def pack(x: torch.Tensor, segments: list[int], bits: int, block: int) -> torch.Tensor:

@@ -80,8 +80,8 @@ class Communication:
             return fp32_sum(contributions)
         if v.kind == "bf16-wire":
             trip = lambda c: c.to(torch.bfloat16).float()  # noqa: E731
-        else:
-            trip = lambda c: blocks.roundtrip(c, v.bits, v.block)  # noqa: E731
+        else:  # dequantized into fp32 whatever the gradients' dtype (a bf16 reduce_dtype's)
+            trip = lambda c: blocks.roundtrip(c, v.bits, v.block, torch.float32)  # noqa: E731
         by_rank = [chunks(g, ranks) for g in contributions]  # [rank][chunk]
         k = v.ranks_per_node if v.kind == "qgz" and 1 < v.ranks_per_node < ranks else 1
         out = []

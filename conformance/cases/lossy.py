@@ -3,12 +3,17 @@
 within the budget that transform implies against the exact plain model; under the
 implementation, the reference and torch's ``fully_shard`` where they run as oracles.
 
-Blocks of 8 values, so that every parameter of the MLP spans several blocks and ends in a
-partial one. qgZ by node and hpZ need nodes of 2 inside a shard group of at least 4 ranks.
+Blocks of 8 values, so that every parameter of the small MLP spans several blocks and ends in a
+partial one; the default block of 256 on a wider MLP (``WIDE``); bf16 ``param_dtype`` with an
+fp32 and a bf16 ``reduce_dtype``. qgZ by node and hpZ need nodes of 2 inside a shard group of
+at least 4 ranks.
 """
 
 from __future__ import annotations
 
+import torch
+
+from twinshard.models import MLPStack
 from twinshard.variants import Communication, Variant
 
 from .. import models as M
@@ -16,27 +21,41 @@ from ..lossy import given_variant, train_lossy
 from .core import case
 
 BLOCK = 8
+# Shards of many blocks of the default 256 values, ending inside one, at 2, 3 and 4 ranks (the
+# weights' 301 rows leave the last of 3 or 4 ranks a shorter, padded shard), beside biases and
+# norms smaller than one block.
+WIDE = dict(dim=48, hidden=301, n_blocks=2)
 
 
 def _needs_nodes(ctx) -> bool:
     return ctx.shard_size >= 4 and ctx.shard_size % 2 == 0
 
 
-def _run(ctx, variants: list[Variant], reshard_after_forward=None):
-    return _judge(ctx, Communication(variants, reshard_after_forward))
+def _run(ctx, variants: list[Variant], reshard_after_forward=None, **model):
+    return _judge(ctx, Communication(variants, reshard_after_forward), **model)
 
 
-def _judge(ctx, comm):
-    """Train the MLP of 3 blocks under ``comm`` (hpZ: its ``reshard_after_forward``)."""
+def _judge(ctx, comm, wide: bool = False, param=None, reduce=None):
+    """Train an MLP under ``comm`` (hpZ: its ``reshard_after_forward``): the small one of 3
+    blocks, or with ``wide``, ``WIDE``'s; with ``param``, under a ``MixedPrecisionPolicy`` of
+    that ``param_dtype`` and ``reduce`` (its ``reduce_dtype``)."""
     hpz = getattr(comm, "reshard_after_forward", None)
     after = {} if hpz is None else {"reshard_after_forward": hpz}
 
     def wrap(impl, model, mesh):
+        if param is not None:
+            after["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
         for block in model.blocks:
             impl.fully_shard(block, mesh=mesh, **after)
-        impl.fully_shard(model, mesh=mesh)  # the root keeps its parameters after forward
+        after.pop("reshard_after_forward", None)
+        impl.fully_shard(model, mesh=mesh, **after)  # the root keeps its parameters after forward
 
-    return train_lossy(ctx, M.mlp_recipe(ctx.world), comm, wrap)
+    shapes = dict(build=lambda: MLPStack(**WIDE), data=M.mlp_data(WIDE["dim"])) if wide else {}
+    if param is not None:
+        shapes |= dict(low_precision=param, low_reduce=reduce or torch.float32)
+    if reduce not in (None, torch.float32):  # one step: the rounding FSDP's own division and
+        shapes["steps"] = 1  # replicas' all-reduce add in bf16 would move the next ones' codes
+    return train_lossy(ctx, M.mlp_recipe(ctx.world, **shapes), comm, wrap)
 
 
 def _sharded(ctx) -> bool:
@@ -80,6 +99,31 @@ def case_lossy_bf16_wire(ctx):
 def case_lossy_qwz_qgz(ctx):
     """qwZ and qgZ together, in int8."""
     return _run(ctx, [Variant("qwz", 8, BLOCK), Variant("qgz", 8, BLOCK)])
+
+
+@case("lossy", needs=_sharded, why=WHY)
+def case_lossy_default_block(ctx):
+    """qwZ and qgZ in int8 at the default block, on shards of many blocks."""
+    return _run(ctx, [Variant("qwz"), Variant("qgz")], wide=True)
+
+
+@case("lossy", needs=_sharded, why=WHY)
+def case_lossy_default_block_int4(ctx):
+    """qwZ and qgZ in int4 at the default block: odd shard lengths packed two codes a byte."""
+    return _run(ctx, [Variant("qwz", 4), Variant("qgz", 4)], wide=True)
+
+
+@case("lossy", needs=_sharded, why=WHY)
+def case_lossy_qwz_bf16(ctx):
+    """qwZ under bf16 mixed precision: quantized and dequantized in the all-gather's bf16."""
+    return _run(ctx, [Variant("qwz", 8, BLOCK)], param=torch.bfloat16, reduce=torch.float32)
+
+
+@case("lossy", needs=_sharded, why=WHY)
+def case_lossy_qwz_qgz_bf16(ctx):
+    """qwZ and qgZ under bf16 mixed precision, gradients reduced from bf16."""
+    variants = [Variant("qwz", 8, BLOCK), Variant("qgz", 8, BLOCK)]
+    return _run(ctx, variants, param=torch.bfloat16, reduce=torch.bfloat16)
 
 
 @case("lossy", needs=_needs_nodes, why="needs a shard group of at least 4 ranks, in nodes of 2")
