@@ -28,6 +28,7 @@ from .lossy import load_variant
 from .runner import select
 from .suite import (
     DEFAULT_MESHES,
+    LOSSY_MESHES,
     apply_xfail,
     default_xfail,
     failed,
@@ -55,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--world-sizes",
-        default=DEFAULT_MESHES,
-        help=f"meshes to run: world sizes, or RxS for HSDP (default {DEFAULT_MESHES})",
+        default=None,
+        help=f"meshes to run: world sizes, or RxS for HSDP (default {DEFAULT_MESHES}; "
+        f"{LOSSY_MESHES} for lossy cases alone or with --variant)",
     )
     parser.add_argument(
         "--device",
@@ -137,6 +139,11 @@ def run(args: argparse.Namespace) -> int:
         )
     args.module = impls.module_name(args.module)  # a short name: reference, optimized, torch
     check_module(args.module)
+    if args.world_sizes is None:  # lossy cases alone, or a variant given: 4 ranks too
+        lossy = args.variant or (
+            args.cases and all(c.startswith("lossy") for c in args.cases.split(","))
+        )
+        args.world_sizes = LOSSY_MESHES if lossy else DEFAULT_MESHES
     try:
         meshes = parse_meshes(args.world_sizes)
         patterns = args.cases.split(",") if args.cases else None
@@ -183,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
         raise refuse("no case applies to the selected meshes and patterns")
     rows = apply_xfail(rows, expected)
     print(report(rows, args.module))
+    warned = {n for r in rows for n in r.get("notes", []) if n.startswith("warning:")}
+    for note in sorted(warned):  # said once, whatever the mesh or rank
+        print(note)
     for r in rows:
         if r["status"] in ("FAIL", "XPASS"):
             print(f"--- {r['case']} on {r['mesh']}: {r['status']}")

@@ -28,6 +28,9 @@ from .lossy import VARIANT_ENV
 from .runner import oracle_names, partial_rows_path, run_cases, select, skip_row
 
 DEFAULT_MESHES = "1,2,3,2x2"
+# a lossy variant's meshes: odd shard lengths (3), a shard group of 4 (nodes of 2: qgZ by node,
+# hpZ), an HSDP mesh (a sum over the shard group, not the world)
+LOSSY_MESHES = "1,2,3,4,2x2"
 XFAIL_DIR = pathlib.Path(__file__).with_name("xfail")
 
 

@@ -147,5 +147,33 @@ def case_lossy_zeropp_hpz(ctx):
 )
 def case_lossy_given(ctx):
     """The variant given with --variant (a researcher's own, or built-ins spelled as
-    --variants spells them), judged as the built-in ones are."""
-    return _judge(ctx, given_variant())
+    --variants spells them), judged as the built-in ones are, in fp32 and under bf16 mixed
+    precision, on the small MLP or, where its block is not much smaller than that model's
+    shards, on the wide one (``_given_model``)."""
+    comm = given_variant()
+    wide, warning = _given_model(comm, ctx.shard_size)
+    checker = _judge(ctx, comm, wide=wide)
+    checker.absorb(_judge(ctx, comm, wide=wide, param=torch.bfloat16, reduce=torch.float32))
+    checker.notes += [warning] if warning else []
+    return checker
+
+
+def _given_model(comm, ranks: int) -> tuple[bool, str | None]:
+    """Whether the given variant runs on the wide MLP, and a warning where even that model's
+    largest shard holds fewer than 4 of its blocks: one scale per block is then nearly one
+    scale per tensor, and a mistake in how blocks are cut may not show."""
+    from twinshard.variants.segments import padded_numel
+
+    block = max((getattr(v, "block", 0) for v in getattr(comm, "variants", [])), default=0)
+    block = block or getattr(comm, "block", 0)
+    largest = {}
+    for wide, build in ((False, M.mlp_recipe(ranks).build), (True, lambda: MLPStack(**WIDE))):
+        largest[wide] = max(padded_numel(p, ranks) for p in build().parameters())
+    wide = block * 4 > largest[False]
+    if block * 4 <= largest[wide]:
+        return wide, None
+    return wide, (
+        f"warning: blocks of {block} values are not much smaller than the shards they run on "
+        f"(the largest holds {largest[wide]} values at {ranks} ranks): a mistake in how "
+        "blocks are cut may not show; certify with a smaller block too"
+    )
