@@ -105,8 +105,10 @@ def _plain_with(recipe: Recipe, comm, shape: tuple[int, ...]) -> Trace:
             loss.backward()
             losses.append(loss.detach().float())
             reduce = recipe.low_reduce if low is not None else None
-            contributions.append([w.grad.to(reduce or w.grad.dtype) for w in work.parameters()])
+            contributions.append([_reduced(w.grad, reduce) for w in work.parameters()])
         for i, p in enumerate(model.parameters()):
+            if contributions[0][i] is None:  # frozen: no gradient to reduce
+                continue
             groups = [contributions[r * ranks : (r + 1) * ranks] for r in range(replicas)]
             sums = [comm.gradient_sum([c[i] for c in g], ranks) for g in groups]
             total = sum(sums[1:], sums[0]) / world
@@ -176,3 +178,8 @@ def _tight(recipe: Recipe) -> Checker:
     if reduce == torch.float32:
         return Checker("fp32")
     return Checker("low_precision", low_eps=torch.finfo(reduce).eps)
+
+
+def _reduced(grad: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    """A rank's gradient as FSDP hands it to the reduction: in the reduce dtype (None: its own)."""
+    return None if grad is None else grad.to(dtype or grad.dtype)

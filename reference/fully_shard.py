@@ -119,25 +119,24 @@ def shard_module(
 
 
 def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[dict, list]:
-    """Map each parameter this call manages to every (module, attribute) holding it; also
-    return the modules visited (those this call manages), depth first: torch's order of a
-    group's parameters, which a custom collective's message follows (a variant's blocks).
+    """Map each parameter this call manages to every (module, attribute) holding it, in
+    torch's order (a module's own after its children's: a custom collective's message is
+    laid out so); also return the modules visited (those this call manages).
 
     Sharded children are skipped: their parameters are theirs. A parameter that a child
     already sharded but that also sits elsewhere in this subtree is a tie split across two
     groups, which cannot work: each group would hold its own copy.
     """
-    owners: dict[nn.Parameter, list] = {}
-    todo, managed = [("", module) for module in reversed(modules)], []
-    while todo:
+    todo, visited = [("", module) for module in modules], []
+    while todo:  # each module before its children, the last child first; reversed below
         prefix, m = todo.pop()
-        managed.append(m)
+        visited.append((prefix, m))
+        todo += [(f"{prefix}{n}.", c) for n, c in m.named_children() if get_state(c) is None]
+    owners: dict[nn.Parameter, list] = {}
+    for prefix, m in reversed(visited):
         for name, p in m._parameters.items():
-            if p is None or p in ignored:
-                continue
-            if hasattr(p, "_twinshard_sharded_by"):
-                raise_split_tie(modules[0], prefix + name, p)
-            owners.setdefault(p, []).append((m, name))
-        own = [(n, c) for n, c in m._modules.items() if c is not None and get_state(c) is None]
-        todo += [(f"{prefix}{n}.", child) for n, child in reversed(own)]  # the first on top
-    return owners, managed
+            if p is not None and p not in ignored:
+                if hasattr(p, "_twinshard_sharded_by"):
+                    raise_split_tie(modules[0], prefix + name, p)
+                owners.setdefault(p, []).append((m, name))
+    return owners, [m for _, m in visited]

@@ -30,12 +30,21 @@ def padded_numel(param, ranks: int) -> int:
 
 
 def managed_params(module: nn.Module) -> list[nn.Parameter]:
-    """``module``'s own parameters, in its order: those of no ``fully_shard``-ed module below it."""
-    inner = set()
-    for child in module.modules():
-        if child is not module and hasattr(child, "set_custom_all_gather"):
-            inner.update(id(p) for p in child.parameters())
-    return [p for p in module.parameters() if id(p) not in inner]
+    """``module``'s parameters that no ``fully_shard``-ed module below it manages, in torch's
+    order of a group's parameters: each module's own after those of its children (a post-order
+    walk; ``fully_shard`` lays its messages out so), a parameter held twice counted once."""
+    found: dict[int, nn.Parameter] = {}
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if not hasattr(child, "set_custom_all_gather"):  # a sharded child has its own
+                visit(child)
+        found.update(
+            (id(p), p) for p in m._parameters.values() if p is not None and id(p) not in found
+        )
+
+    visit(module)
+    return list(found.values())
 
 
 class Layout:

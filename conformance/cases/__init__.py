@@ -16,6 +16,7 @@ the order the suite runs them (``dcp_save`` before ``dcp_load``):
     interface.py        torch's FSDPModule type, list form, pickling, hooks, unused params
     comm_hooks.py       custom collectives, the remaining methods, recovery, mixed dtypes
     lossy.py            the communication variants, against their exact oracle and budget
+    lossy_shapes.py     the shapes ZeRO++ users reported failures on, under every variant
 """
 
 from . import (  # noqa: F401 - imported to register their cases
@@ -28,6 +29,7 @@ from . import (  # noqa: F401 - imported to register their cases
     gradients,
     interface,
     lossy,
+    lossy_shapes,
     mixed_precision,
     state_dict,
     training,
@@ -37,7 +39,7 @@ from .core import CASES, Case, Context, case, train_case
 # The import sorter decides the import order; the run order is decided here, module by module
 # as listed in the docstring, each module's cases in the order they are written.
 MODULES = ["training", "gradients", "mixed_precision", "api", "state_dict", "aliasing", "errors",
-           "collective_trace", "cost", "interface", "comm_hooks", "lossy"]  # fmt: skip
+           "collective_trace", "cost", "interface", "comm_hooks", "lossy", "lossy_shapes"]  # fmt: skip
 _ordered = sorted(CASES.items(), key=lambda kv: MODULES.index(kv[1].fn.__module__.rsplit(".")[-1]))
 CASES.clear()
 CASES.update(_ordered)

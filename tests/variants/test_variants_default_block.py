@@ -5,8 +5,9 @@ the blocks are the same under torch's ``fully_shard``, the reference and the opt
 only if each finds its parameters where the others do. With blocks of 8 values (the suite's
 cases) nearly every boundary falls on a block's edge whatever the order, so only the default
 block of 256 shows a message laid out in another order. The model here has parameters at
-several depths of one block (the order a depth-first walk gives, torch's, differs from a
-breadth-first one), pieces smaller than a block and pieces that end inside one, and a list of
+several depths of one block and one of the block's own (torch's order, each module's own after
+its children's, differs from a breadth-first walk and from ``module.parameters()``), pieces
+smaller than a block and pieces that end inside one, and a list of
 modules sharded as one group (``fully_shard([norm, head])``, as accelerate and the HF Trainer
 shard the last layers). Each variant trains 3 steps at 2 ranks, its collectives set by hand
 (``variants.attach``) and by the switch, under each implementation: every rank's shards must
@@ -31,16 +32,18 @@ SPECS = ("qwz", "qgz", "qwz+qgz", "qwz:bits=4+qgz:bits=4", "bf16-wire")
 
 
 class Block(nn.Module):
-    """A norm beside two deeper linears: breadth-first meets the norm before the linears."""
+    """A norm beside two deeper linears (breadth first meets the norm before the linears), and
+    a parameter of the block's own, which torch's order puts after its children's."""
 
     def __init__(self, dim: int = 24):
         super().__init__()
+        self.gain = nn.Parameter(torch.ones(dim))
         self.attn = nn.Sequential(nn.Linear(dim, dim))  # 2 x 288-value pieces: 256 + 32
         self.norm = nn.LayerNorm(dim)  # 12-value pieces: smaller than a block
         self.mlp = nn.Sequential(nn.Linear(dim, 40), nn.ReLU(), nn.Linear(40, dim))
 
     def forward(self, x):
-        x = x + self.attn(self.norm(x))
+        x = x + self.attn(self.norm(x)) * self.gain
         return x + self.mlp(x)
 
 
