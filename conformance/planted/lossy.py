@@ -122,6 +122,7 @@ class ScalesInParamDtype(QuantizedAllGather):
         gathered = torch.empty(ranks * message.numel(), dtype=torch.uint8)
         all_gather(gathered, message, group=group)
         self.sent_bytes += message.numel()
+        self.gathered_bytes += gathered.numel()  # its own count, right: the wire says otherwise
         counts = [blocks.blocks_of(n, self.block) for n in segments]
         at = blocks.SCALE_BYTES * sum(counts)
         rows = gathered.view(ranks, -1)
@@ -143,6 +144,7 @@ class Int4CodeAByte(QuantizedAllGather):
         gathered = torch.empty(ranks * message.numel(), dtype=torch.uint8)
         all_gather(gathered, message, group=group)
         self.sent_bytes += message.numel()
+        self.gathered_bytes += gathered.numel()  # its own count, right: the wire says otherwise
         rows, at = gathered.view(ranks, -1), scales.numel()
         counts = [blocks.blocks_of(n, self.block) for n in segments]
         all_scales = rows[:, :at].contiguous().view(torch.float32).split(counts, dim=-1)
