@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from twinshard.dispatch import c10d
 from twinshard.dispatch.standin import paused
 from twinshard.variants import fsdp_modules
 from twinshard.variants.segments import Layout
@@ -86,7 +87,7 @@ class Witness:
 
     def _outputs(self, names: list[str], module, args, output) -> None:
         if torch.is_grad_enabled():
-            for t in _tensors(output):
+            for t in c10d.tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad: self._look(names, "backward"))
 
@@ -169,13 +170,3 @@ def _as(made, like: torch.Tensor, dtype) -> torch.Tensor:
 def _sharded(p) -> bool:
     """A parameter sharded by rows (what ``comm.gathered`` cuts): the lossy cases' only kind."""
     return isinstance(p, DTensor) and p.placements[-1] == Shard(0)
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []

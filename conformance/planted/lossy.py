@@ -43,17 +43,23 @@ class WrongScale(QuantizedAllGather):
         output_tensor.mul_(127 / 128)
 
 
+def partial_blocks(hook: QuantizedAllGather, output_tensor, group):
+    """The last, partial block of each parameter's piece of every rank in an all-gather's
+    output, as views."""
+    ranks = dist.get_world_size(group)
+    for piece in output_tensor.view(ranks, -1):
+        start = 0
+        for n in hook.layout.split(piece.numel(), ranks):
+            if n % hook.block:
+                yield piece[start + n - n % hook.block : start + n]
+            start += n
+
+
 class DropsPartialBlock(QuantizedAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         super().__call__(output_tensor, input_tensor, group)
-        ranks = dist.get_world_size(group)
-        for piece in output_tensor.view(ranks, -1):
-            start = 0
-            for n in self.layout.split(piece.numel(), ranks):
-                tail = n % self.block
-                if tail:
-                    piece[start + n - tail : start + n] = 0
-                start += n
+        for tail in partial_blocks(self, output_tensor, group):
+            tail.zero_()
 
 
 class BlocksShiftByRank(QuantizedAllGather):
@@ -104,13 +110,8 @@ PLANTED = {
 class PartialBlockScale(QuantizedAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         super().__call__(output_tensor, input_tensor, group)
-        ranks = dist.get_world_size(group)
-        for piece in output_tensor.view(ranks, -1):
-            start = 0
-            for n in self.layout.split(piece.numel(), ranks):
-                if n % self.block:
-                    piece[start + n - n % self.block : start + n] *= 1.25
-                start += n
+        for tail in partial_blocks(self, output_tensor, group):
+            tail.mul_(1.25)
 
 
 class ScalesInParamDtype(QuantizedAllGather):

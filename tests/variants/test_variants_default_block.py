@@ -16,18 +16,14 @@ be equal bit for bit across all six runs, and differ from the exact run's.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.nn as nn
+from test_variants_switched import IMPLS
+from test_variants_switched import _train as switched_train
 
-from twinshard import switch
 from twinshard.ranks.launch import launch
-from twinshard.variants import attach, parse, sent_bytes
 
-IMPLS = {"torch": "torch.distributed.fsdp", "reference": "twinshard.reference"}
-IMPLS["optimized"] = "twinshard.optimized"
 SPECS = ("qwz", "qgz", "qwz+qgz", "qwz:bits=4+qgz:bits=4", "bf16-wire")
 
 
@@ -63,31 +59,10 @@ class Model(nn.Module):
 
 
 def _train(impl: str, spec: str, how: str) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    model = Model()
-    if how == "switch":
-        switch.use(impl, spec)
-        from torch.distributed.fsdp import fully_shard  # looked up as a trainer does
-    else:
-        fully_shard = importlib.import_module(IMPLS[impl]).fully_shard
-    try:
-        for module in (*model.blocks, [model.norm, model.head], model):
-            fully_shard(module, mesh=mesh)
-        hooks = fully_shard.hooks if how == "switch" else attach(model, parse(spec), mesh)
-        optim = torch.optim.SGD(model.parameters(), lr=0.1)
-        generator = torch.Generator().manual_seed(dist.get_rank())
-        for _ in range(3):
-            model(torch.randn(4, 6, generator=generator)).pow(2).sum().backward()
-            optim.step()
-            optim.zero_grad()
-    finally:
-        switch.restore()
-    shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
-    return {"shards": shards, "sent": sent_bytes(hooks)}
+    """``Model`` sharded block by block, then the last layers as one list, then the root, and
+    trained 3 steps (``test_variants_switched._train``'s ways)."""
+    groups = lambda m: (*m.blocks, [m.norm, m.head], m)  # noqa: E731
+    return switched_train(impl, spec, how, build=Model, groups=groups, steps=3)
 
 
 def _all() -> dict:

@@ -29,27 +29,30 @@ FLAT = "qwz:block=8+qgz:block=8"
 BY_NODE = "qwz:block=8+qgz:block=8:node=2"
 
 
-def _train(impl: str, spec: str, how: str) -> dict:
-    """Shard ``Net`` (a, b, then the root) and train 2 steps; ``how``: "switch" (the variants
-    come with the switched ``fully_shard``, no mesh passed) or "by hand" (``attach``)."""
+def _train(impl: str, spec: str, how: str, build=None, groups=None, steps: int = 2) -> dict:
+    """Shard ``Net`` (a, b, then the root), or ``build()``'s model by ``groups(model)`` (the
+    modules or lists of modules to shard, in order), and train ``steps`` steps; ``how``:
+    "switch" (the variants come with the switched ``fully_shard``, no mesh passed) or "by
+    hand" (``attach``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
-    model = Net()
+    model = (build or Net)()
+    groups = groups or (lambda m: (m.a, m.b, m))
     if how == "switch":
         switch.use(impl, spec)
         from torch.distributed.fsdp import fully_shard  # as a trainer looks it up, at call time
     else:
         fully_shard = importlib.import_module(IMPLS[impl]).fully_shard
     try:
-        for module in (model.a, model.b, model):
+        for module in groups(model):
             fully_shard(module) if how == "switch" else fully_shard(module, mesh=mesh)
         hooks = fully_shard.hooks if how == "switch" else attach(model, parse(spec), mesh)
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         generator = torch.Generator().manual_seed(dist.get_rank())
-        for _ in range(2):
+        for _ in range(steps):
             model(torch.randn(4, 6, generator=generator)).pow(2).sum().backward()
             optim.step()
             optim.zero_grad()
