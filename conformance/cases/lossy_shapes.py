@@ -23,8 +23,8 @@ import torch.nn as nn
 from twinshard.variants import Communication, Variant
 
 from .. import models as M
-from ..lossy import train_lossy
 from .core import case
+from .lossy import WHY, judge, needs_nodes, sharded
 
 IN, WIDTH = 13, 29
 
@@ -61,53 +61,35 @@ class Awkward(nn.Module):
 
 
 def _judge(ctx, variants: list[Variant], hpz: int | None = None):
-    after = {} if hpz is None else {"reshard_after_forward": hpz}
-
-    def wrap(impl, model, mesh):
-        for block in model.blocks:
-            impl.fully_shard(block, mesh=mesh, **after)
-        impl.fully_shard(model, mesh=mesh)
-
-    recipe = M.mlp_recipe(ctx.world, build=Awkward, data=M.mlp_data(IN))
-    return train_lossy(ctx, recipe, Communication(variants, hpz), wrap)
+    model = dict(build=Awkward, data=M.mlp_data(IN))
+    return judge(ctx, Communication(variants, hpz), model)
 
 
-def _sharded(ctx) -> bool:
-    return ctx.shard_size > 1
-
-
-WHY = "nothing is communicated within a shard group of one rank"
-
-
-@case("lossy", needs=_sharded, why=WHY)
+@case("lossy", needs=sharded, why=WHY)
 def case_lossy_shapes_int8(ctx):
     """qwZ and qgZ in int8, blocks of 8, on the awkward shapes."""
     return _judge(ctx, [Variant("qwz", 8, 8), Variant("qgz", 8, 8)])
 
 
-@case("lossy", needs=_sharded, why=WHY)
+@case("lossy", needs=sharded, why=WHY)
 def case_lossy_shapes_int4(ctx):
     """qwZ and qgZ in int4, blocks of 8, on the awkward shapes."""
     return _judge(ctx, [Variant("qwz", 4, 8), Variant("qgz", 4, 8)])
 
 
-@case("lossy", needs=_sharded, why=WHY)
+@case("lossy", needs=sharded, why=WHY)
 def case_lossy_shapes_default_block(ctx):
     """qwZ and qgZ in int8 at the default block, larger than every piece."""
     return _judge(ctx, [Variant("qwz"), Variant("qgz")])
 
 
-@case("lossy", needs=_sharded, why=WHY)
+@case("lossy", needs=sharded, why=WHY)
 def case_lossy_shapes_bf16_wire(ctx):
     """qwZ in int8 and the gradients on a bf16 wire, on the awkward shapes."""
     return _judge(ctx, [Variant("qwz", 8, 8), Variant("bf16-wire")])
 
 
-@case(
-    "lossy",
-    needs=lambda ctx: ctx.shard_size >= 4 and ctx.shard_size % 2 == 0,
-    why="needs a shard group of at least 4 ranks, in nodes of 2",
-)
+@case("lossy", needs=needs_nodes, why="needs a shard group of at least 4 ranks, in nodes of 2")
 def case_lossy_shapes_hpz(ctx):
     """ZeRO++ whole on the awkward shapes: qwZ, qgZ by node and hpZ (nodes of 2)."""
     variants = [Variant("qwz", 8, 8), Variant("qgz", 8, 8, ranks_per_node=2)]

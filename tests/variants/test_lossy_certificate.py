@@ -1,7 +1,7 @@
 """The lossy certificate's own checks, each shown to catch the mistake it was made for.
 
 Every planted variant of ``conformance/planted/lossy.py``'s ``CERTIFICATE`` is judged by the
-suite's lossy case (``conformance.cases.lossy._judge``) under the optimized path, without the
+suite's lossy case (``conformance.cases.lossy.judge``) under the optimized path, without the
 reference or torch as oracles (``--no-oracles`` must lose no catch), on the mesh where its
 mistake shows: it must fail, and among its failures must be the check made for it (the wire
 from the declared format, the gathered parameters bit for bit, the reduced gradients within
@@ -28,7 +28,7 @@ def _judge_all(shape: tuple) -> dict:
     variants it claims to be."""
     import twinshard.optimized as impl
     from twinshard.conformance.cases.core import Context
-    from twinshard.conformance.cases.lossy import _judge
+    from twinshard.conformance.cases.lossy import judge
     from twinshard.conformance.planted.lossy import PlantedCommunication
     from twinshard.variants import Communication
 
@@ -39,8 +39,8 @@ def _judge_all(shape: tuple) -> dict:
         precision = {} if param is None else {"param": param, "reduce": torch.float32}
         with tempfile.TemporaryDirectory() as tmp:
             ctx = Context(impl, "optimized", None, shape, tmp)
-            planted = _judge(ctx, PlantedCommunication(cls, variants), **precision)
-            correct = _judge(ctx, Communication(variants), **precision)
+            planted = judge(ctx, PlantedCommunication(cls, variants), **precision)
+            correct = judge(ctx, Communication(variants), **precision)
         out[name] = {"planted": planted.failures, "correct": (correct.failures, correct.notes)}
     return out
 
