@@ -7,9 +7,9 @@ network decides the step.
 The job is the developers' network-bound plan of Llama 3 70B (1,024 ranks, H100 SXM, nodes of
 8 with NVLink and 400 Gb/s InfiniBand per GPU; one sequence of 8,192 tokens per rank, every
 block checkpointed), planned with torch's ``fully_shard`` six ways: its own collectives; each
-variant alone (qwZ, qgZ by node of 8, the bf16 wire); qwZ and qgZ together in int8 with blocks
+variant alone (qwZ, qgZ by node of 8, the bf16 wire, fp8 weights); qwZ and qgZ together in int8 with blocks
 of 256, qgZ in two steps by node of 8 (``--variants qwz+qgz:node=8``); and the same with hpZ
-(``reshard_after_forward=8``). Each is recorded at two small depths (``--depths``) and its
+(``reshard_after_forward=8``); and fp8 weights with qgZ by node. Each is recorded at two small depths (``--depths``) and its
 step extrapolated in a straight line to the model's 80 blocks, as ``plan --search`` does (its
 step times matched full-depth recordings to 1.000). The target: the fastest variant's planned tokens/s at least 1.3x torch's. The table
 (with bytes per rank on each link at the deeper depth) goes to ``OUT/DATE-plan-variants-
@@ -32,6 +32,8 @@ SETTINGS = [  # (name, --variants, reshard_after_forward of the blocks)
     ("bf16 wire alone", "bf16-wire", True),
     ("qwZ + qgZ (int8, by node of 8)", "qwz+qgz:node=8", True),
     ("qwZ + qgZ + hpZ (nodes of 8)", "qwz+qgz:node=8", 8),
+    ("fp8 weights alone (tensorwise)", "fp8", True),
+    ("fp8 weights + qgZ (by node of 8)", "fp8+qgz:node=8", True),
 ]
 
 

@@ -4,12 +4,14 @@
 parameter group is each parameter's padded shard cut at the parameters' boundaries
 (``segments.py``), one fp32 scale per block and ``bits`` per code. So the bytes of every
 message follow from the variant's bits and block and the model's parameters alone, without
-asking the variant what it sent: ``declared_sizes`` lists them (a group's message, as torch's
-``fully_shard`` and the optimized path send it, and one parameter's, as the reference does).
+asking the variant what it sent (fp8: a byte per code, and rowwise an fp32 scale per row):
+``declared_sizes`` lists them (a group's message, as torch's ``fully_shard`` and the optimized
+path send it, and one parameter's, as the reference does).
 ``check_wire`` then reads one run's collectives (``conformance.trace``):
 
-- qwZ: at least one packed (uint8) all-gather, each of a declared size (ranks x message), and
-  no floating-point all-gather but hpZ's within a node (``reshard_after_forward`` an int);
+- qwZ and fp8: at least one packed (uint8) all-gather, each of a declared size (ranks x
+  message), and no floating-point all-gather but hpZ's within a node
+  (``reshard_after_forward`` an int);
 - qgZ: no floating-point reduce-scatter, and all-to-alls of packed bytes, each of a declared
   size (rows x message: a row per rank of the shard group; by node, the same within the node,
   whose ranks each send a row per node, then a row per node across the nodes);
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from twinshard.variants import blocks
+from twinshard.variants import blocks, fp8
 from twinshard.variants.segments import padded_numel
 
 from .compare import Checker
@@ -37,8 +39,12 @@ def declared_sizes(comm, collective: str, ranks: int, rows: list[int]) -> set[in
             continue
         params = layout.params if collective == "all_gather" else layout.params_with_grads()
         pieces = [n for n in (padded_numel(p, ranks) for p in params) if n]
-        for segments in (pieces, *([n] for n in pieces)):
-            message = blocks.packed_bytes(segments, v.bits, v.block)
+        widths = [fp8.row_width(p.shape, v.rows) for p in params if padded_numel(p, ranks)]
+        for segments, w in ((pieces, widths), *(([n], [w]) for n, w in zip(pieces, widths))):
+            if v.kind == "fp8":  # a code a byte, and rowwise an fp32 scale per row
+                message = fp8.packed_bytes(segments, w)
+            else:
+                message = blocks.packed_bytes(segments, v.bits, v.block)
             sizes.update(r * message for r in rows)
     return sizes
 

@@ -6,6 +6,7 @@ points, so that each runs under torch's ``fully_shard``, the reference and the o
 | qwZ int8 / int4 | the weights' all-gather | 1 + 4/B / 0.5 + 4/B (bf16: 2) | ``qwz.py`` |
 | qgZ int8 / int4 | the gradients' reduce-scatter (all-to-all, fp32 sum) | 1 + 4/B / 0.5 + 4/B (fp32: 4) | ``qgz.py`` |
 | qgZ by node | the same in two steps, within then across nodes | the same, 1/k across nodes | ``qgz.py``, ``nodes.py`` |
+| fp8 (tensorwise, rowwise) | the weights' all-gather as e4m3 codes | 1 (rowwise: + 4/C) | ``fp8.py`` |
 | bf16 wire | the gradients' reduce-scatter (all-to-all, fp32 sum) | 2 (fp32: 4) | ``bf16_wire.py`` |
 | hpZ | nothing: ``fully_shard(..., reshard_after_forward=k)`` with k ranks per node keeps a node-local shard for backward's all-gather | - | ``hpz`` below |
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from .bf16_wire import Bf16WireReduceScatter
+from .fp8 import Fp8AllGather
 from .nodes import NodeGroups
 from .qgz import QuantizedReduceScatter
 from .qwz import QuantizedAllGather
@@ -23,27 +24,31 @@ from .segments import Layout
 
 @dataclass(frozen=True)
 class Variant:
-    """One change to FSDP's communication. ``kind``: "qwz" (the weights' all-gather), "qgz" or
-    "bf16-wire" (the gradients' reduce-scatter); ``bits`` and ``block`` for the quantized ones;
-    ``ranks_per_node`` > 1 makes qgZ hierarchical."""
+    """One change to FSDP's communication. ``kind``: "qwz" or "fp8" (the weights'
+    all-gather), "qgz" or "bf16-wire" (the gradients' reduce-scatter); ``bits`` and ``block``
+    for the block-quantized ones; ``ranks_per_node`` > 1 makes qgZ hierarchical; ``rows``
+    gives fp8 a scale per matrix row rather than per tensor."""
 
     kind: str
     bits: int = 8
     block: int = 256
     ranks_per_node: int = 1
+    rows: bool = False
 
     @property
     def collective(self) -> str:
-        return "all_gather" if self.kind == "qwz" else "reduce_scatter"
+        return "all_gather" if self.kind in ("qwz", "fp8") else "reduce_scatter"
 
     def describe(self) -> str:
         if self.kind == "bf16-wire":
             return "bf16 wire, fp32 accumulation"
+        if self.kind == "fp8":
+            return f"fp8 e4m3, a scale per {'row' if self.rows else 'tensor (agreed)'}"
         nodes = f", by node of {self.ranks_per_node}" if self.ranks_per_node > 1 else ""
         return f"{self.kind} int{self.bits}, blocks of {self.block}{nodes}"
 
 
-KINDS = ("qwz", "qgz", "bf16-wire")
+KINDS = ("qwz", "qgz", "bf16-wire", "fp8")
 
 
 def fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module | list[nn.Module]]]:
@@ -103,8 +108,9 @@ def attach_module(module, variants: list[Variant], groups, name: str = "") -> di
     layout, hooks = Layout(module, name), {}
     module = module[0] if isinstance(module, (list, tuple)) else module  # the group's state
     for v in variants:
-        if v.kind == "qwz":
-            hooks["all_gather"] = QuantizedAllGather(layout, v.bits, v.block)
+        if v.kind in ("qwz", "fp8"):
+            made = Fp8AllGather(layout, v.rows) if v.kind == "fp8" else None
+            hooks["all_gather"] = made or QuantizedAllGather(layout, v.bits, v.block)
             module.set_custom_all_gather(hooks["all_gather"])
         elif v.kind == "qgz":
             hooks["reduce_scatter"] = QuantizedReduceScatter(layout, v.bits, v.block, groups)
@@ -151,18 +157,23 @@ def problem(spec: str, shard_ranks: int) -> str | None:
 
 def parse(spec: str) -> list[Variant]:
     """The variants a ``--variants`` flag names: kinds joined by ``+``, each with options after
-    colons: ``qwz``, ``qgz:bits=4:block=128:node=8``, ``bf16-wire`` (``node``: ranks per node,
-    for qgZ's two steps). An empty spec is none."""
+    colons: ``qwz``, ``qgz:bits=4:block=128:node=8``, ``bf16-wire``, ``fp8``, ``fp8:rows``
+    (``node``: ranks per node, for qgZ's two steps; ``rows``: fp8's scale per row). An empty
+    spec is none."""
     out = []
     for item in filter(None, (spec or "").split("+")):
         kind, *options = item.split(":")
         fields = {}
         for option in options:
+            if option == "rows" and kind == "fp8":
+                fields["rows"] = True
+                continue
             key, _, value = option.partition("=")
             name = {"bits": "bits", "block": "block", "node": "ranks_per_node"}.get(key)
             if name is None or not value.isdigit():
                 raise ValueError(
-                    f"--variants: {option!r} in {item!r} is not bits=N, block=N or node=N"
+                    f"--variants: {option!r} in {item!r} is not bits=N, block=N, node=N "
+                    "(or fp8's rows)"
                 )
             fields[name] = int(value)
         variant = Variant(kind, **fields)

@@ -25,9 +25,7 @@ import torch.distributed as dist
 
 from . import blocks
 from .segments import Layout
-from .wire import WireCollective
-
-all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # 2.13 renamed it
+from .wire import WireCollective, all_gather
 
 
 class QuantizedAllGather(WireCollective):
@@ -46,10 +44,8 @@ class QuantizedAllGather(WireCollective):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         ranks = dist.get_world_size(group)
-        if self.layout.mesh_ranks and ranks < self.layout.mesh_ranks:  # hpZ's backward gather
-            all_gather(output_tensor.view(-1), input_tensor.reshape(-1), group=group)
-            self.sent_bytes += input_tensor.numel() * input_tensor.element_size()
-            return None
+        if self.gathers_kept(self.layout, output_tensor, input_tensor, group):
+            return None  # hpZ's backward gather
         shard = input_tensor.reshape(-1)  # (n,): this rank's padded shards, parameter by parameter
         segments = self.layout.split(shard.numel(), ranks)
         message = blocks.pack(shard, segments, self.bits, self.block)  # (m,) uint8

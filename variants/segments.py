@@ -69,6 +69,14 @@ class Layout:
         """The parameters a reduce-scatter's message holds: those that take gradients."""
         return [p for p in self.params if p.requires_grad]
 
+    def params_of(self, numel: int, ranks: int) -> list | None:
+        """The parameters whose pieces a message of ``numel`` values per rank holds, in order,
+        where it is the group's message over ``ranks`` ranks; None where it is not."""
+        pieces = [padded_numel(p, ranks) for p in self.params]
+        if numel != sum(pieces):
+            return None
+        return [p for p, n in zip(self.params, pieces) if n]
+
     def split(self, numel: int, ranks: int, grads: bool = False) -> list[int]:
         params = self.params_with_grads() if grads else self.params
         layouts = [(ranks, 1)]  # (ranks the pieces are cut for, copies in one message)

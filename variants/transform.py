@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import blocks
+from . import blocks, fp8
 from .attach import Variant, attach
 
 
@@ -57,9 +57,12 @@ class Communication:
 
     @property
     def step(self) -> float:
-        """The coarsest relative rounding of any variant: 1 / 127 (int8), 1 / 7 (int4), 2^-8."""
-        steps = [1 / blocks.max_code(v.bits) for v in self.variants if v.kind != "bf16-wire"]
+        """The coarsest relative rounding of any variant: 1 / 127 (int8), 1 / 7 (int4), 2^-8
+        (bf16's 8 significant bits), 2^-3 (e4m3's 3 stored bits)."""
+        quantized = [v for v in self.variants if v.kind in ("qwz", "qgz")]
+        steps = [1 / blocks.max_code(v.bits) for v in quantized]
         steps += [2.0**-8 for v in self.variants if v.kind == "bf16-wire"]
+        steps += [2.0**-3 for v in self.variants if v.kind == "fp8"]
         return max(steps, default=2.0**-23)
 
     def attach(self, model, mesh) -> dict:
@@ -71,6 +74,8 @@ class Communication:
         v = self.weights
         if v is None or ranks == 1:
             return full
+        if v.kind == "fp8":  # whole parameters and whole rows: no rank boundary enters it
+            return fp8.roundtrip(full, v.rows)
         pieces = [blocks.roundtrip(c, v.bits, v.block) for c in chunks(full, ranks)]
         return unchunk(pieces, full)
 

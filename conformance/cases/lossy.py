@@ -142,6 +142,28 @@ def case_lossy_zeropp_hpz(ctx):
     return _run(ctx, variants, reshard_after_forward=2)
 
 
+@case("lossy", needs=sharded, why=WHY)
+def case_lossy_fp8(ctx):
+    """fp8: the weights all-gathered as e4m3 codes at one scale per parameter, agreed across
+    the shard group (torchao's float8 all-gather, for every parameter)."""
+    return _run(ctx, [Variant("fp8")])
+
+
+@case("lossy", needs=sharded, why=WHY)
+def case_lossy_fp8_rows_bf16(ctx):
+    """fp8 with a scale per row, with qgZ, under bf16 mixed precision: dequantized into bf16."""
+    variants = [Variant("fp8", rows=True), Variant("qgz", 8, BLOCK)]
+    return _run(ctx, variants, param=torch.bfloat16, reduce=torch.float32)
+
+
+@case("lossy", needs=needs_nodes, why="needs a shard group of at least 4 ranks, in nodes of 2")
+def case_lossy_fp8_hpz(ctx):
+    """fp8 weights with hpZ (backward gathers forward's dequantized values within the node)
+    and qgZ by node."""
+    variants = [Variant("fp8"), Variant("qgz", 8, BLOCK, ranks_per_node=2)]
+    return _run(ctx, variants, reshard_after_forward=2)
+
+
 @case(
     "lossy",
     needs=lambda ctx: sharded(ctx) and given_variant() is not None,

@@ -24,6 +24,8 @@ check that must catch it (``tests/variants/test_lossy_certificate.py``):
     averages_over_world     qgZ divides by the whole world, not its shard group: the same
                             in 1D, off by the replicas in HSDP
     own_chunk_exact         qgZ keeps its own chunk exact and quantizes the others'
+    fp8_scale_not_agreed    fp8 tensorwise: each rank quantizes at its own shard's largest
+                            magnitude, not the whole parameter's agreed one
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.variants import Communication, Variant, blocks, fsdp_modules
+from twinshard.variants.fp8 import Fp8AllGather
 from twinshard.variants.qgz import QuantizedReduceScatter, is_average
 from twinshard.variants.qwz import QuantizedAllGather, all_gather
 from twinshard.variants.segments import Layout
@@ -171,6 +174,14 @@ class OwnChunkExact(QuantizedReduceScatter):
         return total - sent + me.float()
 
 
+class Fp8ScaleNotAgreed(Fp8AllGather):
+    def __init__(self, layout, bits, block):
+        super().__init__(layout)
+
+    def agree(self, amax, group):
+        pass  # each rank quantizes at its own shard's scale
+
+
 class PlantedCommunication(Communication):
     """The variants a planted class claims to be, declared as they are, with the planted
     class in place of the correct one of its kind on every group."""
@@ -205,4 +216,5 @@ CERTIFICATE = {
         AveragesOverWorld, [Variant("qgz", 8, 8)], None, (2, 2), "declared sum"
     ),
     "own_chunk_exact": (OwnChunkExact, [Variant("qgz", 8, 8)], None, (2,), "declared sum"),
+    "fp8_scale_not_agreed": (Fp8ScaleNotAgreed, [Variant("fp8")], None, (2,), "as gathered"),
 }  # fmt: skip

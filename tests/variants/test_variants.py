@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from twinshard.ranks.launch import launch
-from twinshard.variants import Communication, Variant, attach, blocks, hpz, sent_bytes
+from twinshard.variants import Communication, Variant, attach, blocks, fp8, hpz, sent_bytes
 from twinshard.variants.segments import Layout
 
 IMPLS = ("torch.distributed.fsdp", "twinshard.reference", "twinshard.optimized")
@@ -34,6 +34,8 @@ CASES = {
     "bf16 wire": (2, [Variant("bf16-wire")]),
     "qwz + qgz": (2, [Variant("qwz", 8, BLOCK), Variant("qgz", 8, BLOCK)]),
     "qwz + qgz by node, 4 ranks": (4, [Variant("qwz", 8, BLOCK), Variant("qgz", 8, BLOCK, 2)]),
+    "fp8": (2, [Variant("fp8")]),
+    "fp8 rows + qgz": (2, [Variant("fp8", rows=True), Variant("qgz", 8, BLOCK)]),
 }
 HPZ = "hpz(2) + qwz, 4 ranks"
 
@@ -54,6 +56,18 @@ def test_int4_codes_are_packed_two_to_a_byte():
     assert codes.dtype == torch.uint8 and codes.tolist() == [27, 138]
     back = blocks.dequantize(codes, scales, 4, 4, 4, torch.float32)
     assert back.tolist() == [3.0, -7.0, 2.0, 0.0]
+
+
+def test_fp8_codes_by_hand():
+    """Tensorwise, [1, -2, 0.3, 0] at one scale, 2 / 448: 1 / s = 224 and -448 are e4m3 values; 0.3 / s
+    = 67.2 lies between 64 and 72 (e4m3's step of 8 there), so is sent as 64; 0 as 0."""
+    x = torch.tensor([1.0, -2.0, 0.3, 0.0])
+    back = fp8.roundtrip(x, rows=False)
+    assert back.tolist() == pytest.approx([1.0, -2.0, 64 * 2 / 448, 0.0])
+    # by rows, [1, 0.3] at 1 / 448: 0.3 * 448 = 134.4 lies between 128 and 144, sent as 128;
+    # the row of zeros at the scale of 1 a zero scale is replaced by
+    rows = fp8.roundtrip(torch.tensor([[1.0, 0.3], [0.0, 0.0]]), rows=True)
+    assert rows.tolist() == [[1.0, pytest.approx(128 / 448)], [0.0, 0.0]]
 
 
 def test_a_message_restarts_blocks_at_each_segment_and_counts_its_bytes():
@@ -246,10 +260,7 @@ def test_the_bytes_sent_are_the_wire_formats(case):
                 )
                 assert sent == STEPS * 2 * values * (ranks - 1), name
                 continue
-            per_module = {
-                k: blocks.packed_bytes([_padded(p, ranks) for p in m.parameters()], v.bits, v.block)
-                for k, m in pieces.items()
-            }
+            per_module = {k: _message(m, ranks, v) for k, m in pieces.items()}
             if collective == "all_gather":
                 want = STEPS * sum(per_module[k] * (1 if k == "(root)" else 2) for k in per_module)
                 assert sent == want, f"{case}, {name}: {sent} bytes, not {want}"
@@ -259,6 +270,20 @@ def test_the_bytes_sent_are_the_wire_formats(case):
                 rows = (k - 1) * nodes + nodes - 1 if k > 1 else ranks - 1
                 want = STEPS * rows * sum(per_module.values())
                 assert sent == want, f"{case}, {name}: {sent} bytes, not {want}"
+
+
+def _message(module, ranks: int, v: Variant) -> int:
+    """One rank's message of ``module``'s parameters under ``v``, as its format is declared:
+    blocks of codes with an fp32 scale each, or fp8's code a byte (and rowwise a scale a row,
+    for a matrix's rows of p.shape[1] values)."""
+    segments = [_padded(p, ranks) for p in module.parameters()]
+    if v.kind != "fp8":
+        return blocks.packed_bytes(segments, v.bits, v.block)
+    rows = [
+        n // p.shape[1] if v.rows and p.dim() == 2 else 0
+        for n, p in zip(segments, module.parameters())
+    ]
+    return sum(segments) + 4 * sum(rows)
 
 
 def _padded(p: torch.Tensor, ranks: int) -> int:
