@@ -1,14 +1,16 @@
 """Judging a variant that changes the numbers on purpose (``twinshard.variants``).
 
 A lossy variant fails every exact comparison whether it is right or wrong, so the suite holds
-it to two yardsticks built from what it declares (``Communication``: the parameter every rank
+it to yardsticks built from what it declares (``Communication``: the parameter every rank
 computes with, ``gathered``, and the sum of one shard group's gradients, ``gradient_sum``):
 
 - **the exact oracle**: the plain model with the same transform applied at the same points
   (``run_plain_with``: every rank's slice of the batch through the gathered weights; each
   parameter's gradients summed as the variant sums them, replica by replica, then averaged).
-  The run must equal it to fp32's tolerances: a wrong scale, a block cut elsewhere, a sum
-  without its division all show.
+  The run under test must come within twice the noise of its own exact run at this mesh
+  (``lossy_noise.py``: measured against the plain model, never tuned); the oracles' runs
+  (the reference, torch's) within fp32's tolerances. A wrong scale, a block cut elsewhere, a
+  sum without its division all show, by thousands of times the bound.
 - **the wire** (``lossy_wire.py``): what the run put on the wire is what the variant's
   declared format gives, computed from its bits, block and the parameters' segments, not from
   what the variant reports (an "int4" all-gather that sends a code a byte shows here even if
@@ -38,6 +40,7 @@ from . import driver
 from . import lossy_witness as witness
 from .compare import Checker
 from .driver import Recipe, Trace, compare, make_optimizer, run_oracle, run_plain, run_sharded
+from .lossy_noise import Measured, Noise
 from .lossy_wire import check_wire
 from .lossy_witness import Witness
 from .trace import CollectiveTrace
@@ -143,6 +146,7 @@ def train_lossy(ctx, recipe: Recipe, comm, wrap) -> Checker:
     ``fully_shard`` and the reference, where they are not what is under test."""
     tight = _tight(recipe)
     budget = Checker("low_precision", low_eps=comm.step)
+    measured = _measured(ctx, Recipe(**{**recipe.__dict__, "wrap": wrap}))
     witnesses: list = []
     recipe = with_variant(recipe, comm, wrap, witnesses)
     truth, oracle = run_plain(recipe), run_plain_with(recipe, comm, ctx.mesh_shape)
@@ -162,11 +166,30 @@ def train_lossy(ctx, recipe: Recipe, comm, wrap) -> Checker:
     for name, run in runs.items():  # the most direct evidence first: what was gathered
         witness.check(tight, seen_by[name], run, comm, ctx.mesh, name, recipe.low_reduce)
         seen_by[name].remove()
-        compare(tight, f"{name} vs the variant's plain oracle", run, oracle, truth_low=oracle)
+        near = measured if name == ctx.impl_name else tight  # the oracles' own: fp32's
+        compare(near, f"{name} vs the variant's plain oracle", run, oracle, truth_low=oracle)
         compare(budget, f"{name} vs the exact plain model", run, truth, truth_low=oracle)
+    tight.absorb(measured)
+    tight.notes += [note] if (note := measured.margin_note()) else []
     tight.absorb(budget)
     tight.notes.append(f"variant: {comm.name}")
     return tight
+
+
+def _measured(ctx, exact: Recipe) -> Measured:
+    """The bound of the run under test against its oracle (``lossy_noise.py``): the noise of
+    the same implementation's exact run at this mesh, against the plain model computing as it
+    does (in its precision, on each rank's slice, with no variant)."""
+    from twinshard.variants import Communication
+
+    noise = Noise()
+    with paused():
+        same = _plain_with(exact, Communication([]), ctx.mesh_shape)
+    compare(noise, "exact", run_sharded(exact, ctx.impl, ctx.mesh)[0], same)
+    reduce = exact.low_reduce if exact.low_precision is not None else torch.float32
+    replicas, ranks = (1, *ctx.mesh_shape)[-2:]
+    eps = torch.finfo(reduce).eps
+    return Measured("measured", noise=noise, additions=ranks + replicas, eps=eps)
 
 
 def _tight(recipe: Recipe) -> Checker:

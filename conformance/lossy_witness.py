@@ -15,7 +15,10 @@ and without any oracle:
   gradients the ranks of each shard group made (in the reduce dtype, in rank order), added
   over the replicas of an HSDP mesh, divided by the world and rounded to the reduce dtype,
   within one rounding step of that dtype per addition: an exact reduce-scatter or all-reduce
-  adds in the backend's order.
+  adds in the backend's order. A rounding step is taken at the magnitude of what is added
+  (the sum of the contributions' magnitudes, over the world), not of what the sum comes to:
+  where the ranks' gradients cancel, the partial sums are larger than the result, and so are
+  their roundings.
 
 ``Witness(model)`` goes on a sharded model after its variants: hooks that only read. Before
 the root's forward (its hook runs before the implementation's) it keeps this rank's shard of
@@ -149,7 +152,11 @@ def reduced_failures(checker, trace, grads: list, index: int, comm, label: str, 
             expected = chunks(total, ranks)[index][: local.numel()].view_as(local)
             off = (local.float() - expected).abs().max().item()
             eps = torch.finfo(dtype or torch.float32).eps
-            bound = (ranks + replicas) * eps * max(expected.abs().max().item(), 1e-30)
+            added = sum(
+                _as(c, like, dtype).float().abs() for row in made for c in row if c is not None
+            )
+            added = chunks(added / (replicas * ranks), ranks)[index][: local.numel()]
+            bound = (ranks + replicas) * eps * max(added.max().item(), 1e-30)
             margins.append(off / bound)
             if off > bound:
                 checker.fail(

@@ -6,7 +6,9 @@ reference or torch as oracles (``--no-oracles`` must lose no catch), on the mesh
 mistake shows: it must fail, and among its failures must be the check made for it (the wire
 from the declared format, the gathered parameters bit for bit, the reduced gradients within
 their bound). The correct variants each claims to be, judged the same way, pass, and their
-gradients stay within a third of the bound (a margin of 3x at least).
+gradients stay within a third of the bound (a margin of 3x at least), as does their distance
+to the exact oracle within the bound measured from the exact run (``lossy_noise.py``), which
+each planted mistake that moves the numbers exceeds by 3x at least.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from twinshard.conformance.planted.lossy import CERTIFICATE
 from twinshard.ranks.launch import launch
 
+BOUND = r"([0-9.e+]+|inf)x the bound\)"  # the oracle's measured bound (lossy_noise.py)
 MESHES = sorted({entry[3] for entry in CERTIFICATE.values()})
 
 
@@ -64,6 +67,8 @@ def test_each_mistake_is_caught_by_its_check(judged, name):
     for f in failures:  # a gradient's catch says by how much: at least 3x its bound
         if "declared sum" in f:
             assert float(re.search(r"([0-9.]+)x the bound", f).group(1)) >= 3, f
+    measured = [float(m.group(1)) for f in failures if (m := re.search(BOUND, f))]
+    assert not measured or max(measured) >= 3, f"{name}: at most {max(measured)}x its bound"
 
 
 @pytest.mark.parametrize("name", list(CERTIFICATE))
@@ -73,3 +78,5 @@ def test_what_each_mistake_claims_passes_with_a_margin(judged, name):
         assert failures == [], failures[:3]
         ratios = [float(m) for n in notes for m in re.findall(r"at most ([0-9.]+)x", n)]
         assert ratios and max(ratios) <= 1 / 3, notes
+        near = [float(m) for n in notes for m in re.findall(r"measured bound: ([0-9.e+-]+)x", n)]
+        assert near and max(near) <= 1 / 3, notes  # against the oracle, in the measured bound
