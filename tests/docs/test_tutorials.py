@@ -97,3 +97,43 @@ def test_notebook_runs(path, record_property, site_build):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("all checks passed" in o.get("text", "") for o in outputs)
+
+
+def _answer_lines(path: Path) -> set[str]:
+    """The code of a notebook's exercise answer that no stored notebook shows the student (the
+    exercise's signature and docstring are shown, and so is a wrong ring): each line without
+    its comment, where it is long enough to be the answer's own."""
+    answer = TUTORIALS / "answers" / f"{path.stem}.py"
+    if not answer.is_file():
+        return set()
+    shown = "\n".join(c.source for p in NOTEBOOKS for c in nbformat.read(p, as_version=4).cells)
+    code = {line.split("#")[0].strip() for line in answer.read_text(encoding="utf-8").splitlines()}
+    return {line for line in code if len(line) >= 24 and line not in shown}
+
+
+def test_no_answer_is_shown_in_any_output_or_page(site):
+    """Nothing of an exercise's answer appears in an executed notebook's outputs (the site's
+    pages and the downloadable notebooks are made from them) or in any built page."""
+    import html
+
+    answers = {p.name: _answer_lines(p) for p in NOTEBOOKS if _answer_lines(p)}
+    assert answers, "no exercise has an answer to look for"
+    runner = _notebook_runner()
+    for path in NOTEBOOKS:
+        nb = nbformat.read(runner.executed_copy(path), as_version=4)
+        shown = "\n".join(
+            o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
+            for c in nb.cells
+            if c.cell_type == "code"
+            for o in c.outputs
+        )
+        for name, lines in answers.items():
+            leaked = sorted(line for line in lines if line in shown)
+            assert not leaked, f"{path.name}'s outputs show {name}'s answer: {leaked[:3]}"
+    for page in site.rglob("*"):
+        if page.suffix not in (".html", ".ipynb", ".md", ".txt") or not page.is_file():
+            continue
+        text = html.unescape(page.read_text(encoding="utf-8", errors="replace"))
+        for name, lines in answers.items():
+            leaked = sorted(line for line in lines if line in text)
+            assert not leaked, f"{page.relative_to(site)} shows {name}'s answer: {leaked[:3]}"
