@@ -18,6 +18,7 @@ import pytest
 
 TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
+MACHINE_PATH = r"(?:/tmp/|/root/|/home/|/work/|/usr/|site-packages)\S*"
 NOTEBOOK_LIMIT = 240  # seconds for a whole notebook; they take well under a minute on 2 cores
 
 
@@ -97,6 +98,14 @@ def test_notebook_runs(path, record_property, site_build):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("all checks passed" in o.get("text", "") for o in outputs)
+    # what a reader sees: no warnings on stderr, and none of the build machine's paths
+    stderr = [o.get("text", "")[:300] for o in outputs if o.get("name") == "stderr"]
+    assert not stderr, f"{path.name} shows stderr: {stderr[:2]}"
+    shown = "\n".join(
+        o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in outputs
+    )
+    paths = re.findall(MACHINE_PATH, shown)
+    assert not paths, f"{path.name} shows the build machine's paths: {paths[:3]}"
 
 
 def _answer_lines(path: Path) -> set[str]:
