@@ -12,11 +12,16 @@ A ring that deadlocks (every rank sending first with a blocking ``dist.send``, o
 from a rank that sends elsewhere) is stopped by the watchdog after ``HANG_SECONDS`` without
 progress, and named with the line each rank was stuck on. An exception inside the ring is
 reported with its rank and message.
+
+A teacher grades a class in one command: ``python -m twinshard.conformance.exercise_ring
+FOLDER`` imports every ``*.py`` of ``FOLDER`` (one student's each), grades its
+``ring_reduce_scatter`` and prints one row per student; it exits 1 when any is wrong.
 """
 
 from __future__ import annotations
 
 import linecache
+import os
 import re
 import shutil
 import tempfile
@@ -90,8 +95,9 @@ def diagnose(result, me: int, size: int, who: str = "") -> list[str]:
 
 
 def _run(ring, subgroups, folder: str) -> list[str]:
-    """On each rank: the ring on its marked rows, in the world or in its subgroup. An error is
-    also written to ``folder``: the ranks it leaves waiting would lose it with the run."""
+    """On each rank: the ring on its marked rows, in the world or in its subgroup. A rank whose
+    ring raises writes its error to ``folder`` and leaves at once, so that the run stops (the
+    ranks it would leave waiting stop with it) and the error is read from the file."""
     group = dist.group.WORLD
     if subgroups:
         made = [dist.new_group(ranks) for ranks in subgroups]  # every rank makes every group
@@ -111,7 +117,7 @@ def _run(ring, subgroups, folder: str) -> list[str]:
                 "ranks; dist.get_global_rank(group, i) converts group rank i)"
             )
         Path(folder, f"rank{dist.get_rank()}.txt").write_text(said)
-        return [said]
+        os._exit(3)  # at once: the ranks it leaves waiting are stopped with the run
     where = f" (groups {list(subgroups)} of 4 ranks)" if subgroups else f" ({size} ranks)"
     return [problem + where for problem in diagnose(result, me, size, who)]
 
@@ -144,10 +150,57 @@ def grade(ring) -> list[str]:
             lines = stuck_lines(error, ring.__name__) or [error.headline]
             return [*raised, f"deadlock at {size} ranks, no progress for {HANG_SECONDS} s:", *lines]
         except LaunchError as error:
-            return [f"the ring failed at {size} ranks: {str(error).splitlines()[0]}"]
+            raised = [p.read_text() for p in sorted(Path(folder).glob("rank*.txt"))]
+            return raised or [f"the ring failed at {size} ranks: {str(error).splitlines()[0]}"]
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         problems = [p for rank in found for p in rank]
         if problems:
             return problems
     return []
+
+
+def grade_folder(folder: str) -> list[tuple[str, list[str]]]:
+    """(file name, what is wrong) for every ``*.py`` of ``folder``, by name; a file that does
+    not import, or has no ``ring_reduce_scatter``, is said so."""
+    import importlib.util
+
+    out = []
+    for path in sorted(Path(folder).glob("*.py")):
+        try:
+            spec = importlib.util.spec_from_file_location(f"student_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            ring = module.ring_reduce_scatter
+        except Exception as error:  # noqa: BLE001 - the submission's, said in its row
+            out.append((path.name, [f"does not load: {type(error).__name__}: {error}"]))
+            continue
+        out.append((path.name, grade(ring)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not Path(args[0]).is_dir():
+        print(
+            "usage: python -m twinshard.conformance.exercise_ring FOLDER (of students' .py files)"
+        )
+        return 2
+    rows = grade_folder(args[0])
+    if not rows:
+        print(f"{args[0]}: no .py file to grade")
+        return 2
+    width = max(len(name) for name, _ in rows)
+    for name, problems in rows:
+        print(f"{name:<{width}}  {'right' if not problems else problems[0]}")
+        for more in problems[1:3]:
+            print(f"{'':<{width}}  {more}")
+    wrong = sum(1 for _, problems in rows if problems)
+    print(f"{len(rows) - wrong} of {len(rows)} right")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
