@@ -8,7 +8,8 @@ torch's fully_shard itself passes the suite at 2 (and at 1 and 3 in the full tie
 and 2x2 in the full tier (in the default tier it trains there as the optimized path's oracle;
 world size 4 is the optimized run's and the fuzzed test's). The optimized path runs a
 second time with stand-in streams, at world size 2, HSDP 2x2, and HSDP with one shard (2x1,
-3x1) and with one replica (1x2, 1x3), where the reductions take their shortcuts: its
+and 3x1 in the full tier) and with one replica (1x2, and 1x3 in the full tier), where the
+reductions take their shortcuts: its
 accelerator schedule on the CPU, every tensor access checked against the stream order
 (compared with the plain model). The whole matrix in that mode is one command: ``twinshard
 conform twinshard.optimized --stand-in-streams --no-oracles --world-sizes
