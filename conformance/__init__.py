@@ -17,5 +17,7 @@ it only through that interface. The package holds:
   (``xfail/``) and renders the report;
 - ``cli``: ``twinshard conform MODULE``;
 - ``pytest_plugin`` and ``check``: the same suite as pytest tests (``--fsdp-impl``);
-- ``planted``: copies of the reference with one planted bug each, which the suite must catch.
+- ``planted``: copies of the reference with one planted bug each, which the suite must catch;
+- ``exercise_ring`` and ``ring_marks``: the ring exercises' grading by hand on marked inputs
+  (tutorials 10 and 11), and a class's submissions graded in one command.
 """
