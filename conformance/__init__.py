@@ -19,5 +19,7 @@ it only through that interface. The package holds:
 - ``pytest_plugin`` and ``check``: the same suite as pytest tests (``--fsdp-impl``);
 - ``planted``: copies of the reference with one planted bug each, which the suite must catch;
 - ``exercise_ring`` and ``ring_marks``: the ring exercises' grading by hand on marked inputs
-  (tutorials 10 and 11), and a class's submissions graded in one command.
+  (tutorials 10 and 11), and a class's submissions graded in one command;
+- ``exercise_group``: tutorial 12's parameter group held to the suite, each failure said as
+  the mistake it shows.
 """
