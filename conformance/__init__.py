@@ -21,5 +21,6 @@ it only through that interface. The package holds:
 - ``exercise_ring`` and ``ring_marks``: the ring exercises' grading by hand on marked inputs
   (tutorials 10 and 11), and a class's submissions graded in one command;
 - ``exercise_group``: tutorial 12's parameter group held to the suite, each failure said as
-  the mistake it shows.
+  the mistake it shows (``planted.group_bugs``: tutorial 13's mystery group, one planted line
+  drawn by a seed).
 """

@@ -34,6 +34,11 @@ qwZ and qgZ, not implementations; ``tests/variants/test_variants_planted.py`` as
 oracle of the variant each claims to be catches it): wrong_scale, drops_partial_block,
 blocks_shift_by_rank, int8_sends_bf16, sums_without_dividing.
 
+Planted in the reference's parameter group for tutorial 13 (``group_bugs.py``: one line of
+``ParamGroup``'s four hooks changed, drawn by a seed; ``tests/docs/test_exercise_bug.py``):
+gathers_kept_params, replicas_summed_over_shards, partial_sums_ignored, mean_over_shards,
+sync_flags_swapped.
+
 Planted costs: the values stay right, only what is communicated or kept alive is not (the
 ``cost_*`` cases catch them, ``tests/suite/test_cost_contract.py`` asserts it):
 

@@ -23,12 +23,12 @@ MACHINE_PATH = r"(?:/tmp/|/root/|/home/|/work/|/usr/|site-packages)\S*"
 NOTEBOOK_LIMIT = 240  # seconds for a whole notebook; they take well under a minute on 2 cores
 
 
-def test_there_are_twelve_numbered_notebooks():
-    assert [p.name[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(1, 13)]
+def test_there_are_thirteen_numbered_notebooks():
+    assert [p.name[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(1, 14)]
 
 
 def test_an_exercise_is_stored_unanswered_with_its_answer_apart():
-    """An exercise cell (tutorials 10 to 12) raises until the student writes it; the answer the
+    """An exercise cell (tutorials 10 to 13) raises until the student writes it; the answer the
     notebook runs with (docs/hooks/notebooks.py) defines the same function, and is not in the
     notebook."""
     exercised = 0
@@ -45,7 +45,7 @@ def test_an_exercise_is_stored_unanswered_with_its_answer_apart():
         assert f"{kind} {name}(" in answer and "NotImplementedError" not in answer
         body = answer.split(f"{kind} {name}(", 1)[1]
         assert all(body not in c.source for c in cells), f"{path.name} holds its own answer"
-    assert exercised >= 3, "fewer than three notebooks ask the student to write something"
+    assert exercised >= 4, "fewer than four notebooks ask the student to write something"
 
 
 def test_an_exercise_runs_with_its_answer_and_is_shown_without_it(tmp_path, monkeypatch):
