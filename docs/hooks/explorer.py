@@ -2,17 +2,19 @@
 
 The explorer page steps through recorded training steps; ``explorer_data.py`` beside this hook
 records them (``record_grid``: the example job of ``twinshard schedule`` on gloo ranks, every
-setting of its ``AXES``) and turns them into JSON (``page_data``). This hook adds that JSON to
+setting of its ``AXES``) and ``explorer_page.py`` turns them into JSON (``page_data``). This
+hook adds that JSON to
 the site as ``explorer/schedules.json`` and tells the page where it is: the page's
 ``<div class="ts-explorer"></div>`` gets the file's relative URL as ``data-src``, which
 ``docs/js/explorer.js`` fetches. A page without that element, or a recording that fails
 (``RecordingFailed`` names the setting), fails the build.
 
-Recording takes about a minute on a 2-core machine, so it is done once per change, like the
-notebooks (``notebooks.py``): the JSON is kept in ``build/explorer/`` (ignored by git;
+Recording the 72 settings takes a minute or more on a 2-core machine, so it is done once per
+change, like the notebooks (``notebooks.py``): the JSON is kept in ``build/explorer/`` (ignored by git;
 ``TWINSHARD_EXPLORER_CACHE`` moves it) under a key that covers everything a recording can
 depend on: the Python files of the package (twinshard/, reference/, optimized/, conformance/,
-variants/), the recorder (``explorer_data.py``), the grid, and the torch and Python versions.
+variants/), the recorder and the page's numbers (``explorer_data.py``, ``explorer_page.py``),
+the grid, and the torch and Python versions.
 A failed recording leaves nothing in the cache.
 """
 
@@ -27,6 +29,7 @@ import tempfile
 import time
 
 import explorer_data  # beside this hook: mkdocs puts its folder on sys.path while it loads it
+import explorer_page
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
 from mkdocs.utils import get_relative_url
@@ -48,7 +51,8 @@ def cache_key(axes: dict) -> str:
 
     h = hashlib.sha256(f"torch={torch.__version__} python={platform.python_version()}".encode())
     h.update(json.dumps(axes, sort_keys=True).encode())
-    h.update(pathlib.Path(explorer_data.__file__).read_bytes())
+    for beside in (explorer_data, explorer_page):
+        h.update(pathlib.Path(beside.__file__).read_bytes())
     for folder in SOURCE_DIRS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             h.update(str(path.relative_to(ROOT)).encode())
@@ -65,7 +69,7 @@ def explorer_json(axes: dict | None = None) -> str:
         return target.read_text(encoding="utf-8")
     start = time.monotonic()
     recorded = explorer_data.record_grid(explorer_data.grid(axes))
-    data = explorer_data.page_data(recorded, axes)
+    data = explorer_page.page_data(recorded, axes)
     data["recorded_in_s"] = round(time.monotonic() - start, 1)
     text = json.dumps(data, separators=(",", ":"))
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,11 @@
-"""The data of the site's schedule explorer: recorded steps over a grid of settings, as JSON.
+"""The recordings behind the site's schedule explorer: one training step per setting of a grid.
 
 A part of the docs build, not of the package: ``explorer.py`` (the hook beside it) calls it.
 The explorer (``docs/explorer.md``, drawn by ``docs/js/explorer.js``) lets a student pick an
 implementation, a world size, ``reshard_after_forward``, a prefetch depth and the parameters'
 dtype, and step through the schedule of one training step that the code really ran with
-those settings. This module makes what it shows:
+those settings. This module records them; ``explorer_page.py`` turns them into what the page
+shows:
 
 - ``AXES`` declares the grid, ``grid(axes)`` is every combination of it (a ``Setting`` each);
 - ``record_grid(settings)`` records each setting's step with ``record_on_rank``, the
@@ -12,15 +13,11 @@ those settings. This module makes what it shows:
   and keeps rank 0's schedule as the command does. The settings of one world size share one
   launch of gloo ranks on the CPU, recorded one after the other (starting ranks is what costs:
   seconds a launch, against under a second a recording). A setting that cannot be recorded
-  raises ``RecordingFailed`` naming it;
-- ``page_data(recorded, axes)`` turns the schedules into the page's JSON, and refuses a grid
-  with a combination missing. Every number the page shows is computed here: per event the
-  state of every group and the bytes of unsharded parameters and of gradient buffers as the
-  recorder has them; per collective what it carried and when its result was read; per
-  schedule the totals by op (``text.totals``' numbers), the peaks and what was unsharded or
-  being gathered there. The browser only draws and steps.
+  raises ``RecordingFailed`` naming it.
 
-``explorer.py`` calls both at build time and caches the JSON.
+The model has ``LAYERS`` blocks: enough that gathering two blocks ahead holds less than the
+whole model, so that the prefetch depth trades memory for overlap instead of gathering
+everything (with 3 blocks "two ahead" had the whole model unsharded in forward).
 """
 
 from __future__ import annotations
@@ -34,9 +31,7 @@ import torch.distributed as dist
 
 from twinshard.measure import grid as jobs_grid
 from twinshard.measure.schedule.cli import example, record_on_rank
-from twinshard.measure.schedule.steps import Schedule, name_of
-from twinshard.measure.schedule.text import used_in
-from twinshard.measure.units import human_bytes
+from twinshard.measure.schedule.steps import Schedule
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,7 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 AXES = {
     "impl": ("reference", "optimized", "torch"),
     "world": (2, 4),
-    "reshard": (True, False),  # reshard_after_forward of the blocks
+    # reshard_after_forward of the blocks; 2: keep a piece sharded over 2 ranks after forward
+    "reshard": (True, False, 2),
     "prefetch": (1, 2),  # explicit prefetch lists of this many blocks (``step.prefetch``)
     "dtype": ("fp32", "bf16"),  # bf16: bf16 parameters, gradients reduced in fp32
 }
@@ -53,9 +49,10 @@ COMPARISONS = (
     ("reference vs optimized", "impl", "reference", "optimized"),
     ("one vs two ahead", "prefetch", 1, 2),
     ("reshard true vs false", "reshard", True, False),
+    ("reshard true vs 2", "reshard", True, 2),
     ("fp32 vs bf16", "dtype", "fp32", "bf16"),
 )
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # the legend's order
+LAYERS = 6  # blocks of the tiny Llama (see the module's docstring)
 
 
 class RecordingFailed(RuntimeError):
@@ -68,7 +65,7 @@ class Setting:
 
     impl: str
     world: int
-    reshard: bool
+    reshard: bool | int
     prefetch: int
     dtype: str
 
@@ -86,9 +83,10 @@ class Setting:
         )
 
     def policies(self) -> dict:
-        """``cli.example``'s keywords for this setting."""
+        """``cli.example``'s keywords for this setting (``record_on_rank`` takes the same)."""
         low = self.dtype != "fp32"
         return dict(
+            layers=LAYERS,
             reshard_after_forward=self.reshard,
             prefetch=self.prefetch,
             param_dtype=self.dtype if low else None,
@@ -97,7 +95,7 @@ class Setting:
 
     def command(self) -> str:
         """The ``twinshard schedule`` command that prints this setting's table."""
-        words = f"twinshard schedule --impls {self.impl} --world {self.world}"
+        words = f"twinshard schedule --impls {self.impl} --world {self.world} --layers {LAYERS}"
         words += f" --reshard-after-forward {str(self.reshard).lower()} --prefetch {self.prefetch}"
         if self.dtype != "fp32":
             words += f" --param-dtype {self.dtype} --reduce-dtype fp32"
@@ -149,122 +147,3 @@ def record_grid(settings: list[Setting], timeout: float = 600) -> dict[Setting, 
     finally:
         sys.path.remove(HERE)
     return recorded
-
-
-# --- the page's JSON --------------------------------------------------------------------------
-def page_data(recorded: dict[Setting, Schedule], axes: dict = AXES) -> dict:
-    """The explorer's JSON for ``recorded`` schedules, which must cover every combination of
-    ``axes`` (``ValueError`` naming the first one missing)."""
-    missing = [s for s in grid(axes) if s not in recorded]
-    if missing:
-        raise ValueError(f"the explorer's grid has no recording of {missing[0].label}")
-    return {
-        "axes": {name: list(values) for name, values in axes.items()},
-        "comparisons": [
-            {"name": name, "axis": axis, "a": a, "b": b}
-            for name, axis, a, b in COMPARISONS
-            if {a, b} <= set(axes.get(axis, ()))
-        ],
-        "ops": list(OPS),
-        "schedules": {s.key: schedule_data(s, recorded[s]) for s in grid(axes)},
-    }
-
-
-def schedule_data(setting: Setting, schedule: Schedule) -> dict:
-    """One recorded step as the page draws it (see ``page_data``)."""
-    groups = [name_of(g) for g in schedule.groups]
-    events = [
-        {
-            "hook": e.hook,
-            "group": name_of(e.group),
-            "phase": e.phase,
-            "states": "".join(schedule.group_state(e, g) for g in schedule.groups),
-            "unsharded": e.unsharded_bytes,
-            "grads": e.grad_bytes,
-            "unsharded_size": human_bytes(e.unsharded_bytes),
-            "grads_size": human_bytes(e.grad_bytes),
-            "collectives": list(e.collectives),
-        }
-        for e in schedule.events
-    ]
-    return {
-        "label": setting.label,
-        "command": setting.command(),
-        "impl": schedule.impl,
-        "rank": schedule.rank,
-        "world": schedule.world_size,
-        "groups": groups,
-        "events": events,
-        "collectives": [collective_data(schedule, c) for c in schedule.collectives],
-        "totals": totals_data(schedule),
-        "peaks": {
-            "unsharded": peak_data(schedule, lambda e: e.unsharded_bytes),
-            "with_grads": peak_data(schedule, lambda e: e.unsharded_bytes + e.grad_bytes),
-        },
-    }
-
-
-def collective_data(schedule: Schedule, c) -> dict:
-    """What the table's line under its hook says of one collective, as fields."""
-    if c.bookkeeping:
-        carries = "a count of who had gradients (no parameters)"
-    elif c.group is None:
-        carries = "?"
-    elif len(c.params) == len(schedule.params[c.group]) > 1:
-        carries = f"{name_of(c.group)} ({len(c.params)} params)"
-    else:
-        carries = f"{name_of(c.group)}: {', '.join(c.params)}"
-    read = used_in(schedule, c)
-    return {
-        "op": c.op,
-        "dtype": c.dtype,
-        "bytes": c.nbytes,
-        "size": human_bytes(c.nbytes),
-        "ranks": c.ranks,
-        "blocking": c.blocking,
-        "group": None if c.group is None else name_of(c.group),
-        "carries": carries,
-        "event": c.event,  # None: issued after the last hook
-        # the hook during which its result was first read; len(events): after the step
-        "used_in": read,
-    }
-
-
-def totals_data(schedule: Schedule) -> dict:
-    """Collectives by op (count and bytes, ops that ran only) and in all."""
-    by_op = []
-    for op in OPS:
-        calls = schedule.calls(op)
-        if calls:
-            n = sum(c.nbytes for c in calls)
-            by_op.append({"op": op, "count": len(calls), "bytes": n, "size": human_bytes(n)})
-    n = sum(c.nbytes for c in schedule.collectives)
-    return {"by_op": by_op, "count": len(schedule.collectives), "bytes": n, "size": human_bytes(n)}
-
-
-def in_flight(schedule: Schedule, index: int) -> list[str]:
-    """The groups whose all-gather was issued by event ``index`` and not yet read by then."""
-    found = []
-    for c in schedule.calls("all_gather"):
-        read = used_in(schedule, c)
-        if c.event is not None and c.event <= index and (read is None or read > index):
-            if c.group is not None and name_of(c.group) not in found:
-                found.append(name_of(c.group))
-    return found
-
-
-def peak_data(schedule: Schedule, measure) -> dict:
-    """The first event where ``measure`` is largest, and what it holds there: the groups
-    unsharded (state U) and those whose all-gather is in flight."""
-    if not schedule.events:
-        return {"bytes": 0, "size": human_bytes(0), "event": None, "unsharded": [], "gathering": []}
-    e = max(schedule.events, key=lambda e: (measure(e), -e.index))
-    return {
-        "bytes": measure(e),
-        "size": human_bytes(measure(e)),
-        "event": e.index,
-        "hook": e.hook,
-        "group": name_of(e.group),
-        "unsharded": [name_of(g) for g in schedule.unsharded_groups(e)],
-        "gathering": in_flight(schedule, e.index),
-    }

@@ -5,8 +5,10 @@ One recording of a small grid at world size 2 (the three implementations, prefet
 ahead, fp32 and bf16: 12 settings on one launch of ranks) is shared by the module. Two of its
 settings are recorded again on their own with ``record_step``, as ``twinshard schedule`` does,
 and the page's numbers are held to that schedule and to its printed table. One launch fails on
-purpose. The last tests read the site's build: its hook, and the page in Chromium at 420 and
-1400 pixels (the session's site, shared with tests/docs/test_docs.py).
+purpose. The last tests read the site's build: its hook, its whole grid (2 and 4 ranks,
+``reshard_after_forward=2``), the tutorials' links into it, and the page in Chromium at 420
+and 1400 pixels (the session's site, shared with tests/docs/test_docs.py), driven by
+``support/explorer_probe.html``: it steps, walks every control and switches ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from twinshard.measure.schedule import format_table, record_step
 from twinshard.measure.units import human_bytes
 
 explore = hook_module("explorer_data")  # the recorder the docs build's hook calls
+page = hook_module("explorer_page")  # what the page shows, from the recordings
 RecordingFailed, Setting = explore.RecordingFailed, explore.Setting
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -46,7 +49,13 @@ def recorded():
 
 @pytest.fixture(scope="module")
 def data(recorded):
-    return json.loads(json.dumps(explore.page_data(recorded, AXES)))  # as the browser reads it
+    return json.loads(json.dumps(page.page_data(recorded, AXES)))  # as the browser reads it
+
+
+@pytest.fixture(scope="module")
+def site_data(site):
+    """The built site's schedules: the whole grid."""
+    return json.loads((site / "explorer" / "schedules.json").read_text(encoding="utf-8"))
 
 
 # --- the page's numbers against the schedule --------------------------------------------------
@@ -67,22 +76,26 @@ def test_the_pages_totals_are_the_tables(setting, data):
     assert {t["op"] for t in by_op} == {c.op for c in fresh.collectives}
     assert shown["totals"]["count"] == len(fresh.collectives)
     assert shown["totals"]["bytes"] == sum(c.nbytes for c in fresh.collectives)
+    assert shown["totals"]["sent"] == sum(c["sent"] for c in shown["collectives"])
+    for c in shown["collectives"]:  # a rank sends all but its own share of a gather or scatter
+        if c["op"] in ("all_gather", "reduce_scatter"):
+            assert 0 < c["sent"] < c["bytes"], c
     peak = max(e.unsharded_bytes for e in fresh.events)
     assert shown["peaks"]["unsharded"]["bytes"] == peak
     assert table.endswith(f"peak unsharded {shown['peaks']['unsharded']['size']}")
-    # event by event and collective by collective, what the table's rows say
+    # event by event and collective by collective, what the table's rows say; G (being
+    # gathered) stands where the table has the parameters' own letter, never for U
     assert [
-        (e["hook"], e["group"], e["states"], e["unsharded"], e["grads"]) for e in shown["events"]
+        (e["hook"], e["group"], e["sharded"], e["unsharded"], e["grads"]) for e in shown["events"]
     ] == [
-        (
-            e.hook,
-            e.group or "root",
-            "".join(fresh.group_state(e, g) for g in fresh.groups),
-            e.unsharded_bytes,
-            e.grad_bytes,
-        )
+        (e.hook, e.group or "root", e.sharded_bytes, e.unsharded_bytes, e.grad_bytes)
         for e in fresh.events
     ]
+    for e, fresh_event in zip(shown["events"], fresh.events):
+        for letter, g in zip(e["states"], fresh.groups):
+            assert letter in ("G", fresh.group_state(fresh_event, g)) and (
+                letter != "G" or fresh.group_state(fresh_event, g) != "U"
+            ), (e, g)
     assert [
         (c["op"], c["dtype"], c["bytes"], c["ranks"], c["blocking"], c["event"])
         for c in shown["collectives"]
@@ -113,7 +126,7 @@ def test_a_missing_combination_is_refused(recorded):
     gone = Setting("torch", 2, True, 2, "bf16")
     del partial[gone]
     with pytest.raises(ValueError, match=re.escape(gone.label)):
-        explore.page_data(partial, AXES)
+        page.page_data(partial, AXES)
 
 
 def test_each_peak_and_its_attribution_follow_the_memory_series(data):
@@ -131,16 +144,34 @@ def test_each_peak_and_its_attribution_follow_the_memory_series(data):
             assert (peak["hook"], peak["group"]) == (event["hook"], event["group"])
             held = [g for g, state in zip(s["groups"], event["states"]) if state == "U"]
             assert peak["unsharded"] == held, (key, name)
-            flying = {
-                c["group"]
-                for c in s["collectives"]
-                if c["op"] == "all_gather"
-                and c["event"] is not None
-                and c["event"] <= peak["event"]
-                and (c["used_in"] is None or c["used_in"] > peak["event"])
-            }
-            assert set(peak["gathering"]) == flying, (key, name)
+            assert set(peak["gathering"]) == gathered_since(s, peak["event"]), (key, name)
             assert peak["unsharded"] or peak["gathering"], f"{key}: a peak that holds nothing"
+
+
+def gathered_since(s: dict, index: int) -> set[str]:
+    """The groups of schedule ``s`` with an all-gather issued by event ``index`` and no U
+    state from that event on: being gathered right after ``index``."""
+    found = set()
+    for c in s["collectives"]:
+        if c["op"] != "all_gather" or c["event"] is None or c["event"] > index or not c["group"]:
+            continue
+        j = s["groups"].index(c["group"])
+        if all(s["events"][i]["states"][j] != "U" for i in range(c["event"], index + 1)):
+            found.add(c["group"])
+    return found
+
+
+def test_a_group_being_gathered_is_shown_so_and_counted(data):
+    seen = 0
+    for key, s in data["schedules"].items():
+        for i, e in enumerate(s["events"]):
+            marked = {g for g, state in zip(s["groups"], e["states"]) if state == "G"}
+            assert marked == gathered_since(s, i), (key, i)
+            assert not marked or e["unsharded"] > 0, (key, i)  # its buffer is in memory
+            seen += len(marked)
+    # the optimized path prefetches asynchronously: some group is always shown in flight
+    assert any("G" in e["states"] for e in data["schedules"]["optimized|2|true|1|fp32"]["events"])
+    assert seen
 
 
 def gathered_in(s: dict, hook: str, group: str) -> list[str]:
@@ -162,11 +193,69 @@ def test_prefetch_two_gathers_two_blocks_ahead(data, impl):
     assert two["peaks"]["unsharded"]["bytes"] > one["peaks"]["unsharded"]["bytes"]
 
 
-def test_the_reference_ignores_prefetch_lists(data):
+def test_the_reference_ignores_prefetch_lists_and_the_page_says_so(data):
     one, two = (data["schedules"][f"reference|2|true|{n}|fp32"] for n in (1, 2))
     strip = lambda s: (s["events"], s["collectives"], s["totals"], s["peaks"])  # noqa: E731
     assert strip(one) == strip(two)
     assert all(c["blocking"] for c in one["collectives"])
+    # the page disables "two ahead" for the reference, with the reason; the others differ
+    assert "ignores prefetch lists" in one["alike"]["prefetch"]["2"]
+    assert "ignores prefetch lists" in two["alike"]["prefetch"]["1"]
+    for impl in ("optimized", "torch"):
+        assert "prefetch" not in data["schedules"][f"{impl}|2|true|1|fp32"]["alike"], impl
+
+
+def test_the_legend_names_only_what_occurs(data, site_data):
+    for d in (data, site_data):
+        states = {x for s in d["schedules"].values() for e in s["events"] for x in e["states"]}
+        ops = {c["op"] for s in d["schedules"].values() for c in s["collectives"]}
+        assert set(d["states"]) == states and set(d["ops"]) == ops
+        assert len(d["states"]) == len(set(d["states"])) and len(d["ops"]) == len(set(d["ops"]))
+    assert "P" not in data["states"]  # no reshard_after_forward=2 in this module's small grid
+    # the site's grid has the post-forward piece (reshard_after_forward=2 at 4 ranks) and groups
+    # being gathered
+    assert {"U", "S", "P", "G"} <= set(site_data["states"])
+
+
+def test_more_ranks_hold_smaller_shards_and_send_more(site_data):
+    schedules = site_data["schedules"]
+    for impl in site_data["axes"]["impl"]:
+        two, four = (schedules[f"{impl}|{n}|true|1|fp32"] for n in (2, 4))
+        assert two["totals"]["bytes"] == four["totals"]["bytes"], impl  # the same buffers
+        assert 1.9 < two["param_shards"] / four["param_shards"] <= 2, impl  # 1/N, padded
+        assert four["totals"]["sent"] > two["totals"]["sent"], impl  # (N-1)/N of each
+
+
+def test_two_ahead_is_a_trade_off_not_the_whole_model(site_data):
+    for impl in ("optimized", "torch"):
+        one, two = (site_data["schedules"][f"{impl}|2|true|{n}|fp32"] for n in (1, 2))
+        peak = two["peaks"]["unsharded"]
+        assert peak["bytes"] > one["peaks"]["unsharded"]["bytes"], impl  # more ahead holds more
+        # but never every group at once: some block is still sharded at the peak
+        assert len(peak["unsharded"]) + len(peak["gathering"]) < len(two["groups"]), impl
+
+
+TUTORIAL_LINKS = {  # tutorial -> (setting, the axis compared or None)
+    "03_shard_a_layer": ("reference|2|true|1|fp32", None),
+    "06_reference_to_optimized": ("optimized|2|true|1|fp32", "impl"),
+    "07_your_own_variant": ("optimized|2|true|1|fp32", "prefetch"),
+}
+
+
+@pytest.mark.parametrize("tutorial", TUTORIAL_LINKS)
+def test_each_tutorial_links_to_its_own_setting(tutorial, site_data):
+    notebook = json.loads((ROOT / "tutorials" / f"{tutorial}.ipynb").read_text(encoding="utf-8"))
+    text = "".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+    links = re.findall(r"\(\.\./\.\./explorer/#([^)]*)\)", text)
+    assert links, f"{tutorial} does not link to a view of the explorer"
+    for link in links:
+        found = re.fullmatch(r"setting=([^&]+)&compare=(-?\d+)&event=(\d+)", link)
+        assert found, link  # the address the explorer restores (explorer.js, restore)
+        key, compare = urllib.parse.unquote(found.group(1)), int(found.group(2))
+        want_key, want_axis = TUTORIAL_LINKS[tutorial]
+        assert key == want_key and key in site_data["schedules"], link
+        axis = site_data["comparisons"][compare]["axis"] if compare >= 0 else None
+        assert axis == want_axis, link
 
 
 # --- failures name the setting ----------------------------------------------------------------
@@ -236,10 +325,11 @@ def test_the_page_gets_its_data_and_refers_to_local_files_only(data, monkeypatch
     assert urllib.parse.urljoin("/explorer/", src) == "/" + served.url
     # the page, its script and its style name no other site: no outside script or stylesheet
     site_config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
-    for asset in ("js/explorer.js", "css/explorer.css"):
+    for asset in ("js/explorer.js", "js/explorer_draw.js", "css/explorer.css"):
         assert re.search(rf"^\s+- {re.escape(asset)}$", site_config, re.M), asset
         assert (ROOT / "docs" / asset).is_file(), asset
     texts = {"page": out, "js": (ROOT / "docs/js/explorer.js").read_text(encoding="utf-8")}
+    texts["draw"] = (ROOT / "docs/js/explorer_draw.js").read_text(encoding="utf-8")
     texts["css"] = (ROOT / "docs/css/explorer.css").read_text(encoding="utf-8")
     for name, text in texts.items():
         assert not re.findall(r"(?:https?:)?//[\w.-]+\.\w+/", text), name
@@ -252,49 +342,39 @@ def test_the_check_for_outside_sources_can_fail():
     assert re.findall(r"(?:https?:)?//[\w.-]+\.\w+/", outside)
 
 
-PROBE = """<!doctype html><html><body><pre id="result"></pre>
-<iframe id="page" style="height:900px;border:0"></iframe><script>
-const q = new URLSearchParams(location.search), frame = document.getElementById("page");
-frame.style.width = q.get("width") + "px";
-const report = (v) => { document.getElementById("result").textContent = JSON.stringify(v); };
-function look(tries) {
-  const doc = frame.contentDocument, win = frame.contentWindow;
-  const root = doc.querySelector(".ts-explorer");
-  if (!root || !root.querySelector(".tsx-sum")) {
-    if (tries > 0) return setTimeout(() => look(tries - 1), 100);
-    return report({error: root ? root.innerText.slice(0, 300) : "no .ts-explorer"});
-  }
-  doc.dispatchEvent(new KeyboardEvent("keydown", {key: "ArrowRight", bubbles: true}));
-  root.querySelector("button[data-compare='0']").click();
-  const shown = [...root.querySelectorAll("*")].filter((e) =>
-    [...e.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim()));
-  report({where: root.querySelector(".tsx-where").textContent,
-          panels: root.querySelectorAll(".tsx-panel").length,
-          totals: root.querySelector(".tsx-sum").innerText,
-          smallest_font: Math.min(...shown.map((e) => parseFloat(win.getComputedStyle(e).fontSize))),
-          page_width: doc.documentElement.scrollWidth, frame_width: doc.documentElement.clientWidth});
-}
-frame.onload = () => look(100);
-frame.src = q.get("page");
-</script></body></html>
-"""
+PROBE = ROOT / "tests" / "support" / "explorer_probe.html"
 
 
 @pytest.mark.parametrize("width", [420, 1400])
-def test_the_page_draws_steps_and_fits_in_a_browser(site, server, browser, width, tmp_path):
+def test_the_page_draws_steps_and_fits_in_a_browser(
+    site, site_data, server, browser, width, tmp_path
+):
     built = (site / "explorer" / "index.html").read_text(encoding="utf-8")
     scripts = re.findall(r'<script[^>]+src="([^"]+)"', built)
-    assert "../js/explorer.js" in scripts, scripts
+    assert scripts.index("../js/explorer_draw.js") < scripts.index("../js/explorer.js"), scripts
     assert '<link rel="stylesheet" href="../css/explorer.css"' in built
     assert not [s for s in scripts if re.match(r"(?:https?:)?//", s)], scripts
-    (site / "_explorer_probe.html").write_text(PROBE, encoding="utf-8")
+    (site / "_explorer_probe.html").write_text(PROBE.read_text(encoding="utf-8"), encoding="utf-8")
     url = f"{server}/_explorer_probe.html?page=/explorer/&width={width}"
-    dom = run_chromium(tmp_path, "--dump-dom", "--virtual-time-budget=20000", url)
+    dom = run_chromium(tmp_path, "--dump-dom", "--virtual-time-budget=30000", url)
     found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
     assert found, dom[-2000:]
     seen = json.loads(html.unescape(found.group(1)))
     assert not seen.get("error"), seen
     assert seen["where"].startswith("event 1 of ")  # the arrow key moved the cursor
-    assert seen["panels"] == 2 and "peak unsharded" in seen["totals"]  # compared side by side
+    assert seen["panels"] == seen["events"] == 2 and "peak unsharded" in seen["totals"]
     assert seen["smallest_font"] >= 11
     assert seen["page_width"] <= seen["frame_width"], "the page is wider than the window"
+    # the legend: what the recordings hold, no more
+    assert seen["legend_states"] == site_data["states"] and seen["legend_ops"] == site_data["ops"]
+    # every control shows something, or is disabled and says why (the reference's prefetch)
+    assert not seen["walked"]["problems"], seen["walked"]["problems"]
+    assert "reference: Prefetch two ahead" in seen["walked"]["disabled"], seen["walked"]
+    # 2 -> 4 ranks: this rank's shards and what it sends change, for every implementation
+    for impl, (two, four) in seen["ranks"].items():
+        for what in ("sent", "shards", "memline", "event_sent"):
+            assert two[what] != four[what], (impl, what, two[what])
+    # stepping with the stepper at the top of the window keeps the event's details under it
+    step = seen["step"]
+    assert step["head"].startswith("#3 "), step
+    assert 0 <= step["gap"] < 60 and step["head_bottom"] <= step["height"], step
