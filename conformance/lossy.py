@@ -43,6 +43,7 @@ from .driver import Recipe, Trace, compare, make_optimizer, run_oracle, run_plai
 from .lossy_noise import Measured, Noise
 from .lossy_wire import check_wire
 from .lossy_witness import Witness
+from .shared_runs import fingerprint, shared_by_cases
 from .trace import CollectiveTrace
 
 VARIANT_ENV = "TWINSHARD_CONFORM_VARIANT"  # twinshard conform --variant, for the ranks
@@ -182,10 +183,15 @@ def _measured(ctx, exact: Recipe) -> Measured:
     does (in its precision, on each rank's slice, with no variant)."""
     from twinshard.variants import Communication
 
+    def exact_runs():
+        with paused():
+            same = _plain_with(exact, Communication([]), ctx.mesh_shape)
+        return run_sharded(exact, ctx.impl, ctx.mesh)[0], same
+
+    # the lossy cases of one recipe share it (the variant is not in it): trained once a mesh
+    run, same = shared_by_cases(f"exact {fingerprint(exact)}", ctx.impl_name, exact_runs)
     noise = Noise()
-    with paused():
-        same = _plain_with(exact, Communication([]), ctx.mesh_shape)
-    compare(noise, "exact", run_sharded(exact, ctx.impl, ctx.mesh)[0], same)
+    compare(noise, "exact", run, same)
     reduce = exact.low_reduce if exact.low_precision is not None else torch.float32
     replicas, ranks = (1, *ctx.mesh_shape)[-2:]
     eps = torch.finfo(reduce).eps

@@ -69,35 +69,56 @@ def shared(what: str, impl: str | None, compute: Callable):
     return value
 
 
+def shared_by_cases(what: str, impl: str | None, compute: Callable):
+    """As ``shared``, but the run ``what`` of ``impl`` is one for every case of this mesh,
+    device and settings: ``what`` must name everything the run depends on (a recipe's
+    ``fingerprint``). For the runs several cases make alike (the lossy cases' exact run)."""
+    if _scope is None:
+        return compute()
+    key = ("any case", *_scope[1:], what, impl)
+    if key in _runs:
+        hits["reused"] += 1
+        return _runs[key]
+    value = compute()
+    _runs[key] = value
+    hits["computed"] += 1
+    return value
+
+
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
 
-def _plain(value) -> str:
+def _plain(value, depth: int = 0) -> str:
     """``repr`` of a value that says what it is (numbers, strings, dtypes, tuples of them,
-    dataclasses of them); else its type's name."""
+    dataclasses of them, functions as ``_function`` says them); else its type's name."""
     if isinstance(value, _PLAIN) or type(value).__name__ == "dtype":
         return repr(value)
     if isinstance(value, tuple | list):
-        return "(" + ", ".join(map(_plain, value)) + ")"
+        return "(" + ", ".join(_plain(v, depth) for v in value) + ")"
+    if hasattr(value, "__code__") and depth < 3:  # a function a recipe's function holds
+        return _function(value, depth + 1)
     fields = getattr(value, "__dataclass_fields__", None)  # a policy: its settings
     if fields is not None:
-        inside = ", ".join(f"{f}={_plain(getattr(value, f, None))}" for f in fields)
+        inside = ", ".join(f"{f}={_plain(getattr(value, f, None), depth)}" for f in fields)
         return f"{type(value).__qualname__}({inside})"
     return type(value).__qualname__
 
 
-def _function(fn) -> str:
+def _function(fn, depth: int = 0) -> str:
+    """A function by name and where its code is (two lambdas differ), with the plain values
+    it closes over and its defaults."""
     cells = getattr(fn, "__closure__", None) or ()
     held = []
     for cell in cells:
         try:
-            held.append(_plain(cell.cell_contents))
+            held.append(_plain(cell.cell_contents, depth))
         except ValueError:  # an empty cell
             held.append("?")
     defaults = getattr(fn, "__defaults__", None) or ()
-    return (
-        f"{getattr(fn, '__qualname__', type(fn).__qualname__)}{held}{list(map(_plain, defaults))}"
-    )
+    code = getattr(fn, "__code__", None)
+    where = f"@{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code else ""
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    return f"{name}{where}{held}{[_plain(d, depth) for d in defaults]}"
 
 
 def fingerprint(recipe) -> str:
