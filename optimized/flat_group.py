@@ -121,7 +121,7 @@ class FlatParamGroup(KeptBlocks):
         [Note: a prefetch reads the shards when it is issued]
         An early all-gather copies the shards in when it is issued, and user code may write
         them before the group computes: a forward pre-hook registered with ``prepend=True``,
-        the parent's forward. The rule (``docs/concepts.md``, the conformance case
+        the parent's forward. The rule (``docs/optimized-path.md``, the conformance case
         ``edit_between_forwards``) is that such a write is seen from the next all-gather on,
         never half. On the CPU the copy-in runs at once, so that holds by itself; on an
         accelerator the copy-in is queued on its own stream, which the write on the current

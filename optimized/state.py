@@ -16,7 +16,7 @@ What an early all-gather reads: the group's sharded parameters as they are when 
 An edit of them made after that and before the group's own pre-forward (a pre-hook registered
 with ``prepend=True``, the parent's forward) is seen from the group's next all-gather on, not
 by this forward; torch's explicit prefetch lists behave the same way, its default does not
-prefetch in forward (docs/concepts.md, the conformance case ``edit_between_forwards``).
+prefetch in forward (docs/optimized-path.md, the conformance case ``edit_between_forwards``).
 
 [Note: in forward, the next all-gather goes out before the copy-out]
 A block's pre-forward issues the next group's all-gather before it waits for its own, so the

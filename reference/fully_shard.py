@@ -82,7 +82,7 @@ def shard_module(
     shard_placement_fn,
     dp_mesh_dims=None,
 ) -> nn.Module:
-    """The steps of ``fully_shard`` for ``impl``'s types (the contract: docs/concepts.md)."""
+    """The steps of ``fully_shard`` for ``impl``'s types (the contract: docs/optimized-path.md)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         check_module(m, get_state(m))  # an nn.Module with a forward, sharded once

@@ -7,8 +7,13 @@ cache, and moved with it by ``TWINSHARD_NOTEBOOK_CACHE``) under a key of everyth
 depend on: ``notebooks.source_digest()`` (the package's source, torch and Python) and the
 picture's own recipe. A picture that cannot be drawn fails the build, naming it.
 
+They are drawn as SVG: the schedule is 11 inches wide, so a phone shows it at a third of its
+size, and the full-size view (``js/figures.js``) or a pinch then enlarges lines and text that
+stay sharp.
+
 ``PICTURES`` maps a site path to (the implementation, the caption); ``drawn(name, sources)``
-returns the file, drawing it when the cache has none.
+returns the file, drawing it when the cache has none; ``markdown(impls)`` shows the pictures of
+those implementations.
 """
 
 from __future__ import annotations
@@ -25,12 +30,12 @@ GLOO = (
     "when this site was built. "
 )
 PICTURES = {
-    "img/schedule_reference.png": (
+    "img/schedule_reference.svg": (
         "reference",
         GLOO + "Every triangle is one parameter's blocking collective: the reference gathers "
         "a group one parameter at a time and reduce-scatters its gradients the same way.",
     ),
-    "img/schedule_optimized.png": (
+    "img/schedule_optimized.svg": (
         "optimized",
         GLOO + "One all-gather per group, issued a group ahead (hollow: asynchronous; the dot "
         "is where the result was first needed). On gloo, which has no reduce-scatter that "
@@ -72,9 +77,14 @@ def drawn(name: str, sources: str) -> pathlib.Path:
     return path
 
 
-def markdown() -> str:
-    """Each picture with its caption, as a page shows them (a click opens it at full size)."""
+def markdown(impls: list[str]) -> str:
+    """The pictures of ``impls`` (all of them when empty) with their captions, as a page shows
+    them (a button under each opens it at full size)."""
+    unknown = set(impls) - {impl for impl, _ in PICTURES.values()}
+    if unknown:
+        raise PictureFailed(f"no schedule picture of {sorted(unknown)}")
     return "\n\n".join(
         f"![One training step of twinshard.{impl}]({name}){{ .twinshard-figure }}\n*{caption}*"
         for name, (impl, caption) in PICTURES.items()
+        if impl in impls or not impls
     )

@@ -15,8 +15,9 @@
   ``<!-- twinshard:cli ARGS -->``           the ``--help`` of ``twinshard ARGS``
   ``<!-- twinshard:modules PACKAGE -->``    a mkdocstrings block for each module of PACKAGE,
                                            in the order its docstring names them
-  ``<!-- twinshard:schedule-pictures -->``  the two schedules, drawn from the code at build
-                                           time (``pictures.py``, cached)
+  ``<!-- twinshard:schedule-pictures [IMPL ...] -->``  the schedules of IMPL (of both without),
+                                           drawn from the code at build time
+                                           (``pictures.py``, cached)
   ``<!-- twinshard:source -->``             the archive of the commit the site was built from
                                            (``source.py``)
   An unknown placeholder fails the build.
@@ -230,7 +231,10 @@ def on_page_markdown(markdown, page, config, files):
         if name == "modules":
             return module_blocks(args)
         if name == "schedule-pictures":
-            return pictures.markdown()
+            try:
+                return pictures.markdown(args.split())
+            except pictures.PictureFailed as error:
+                raise PluginError(f"{page.file.src_uri}: {error}") from None
         if name == "source":
             return source.markdown(SOURCE_ARCHIVE[0])
         raise PluginError(f"{page.file.src_uri}: unknown placeholder 'twinshard:{name}'")

@@ -53,14 +53,22 @@ def test_concepts_include_the_reference_source(site):
             assert line.strip() in text, f"concepts page lacks reference/{name}: {line.strip()!r}"
 
 
-def test_home_page_includes_the_readme_commands(site):
+def test_home_page_gives_the_readme_commands_one_step_a_line(site):
+    """Each step of the README's commands (one line there, joined by ``&&``, so that CI can run
+    it as written) is a line of its own in a code block of the home page, where a phone shows
+    it whole; ``python3 -m twinshard.cli X`` may be shown as the installed ``twinshard X``."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("[start:commands]", 1)[1].split("[end:commands]", 1)[0]
     commands = re.findall(r"^python3 -m pip install .*$", section, re.M)
-    text = page_text(site / "index.html")
     assert len(commands) >= 2
+    page = (site / "index.html").read_text(encoding="utf-8")
+    blocks = re.findall(r"<pre[^>]*>(.*?)</pre>", page, re.S)
+    lines = {line.strip() for block in blocks for line in page_text_of(block).splitlines()}
     for command in commands:
-        assert command in text, f"the home page lacks the README command {command!r}"
+        for step in command.split(" && "):
+            shown = {step, step.replace("python3 -m twinshard.cli ", "twinshard ")}
+            assert shown & lines, f"the home page lacks the README step {step!r} on a line"
+    assert not [line for line in lines if " && " in line], "a home page line chains steps"
 
 
 def test_internal_links_resolve(site):
@@ -184,7 +192,10 @@ def test_interface_page_renders_fsdp_module(site, browser):
 def test_home_page_renders(browser):
     shown = browser("/")
     assert shown["title"].startswith("twinshard")
-    assert "python3 -m coverage run -m pytest && " in shown["text"]  # the README's test command
+    text = shown["text"]
+    assert "twinshard train" in text and "python3 -m coverage run -m pytest" in text
+    # the first screen says what twinshard is and how to start; CI's pins come after
+    assert text.index("twinshard train") < text.index("constraints.txt"), text[:600]
 
 
 def schedule_notebook() -> tuple[pathlib.Path, list[str]]:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from docs_site import MACHINE_PATH
 
 TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
 REFERENCE = TUTORIALS.parent / "reference"
 NOTEBOOKS = sorted(TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
-MACHINE_PATH = r"(?:/tmp/|/root/|/home/|/work/|/usr/|site-packages)\S*"
 NOTEBOOK_LIMIT = 240  # seconds for a whole notebook; they take well under a minute on 2 cores
 
 

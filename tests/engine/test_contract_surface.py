@@ -4,9 +4,9 @@ What the optimized path's subclasses use of the reference's ``ParamGroup`` and `
 (fields read or written, methods called or overridden, the ``__wrapped__`` of the
 compile-disabled hooks), the names it imports from the reference, and the ``Implementation``
 record it gives ``shard_module``. The list is the table under "The contract between the two
-trees" in docs/concepts.md, beside the ``ShardedParam`` contract (``tests/engine/test_contract.py``);
-the tests below read it and parse optimized/*.py, so that a use without its row, and a row
-without its use, both fail.
+trees" in docs/optimized-path.md, beside the ``ShardedParam`` contract
+(``tests/engine/test_contract.py``); the tests below read it and parse optimized/*.py, so that a
+use without its row, and a row without its use, both fail.
 """
 
 import ast
@@ -24,8 +24,8 @@ OPTIMIZED = sorted((ROOT / "optimized").glob("*.py"))
 
 
 # --- the subclass surface: ParamGroup, FSDPState, imports, shard_module --------------------------
-DOC = ROOT / "docs" / "concepts.md"
-HEADING = "### The contract between the two trees"
+DOC = ROOT / "docs" / "optimized-path.md"
+HEADING = "## The contract between the two trees"
 # The reference classes the optimized path extends, by the name it imports them under.
 EXTENDED = {
     "twinshard.reference.param_group.ParamGroup": ("param_group.py", "ParamGroup"),
@@ -52,7 +52,7 @@ MEMBERS = {cls: _members(file, cls) for file, cls in EXTENDED.values()}
 
 
 def documented_surface() -> dict[tuple[str, str], str]:
-    """The table in docs/concepts.md: (of, name) -> how, where ``of`` is ``ParamGroup``,
+    """The table in docs/optimized-path.md: (of, name) -> how, where ``of`` is ``ParamGroup``,
     ``FSDPState`` or a module of ``twinshard.reference`` (for the names imported from it)."""
     section = DOC.read_text().split(HEADING, 1)[1]
     section = re.split(r"^#", section, flags=re.M)[0]
@@ -191,15 +191,15 @@ def test_optimized_uses_only_the_documented_surface(path):
     missing = undocumented(uses_of_the_reference(path.read_text()), documented_surface())
     assert not missing, (
         f"{path.name} uses the reference beyond the documented contract; add a row to the table "
-        f"under '{HEADING}' in docs/concepts.md (what for, and how): {missing}"
+        f"under '{HEADING}' in docs/optimized-path.md (what for, and how): {missing}"
     )
 
 
 def test_every_documented_name_is_in_the_reference_and_used():
     rows = documented_surface()
-    assert len(rows) >= 20, "the table in docs/concepts.md was not found"
+    assert len(rows) >= 20, "the table in docs/optimized-path.md was not found"
     stale = unused(rows, _optimized_uses())
-    assert not stale, f"rows of docs/concepts.md that no longer hold: {stale}"
+    assert not stale, f"rows of docs/optimized-path.md that no longer hold: {stale}"
 
 
 def test_overridden_methods_are_reached_through_the_reference():

@@ -30,6 +30,8 @@ import background
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# a path of the machine that ran a notebook or built the site, which no reader's machine has
+MACHINE_PATH = r"(?:/tmp/|/root/|/home/|/work/|/usr/|site-packages)\S*"
 HOOKS = ROOT / "docs" / "hooks"
 CHROMIUM = next(
     (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
@@ -110,7 +112,8 @@ class Quiet(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture(scope="session")
 def browser(site, server, tmp_path_factory):
     """``show(path, width)``: what Chromium shows for a page of the site in a window ``width``
-    pixels wide, as a dict (see PROBE)."""
+    pixels wide, as a dict (see PROBE). ``show([path, ...], width)``: the same for each page in
+    turn, in one run of the browser, as a list (without each page's text, ids and links)."""
     if CHROMIUM is None:
         message = "Chromium is not installed (Debian: apt-get install chromium)"
         if os.environ.get("CI"):
@@ -119,15 +122,21 @@ def browser(site, server, tmp_path_factory):
     (site / "_probe.html").write_text(PROBE, encoding="utf-8")
     profile = tmp_path_factory.mktemp("chromium-profile")
 
-    def show(path: str, width: int = 1200) -> dict:
-        url = f"{server}/_probe.html?page={urllib.parse.quote(path)}&width={width}"
-        dom = run_chromium(profile, "--dump-dom", "--virtual-time-budget=20000", url)
+    def show(path: str | list[str], width: int = 1200) -> dict | list[dict]:
+        paths = [path] if isinstance(path, str) else list(path)
+        query = urllib.parse.urlencode({"page": "\n".join(paths), "width": width,
+                                        "full": int(isinstance(path, str))})  # fmt: skip
+        # 20 s of the page's own time for the first, 2 s more for each next (a page's loading
+        # stops the clock; only its timers and scripts advance it)
+        budget = f"--virtual-time-budget={20000 + 2000 * (len(paths) - 1)}"
+        dom = run_chromium(profile, "--dump-dom", budget, f"{server}/_probe.html?{query}")
         found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
-        assert found, f"the probe page did not report on {path}:\n{dom[-2000:]}"
-
-        result = json.loads(html.unescape(found.group(1)))
-        assert not result.get("error"), f"{path}: {result['error']}"
-        return result
+        assert found, f"the probe page did not report on {paths[:3]}:\n{dom[-2000:]}"
+        results = json.loads(html.unescape(found.group(1)))
+        assert isinstance(results, list) and len(results) == len(paths), (paths, results)
+        for page, result in zip(paths, results):
+            assert not result.get("error"), f"{page}: {result['error']}"
+        return results[0] if isinstance(path, str) else results
 
     return show
 
@@ -152,60 +161,97 @@ def run_chromium(profile: pathlib.Path, *args: str) -> str:
     return done.stdout
 
 
-# Loads ?page=PATH in a frame of the same origin, WIDTH pixels wide, and once it has loaded
-# writes a JSON report into <pre id="result">: the page's title, text, heading ids, links; every
-# picture with its decoded size (0 when the browser could not show it) and the width it is shown
-# at; every text output with its white-space rule and whether a line of it wrapped (taller than
-# its lines); how wide the page's content is against the frame; and what clicking the first
-# picture opened (the full-size view of js/figures.js, and the size it shows the picture at).
+# Loads each of ?page=PATHS (one a line) in turn in a frame of the same origin, WIDTH pixels
+# wide, and once the last has loaded writes a JSON list of reports into <pre id="result">, one a
+# page: its title, headings and (with full=1) text, heading ids and links; every picture with its
+# decoded size (0 when the browser could not show it), the width it is shown at and whether a
+# visible "enlarge" button sits under it; every text output with its white-space rule and
+# whether a line of it wrapped (taller than its lines); every table, text block or picture of the
+# article that is wider than the box it sits in and cannot be scrolled there ("cut"); how wide
+# the page's content is against the frame; and what clicking the first picture's button (or the
+# picture, without one) opened: the full-size view of js/figures.js and the size it shows.
 PROBE = """<!doctype html><html><body><pre id="result"></pre>
 <iframe id="page" style="height:900px;border:0"></iframe>
 <script>
 const query = new URLSearchParams(location.search);
+const pages = query.get("page").split("\\n"), full = query.get("full") === "1";
 const frame = document.getElementById("page");
 frame.style.width = (query.get("width") || "1200") + "px";
-const report = (value) => { document.getElementById("result").textContent = JSON.stringify(value); };
-frame.onload = () => {
-  try {
-    const doc = frame.contentDocument, win = frame.contentWindow;
-    const images = [...doc.querySelectorAll("article img")].map((img) => ({
-      src: img.getAttribute("src").slice(0, 200), width: img.naturalWidth,
-      height: img.naturalHeight, complete: img.complete, shown: img.clientWidth,
-      zoom: img.dataset.zoom === "1"}));
-    const texts = [...doc.querySelectorAll(".jp-OutputArea-output pre")].map((pre) => {
-      const style = win.getComputedStyle(pre), lines = pre.textContent.split("\\n").length;
-      const height = parseFloat(style.lineHeight) * lines;
-      return {white_space: style.whiteSpace, lines: lines, wrapped: pre.scrollHeight > height + 4,
-              width: pre.scrollWidth, box: pre.clientWidth, head: pre.textContent.slice(0, 80)};
-    });
-    const first = doc.querySelector(".jp-RenderedImage img, img.twinshard-figure");
-    let zoom = null;
-    if (first) {
-      first.click();
-      const view = doc.querySelector(".twinshard-zoom img");
-      zoom = view ? {shown: view.clientWidth, natural: view.naturalWidth} : {shown: 0, natural: 0};
-      const open = doc.querySelector(".twinshard-zoom");
-      if (open) open.click();
-      zoom.closed = !doc.querySelector(".twinshard-zoom");
+const reports = [];
+const visible = (e, win) => !!e && !e.hidden && e.offsetWidth > 0 && e.offsetHeight > 0 &&
+  win.getComputedStyle(e).visibility === "visible";
+// A block whose border box runs past the visible part of the nearest box that clips it, where
+// that box does not scroll (overflow hidden or clip), or whose own content is clipped so.
+function cut(doc, win) {
+  const found = [];
+  const blocks = doc.querySelectorAll("article table, article pre, article img, article svg");
+  for (const el of blocks) {
+    const style = win.getComputedStyle(el), right = el.getBoundingClientRect().right;
+    const name = el.tagName.toLowerCase() + " " + (el.textContent || "").trim().slice(0, 60);
+    if (/hidden|clip/.test(style.overflowX) && el.scrollWidth > el.clientWidth + 1) {
+      found.push(name + " (its own content clipped)"); continue;
     }
-    report({
-      title: doc.title,
-      text: doc.querySelector("article") ? doc.querySelector("article").innerText : "",
-      ids: [...doc.querySelectorAll("[id]")].map((e) => e.id),
-      headings: [...doc.querySelectorAll("h1, h2, h3, h4")].map((e) => e.textContent.trim()),
-      links: [...doc.querySelectorAll("a[href]")].map((a) => ({
-        href: a.getAttribute("href"), download: a.hasAttribute("download"),
-        text: a.textContent.trim().slice(0, 60)})),
-      images: images,
-      texts: texts,
-      page_width: doc.documentElement.scrollWidth,
-      frame_width: doc.documentElement.clientWidth,
-      zoom: zoom,
-      outputs: doc.querySelectorAll(".jp-OutputArea-output").length,
-      has_nav: !!doc.querySelector("nav.md-nav"),
-    });
-  } catch (e) { report({error: String(e)}); }
+    for (let box = el.parentElement; box && box !== doc.documentElement; box = box.parentElement) {
+      const overflow = win.getComputedStyle(box).overflowX;
+      if (overflow === "visible") continue;
+      const edge = box.getBoundingClientRect().left + box.clientLeft + box.clientWidth;
+      if (right > edge + 1 && !/auto|scroll/.test(overflow)) found.push(name);
+      if (right > edge + 1 || /auto|scroll/.test(overflow)) break;
+    }
+  }
+  return found;
+}
+function survey(doc, win) {
+  const images = [...doc.querySelectorAll("article img")].map((img) => {
+    const button = img.parentElement.querySelector(".twinshard-enlarge");
+    return {src: img.getAttribute("src").slice(0, 200), width: img.naturalWidth,
+      height: img.naturalHeight, complete: img.complete, shown: img.clientWidth,
+      zoom: img.dataset.zoom === "1", control: visible(button, win),
+      control_text: button ? button.textContent.trim() : ""};
+  });
+  const texts = [...doc.querySelectorAll(".jp-OutputArea-output pre")].map((pre) => {
+    const style = win.getComputedStyle(pre), lines = pre.textContent.split("\\n").length;
+    const height = parseFloat(style.lineHeight) * lines;
+    return {white_space: style.whiteSpace, lines: lines, wrapped: pre.scrollHeight > height + 4,
+            width: pre.scrollWidth, box: pre.clientWidth, head: pre.textContent.slice(0, 80)};
+  });
+  const first = doc.querySelector(".jp-RenderedImage img, img.twinshard-figure");
+  let zoom = null;
+  if (first) {
+    const button = first.parentElement.querySelector(".twinshard-enlarge");
+    (visible(button, win) ? button : first).click();
+    const view = doc.querySelector(".twinshard-zoom img");
+    zoom = view ? {shown: view.clientWidth, natural: view.naturalWidth} : {shown: 0, natural: 0};
+    zoom.by = visible(button, win) ? "button" : "picture";
+    const open = doc.querySelector(".twinshard-zoom");
+    if (open) open.click();
+    zoom.closed = !doc.querySelector(".twinshard-zoom");
+  }
+  const article = doc.querySelector("article");
+  return {
+    title: doc.title,
+    text: full && article ? article.innerText : "",
+    ids: full ? [...doc.querySelectorAll("[id]")].map((e) => e.id) : [],
+    headings: [...doc.querySelectorAll("h1, h2, h3, h4")].map((e) => e.textContent.trim()),
+    links: full ? [...doc.querySelectorAll("a[href]")].map((a) => ({
+      href: a.getAttribute("href"), download: a.hasAttribute("download"),
+      text: a.textContent.trim().slice(0, 60)})) : [],
+    images: images,
+    texts: texts,
+    cut: cut(doc, win),
+    page_width: doc.documentElement.scrollWidth,
+    frame_width: doc.documentElement.clientWidth,
+    zoom: zoom,
+    outputs: doc.querySelectorAll(".jp-OutputArea-output").length,
+    has_nav: !!doc.querySelector("nav.md-nav"),
+  };
+}
+frame.onload = () => {
+  try { reports.push(survey(frame.contentDocument, frame.contentWindow)); }
+  catch (e) { reports.push({error: String(e)}); }
+  if (reports.length < pages.length) frame.src = pages[reports.length];
+  else document.getElementById("result").textContent = JSON.stringify(reports);
 };
-frame.src = query.get("page");
+frame.src = pages[0];
 </script></body></html>
 """
