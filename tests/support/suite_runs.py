@@ -27,6 +27,7 @@ import tempfile
 import pytest
 from coverage_scope import unmeasured
 
+from twinshard.conformance.cases import CASES
 from twinshard.conformance.runner import select
 from twinshard.conformance.suite import mesh_name, parse_meshes, run_suite
 
@@ -43,6 +44,16 @@ NOT_COST = [n for n in select(None) if not n.startswith("cost_")]
 STREAM_LOSSY = {"lossy_" + n for n in ("qwz_int8", "qwz_int4", "qgz_int8", "qgz_int4")}
 STREAM_LOSSY |= {"lossy_" + n for n in ("bf16_wire", "qwz_qgz", "qgz_by_node", "zeropp_hpz")}
 FOR_STREAMS = [n for n in select(None) if not n.startswith("lossy_") or n in STREAM_LOSSY]
+# At 2x1 and 1x2 the reductions take their shortcuts (no reduce-scatter over one rank, no
+# all-reduce over one replica): the cases that reduce gradients show them on streams; the rest
+# (state dicts, the API, errors, traces, costs, variants) see the streams of 2 and 2x2 again.
+REDUCING = ("training", "gradients", "mixed_precision", "offload")
+SHORTCUTS = [n for n in FOR_STREAMS if CASES[n].group in REDUCING]
+# World size 4 in the default tier: the cases that need a shard group of 4 (an int
+# reshard_after_forward below the shard size, tensor parallelism, hpZ by node), and two models
+# on uneven shards; the rest repeat 2 and 3 there, and run in the full tier.
+AT_FOUR = ["per_block", "llama", "trace_reshard_int", "cost_reshard_int", "tensor_parallel"]
+AT_FOUR += ["lossy_qgz_by_node", "lossy_zeropp_hpz", "lossy_fp8_hpz", "lossy_shapes_hpz"]
 
 # name -> (implementation, [(meshes, run_suite options)]); world size 2 first in each run.
 # ``FULL`` in the options: only in the full tier (``--full``); each such part says why it only
@@ -65,15 +76,30 @@ RUNS = {
         [
             ("2", {"oracles": True}),
             ("1,3,2x2", {"oracles": ("reference",)}),
-            ("4", {"oracles": False}),
+            ("4", {"oracles": False, "patterns": AT_FOUR}),
+            (
+                "4",
+                {
+                    "oracles": False,
+                    "patterns": [n for n in select(None) if n not in AT_FOUR],
+                    FULL: 1,
+                },
+            ),
         ],
     ),
     "optimized-standin": (
         OPTIMIZED,
         [
+            ("2,2x2", {"stand_in_streams": True, "oracles": False, "patterns": FOR_STREAMS}),
+            ("2x1,1x2", {"stand_in_streams": True, "oracles": False, "patterns": SHORTCUTS}),
             (
-                "2,2x2,2x1,1x2",
-                {"stand_in_streams": True, "oracles": False, "patterns": FOR_STREAMS},
+                "2x1,1x2",
+                {
+                    "stand_in_streams": True,
+                    "oracles": False,
+                    "patterns": [n for n in FOR_STREAMS if n not in SHORTCUTS],
+                    FULL: 1,  # the same streams as at 2 and 2x2 (above)
+                },
             ),
             (
                 "3x1,1x3",
@@ -100,6 +126,7 @@ MESHES = {  # run -> [(mesh, run_suite options)], in the order they run
 }
 
 _rows: dict[str, dict] = {}  # run -> {(mesh, case): row} of the meshes run so far
+_done: dict[str, set] = {}  # run -> the indexes in MESHES[run] of the parts run so far
 _folders: dict[str, str] = {}  # run -> the scratch folder its meshes share
 
 
@@ -119,27 +146,42 @@ def meshes(run: str, full: bool = True) -> list[str]:
     return [mesh_name(m) for m, options in MESHES[run] if full or FULL not in options]
 
 
-def rows(run: str, mesh: str | None = None, full: bool = True) -> dict:
-    """The rows of ``run`` by (mesh, case), once its meshes up to ``mesh`` ran (all: None; all
-    but the full tier's: ``full=False``)."""
+def selected(run: str, mesh: str, full: bool = True) -> set[str]:
+    """The cases the parts of ``run`` run on ``mesh`` (without the full tier's: ``full=False``)."""
+    return {
+        n
+        for m, options in MESHES[run]
+        if mesh_name(m) == mesh and (full or FULL not in options)
+        for n in select(options.get("patterns"))
+    }
+
+
+def rows(run: str, mesh: str | None = None, full: bool = True, case: str | None = None) -> dict:
+    """The rows of ``run`` by (mesh, case), once its parts up to ``mesh``'s ran (all: None; all
+    but the full tier's: ``full=False``); with ``case``, up to the part of ``mesh`` that runs it
+    (a mesh may have a default part and a full-tier part)."""
     impl = RUNS[run][0]
     found = _rows.setdefault(run, {})
+    done = _done.setdefault(run, set())
     if run not in _folders:
         _folders[run] = tempfile.mkdtemp(prefix=f"twinshard-suite-{run}-")
         atexit.register(functools.partial(shutil.rmtree, _folders[run], ignore_errors=True))
     folder = _folders[run]
-    for shape, options in MESHES[run]:
-        name = mesh_name(shape)
-        if FULL in options and not full:
-            break
-        if not any(m == name for m, _ in found):
-            options = {k: v for k, v in options.items() if k != FULL}
-            with unmeasured(impl != OPTIMIZED):  # only the optimized path's lines are measured
-                new = run_suite(impl, [shape], tmpdir=folder, **options)
-            found.update({(r["mesh"], r["case"]): r for r in new})
-            if report := os.environ.get("TWINSHARD_PARITY_REPORT"):
-                with open(f"{report}.{run}.json", "w") as f:
-                    json.dump(list(found.values()), f, indent=1, default=str)
-        if name == mesh:
-            break
+    parts = [(i, s, o) for i, (s, o) in enumerate(MESHES[run]) if full or FULL not in o]
+    if mesh is not None:
+        mine = [i for i, s, o in parts if mesh_name(s) == mesh]
+        if case is not None:
+            mine = [i for i in mine if case in select(MESHES[run][i][1].get("patterns"))]
+        parts = [p for p in parts if not mine or p[0] <= mine[-1]]
+    for i, shape, options in parts:
+        if i in done:
+            continue
+        options = {k: v for k, v in options.items() if k != FULL}
+        with unmeasured(impl != OPTIMIZED):  # only the optimized path's lines are measured
+            new = run_suite(impl, [shape], tmpdir=folder, **options)
+        done.add(i)
+        found.update({(r["mesh"], r["case"]): r for r in new})
+        if report := os.environ.get("TWINSHARD_PARITY_REPORT"):
+            with open(f"{report}.{run}.json", "w") as f:
+                json.dump(list(found.values()), f, indent=1, default=str)
     return found
