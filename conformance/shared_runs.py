@@ -59,14 +59,7 @@ def shared(what: str, impl: str | None, compute: Callable):
         return compute()
     n = _calls[what, impl]
     _calls[what, impl] += 1
-    key = (*_scope, what, impl, n)
-    if key in _runs:
-        hits["reused"] += 1
-        return _runs[key]
-    value = compute()
-    _runs[key] = value
-    hits["computed"] += 1
-    return value
+    return _kept((*_scope, what, impl, n), compute)
 
 
 def shared_by_cases(what: str, impl: str | None, compute: Callable):
@@ -75,7 +68,11 @@ def shared_by_cases(what: str, impl: str | None, compute: Callable):
     ``fingerprint``). For the runs several cases make alike (the lossy cases' exact run)."""
     if _scope is None:
         return compute()
-    key = ("any case", *_scope[1:], what, impl)
+    return _kept(("any case", *_scope[1:], what, impl), compute)
+
+
+def _kept(key: tuple, compute: Callable):
+    """The run kept under ``key``, else ``compute()``, kept there."""
     if key in _runs:
         hits["reused"] += 1
         return _runs[key]
