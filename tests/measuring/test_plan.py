@@ -228,7 +228,9 @@ def test_a_plan_prices_the_variants_wire(tmp_path):
     (bf16 weights and fp32 gradients against 1 + 4 / 256 bytes an element, partial blocks
     aside), the same model and step otherwise."""
     out = tmp_path / "plan.json"
-    args = "plan --model small --seq 64 --world 8 --impls torch --no-progress --device h100"
+    args = (
+        "plan --model small --layers 2 --seq 64 --world 8 --impls torch --no-progress --device h100"
+    )
     assert main([*args.split(), "--sweep", "variants=none,qwz+qgz", "--json", str(out)]) == 0
     plain, quantized = json.loads(out.read_text())["plans"]  # one per sweep point
     links = {k.split(" @ ")[0]: v for k, v in quantized["communication"].items()}

@@ -1,7 +1,7 @@
 """How cost grows: one command sweeps model size, number of groups and world size.
 
-``POINTS`` holds the values of each swept quantity around ``BASE`` (``--points quick``: a
-smaller set, for a check), ``point`` makes the job for one of them, ``run_sweep`` runs and
+``POINTS`` holds the values of each swept quantity around its ``BASES`` point (``--points
+quick``: a smaller set around a 2-rank point, for a check), ``point`` makes the job for one of them, ``run_sweep`` runs and
 records them all and ``plot_axis`` draws one quantity's plot; ``replot`` draws a recorded
 sweep again.
 
@@ -21,7 +21,8 @@ from twinshard.measure.units import MiB, figure, ms
 from .compare import add_memory_model, side_by_side
 from .report import meta
 
-BASE = dict(dim=64, n_layers=4, world=8)
+# the point every other quantity is held at while one is swept
+BASES = {"full": dict(dim=64, n_layers=4, world=8), "quick": dict(dim=32, n_layers=2, world=2)}
 AXES = {"model size": "dim", "groups": "n_layers", "world size": "world"}  # what each sets
 POINTS = {
     "full": {"model size": [64, 128, 256], "groups": [2, 8, 32], "world size": [2, 8, 64]},
@@ -30,10 +31,10 @@ POINTS = {
 FILES = {axis: f"sweep-{axis.replace(' ', '-')}.png" for axis in POINTS["full"]}
 
 
-def point(base: Job, axis: str, value: int) -> Job:
-    """``base`` at ``BASE`` with ``axis`` set to ``value`` (model size is the width, with a
-    head per 32 of it)."""
-    chosen = {**BASE, AXES[axis]: value}
+def point(base: Job, axis: str, value: int, points: str = "full") -> Job:
+    """``base`` at ``BASES[points]`` with ``axis`` set to ``value`` (model size is the width,
+    with a head per 32 of it)."""
+    chosen = {**BASES[points], AXES[axis]: value}
     heads = max(2, chosen["dim"] // 32)
     return grid.at(base, {**chosen, "n_heads": heads, "n_kv_heads": heads})
 
@@ -52,12 +53,12 @@ def replot(args) -> int:
 
 def run_sweep(args, base: Job, impls: list[str]) -> int:
     """``impls`` at every point around ``base`` (``compare.job_of``: simnet, tiny, world 8)."""
-    points = POINTS[args.points or "full"]
+    name = args.points or "full"
     results: dict = {}
-    for axis, values in points.items():
+    for axis, values in POINTS[name].items():
         results[axis] = []
         for value in values:
-            config = point(base, axis, value)
+            config = point(base, axis, value, name)
             out = side_by_side(config, impls, args.repeat, not args.no_progress, overlap=False)
             summary = out["summary"]
             groups = config.llama().n_layers + 1
