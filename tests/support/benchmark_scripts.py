@@ -18,6 +18,7 @@ def load(name: str):
     try:
         spec = importlib.util.spec_from_file_location(f"{name}_script", BENCHMARKS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # a dataclass of the script looks its module up there
         spec.loader.exec_module(module)
         return module
     finally:
