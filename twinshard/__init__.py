@@ -14,6 +14,8 @@ The interface, and the switch that puts it under code written for torch's:
   words; torch 2.13's mesh types for older releases; where the collectives' buffers come from
   (torch's two switches).
 - ``summon.py``: FSDP1's ``summon_full_params`` for any FSDP2-style module.
+- ``local_step.py``: the user's optimizer stepping the local shards of any FSDP2-style
+  module's ``DTensor`` parameters: the same bits without ``DTensor``'s dispatch.
 - ``switch.py``, ``run.py``: torch's ``fully_shard`` switched to twinshard's (a function, a
   context manager, ``python -m twinshard.run``).
 

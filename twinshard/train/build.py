@@ -17,6 +17,8 @@ import random
 import numpy as np
 import torch
 
+from twinshard.commandline.impls import SHORT_NAMES, module_name
+from twinshard.local_step import local_step
 from twinshard.measure.job import Job
 from twinshard.measure.step import shard
 from twinshard.models import Llama, LlamaConfig
@@ -60,7 +62,8 @@ def sharding_job(cfg: TrainConfig) -> Job:
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module):
-    """AdamW (weight decay on matrices only) and the warmup + cosine schedule."""
+    """AdamW (weight decay on matrices only) and the warmup + cosine schedule; a twinshard
+    implementation's AdamW steps the local shards (``twinshard.local_step``)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -71,6 +74,8 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module):
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
+    if module_name(cfg.impl) != SHORT_NAMES["torch"]:  # torch's runs as torch's users run it
+        local_step(opt)  # over the local shards: the same bits without DTensor's dispatch
 
     def factor(step: int) -> float:  # multiplies --lr; a plain function, so not checkpointed
         if step < cfg.warmup:
