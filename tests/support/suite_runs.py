@@ -49,6 +49,11 @@ FOR_STREAMS = [n for n in select(None) if not n.startswith("lossy_") or n in STR
 # (state dicts, the API, errors, traces, costs, variants) see the streams of 2 and 2x2 again.
 REDUCING = ("training", "gradients", "mixed_precision", "offload")
 SHORTCUTS = [n for n in FOR_STREAMS if CASES[n].group in REDUCING]
+# At 2x2 the stand-in streams run, in the default tier, the cases that reduce gradients (the
+# replicas' all-reduce is on a stream there and nowhere else) and the lossy cases with custom
+# collectives over the replicas; the rest gather over the same shard group of 2 as at 2, and
+# run there (102 s of CI for every case at 2x2).
+AT_2X2 = SHORTCUTS + sorted(STREAM_LOSSY)
 # World size 4 in the default tier: the cases that need a shard group of 4 (an int
 # reshard_after_forward below the shard size, tensor parallelism, hpZ by node), and two models
 # on uneven shards; the rest repeat 2 and 3 there, and run in the full tier.
@@ -90,7 +95,17 @@ RUNS = {
     "optimized-standin": (
         OPTIMIZED,
         [
-            ("2,2x2", {"stand_in_streams": True, "oracles": False, "patterns": FOR_STREAMS}),
+            ("2", {"stand_in_streams": True, "oracles": False, "patterns": FOR_STREAMS}),
+            ("2x2", {"stand_in_streams": True, "oracles": False, "patterns": AT_2X2}),
+            (
+                "2x2",
+                {
+                    "stand_in_streams": True,
+                    "oracles": False,
+                    "patterns": [n for n in FOR_STREAMS if n not in AT_2X2],
+                    FULL: 1,  # the streams of 2 again (above): the same all-gathers
+                },
+            ),
             ("2x1,1x2", {"stand_in_streams": True, "oracles": False, "patterns": SHORTCUTS}),
             (
                 "2x1,1x2",
