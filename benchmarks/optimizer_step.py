@@ -26,9 +26,13 @@ an optimizer in ``--target-optimizers`` (AdamW with ``foreach``, issue 53's) mis
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import pathlib
 import statistics
 import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # instructions.py beside it
 
 OPTIMIZERS = {  # name -> (torch.optim class name, keyword arguments)
     "adamw-foreach": ("AdamW", dict(lr=1e-3, weight_decay=0.1, foreach=True)),
@@ -46,15 +50,12 @@ def sharded(impl: str, world: int):
     """``impl``'s model of ``twinshard bench hooks`` on a fake world of ``world`` ranks, after
     one training step (every parameter has its gradient)."""
     import torch
+    from instructions import hooks_config  # beside this script
 
     from twinshard.measure import step
     from twinshard.measure import world as worlds
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from instructions import hooks_config  # beside this script
-
-    config = hooks_config(impl)
-    config = type(config)(**{**config.__dict__, "world": world})
+    config = dataclasses.replace(hooks_config(impl), world=world)
     device = worlds.join(config.backend, config.world)
     model, _ = step.build(config, device)
     torch.manual_seed(1)

@@ -28,17 +28,18 @@ import platform
 import tempfile
 import time
 
+import data_element  # beside this hook: mkdocs puts its folder on sys.path while it loads it
 import explorer_data  # beside this hook: mkdocs puts its folder on sys.path while it loads it
 import explorer_page
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
-from mkdocs.utils import get_relative_url
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("twinshard", "reference", "optimized", "conformance", "variants")
 PAGE = "explorer.md"
 DATA = "explorer/schedules.json"  # where the JSON lands in the site
-PLACE = '<div class="ts-explorer"></div>'  # the page's element, as markdown renders it
+KIND = "ts-explorer"  # the class of the page's element
+PLACE = data_element.place(KIND)
 
 
 def cache_dir() -> pathlib.Path:
@@ -89,16 +90,5 @@ def on_files(files, config):
     return files
 
 
-def page_element(page_url: str, data_url: str) -> str:
-    """The page's element, told where its data is (relative to the page, as the site goes)."""
-    where = get_relative_url(data_url, page_url)
-    return f'<div class="ts-explorer" data-src="{where}"></div>'
-
-
 def on_page_content(html, page, config, files):
-    if page.file.src_uri != PAGE:
-        return html
-    if PLACE not in html:
-        raise PluginError(f"{PAGE} has no {PLACE} for the explorer to draw in")
-    data = files.get_file_from_path(DATA)
-    return html.replace(PLACE, page_element(page.url, data.url), 1)
+    return data_element.point_at_data(html, page, files, src=PAGE, kind=KIND, data=DATA)

@@ -4,7 +4,7 @@ The calculator's numbers are ``twinshard plan``'s memory over a grid of settings
 ``benchmarks/memory_calculator.py`` into ``docs/memory/plans.json``, which the site serves as it
 is (recording the grid takes about forty minutes, too long for a build: that script's docstring
 says why and how the tests keep the file true). This hook gives the page's
-``<div class="ts-memory"></div>`` the file's URL relative to the page as ``data-src``, which
+``<div class="ts-memory"></div>`` (``data_element.py``) the file's URL relative to the page as ``data-src``, which
 ``docs/js/memory.js`` fetches. A page without that element, or a site without the file, or a
 file without settings, fails the build with what to run.
 """
@@ -13,27 +13,18 @@ from __future__ import annotations
 
 import json
 
+import data_element  # beside this hook: mkdocs puts its folder on sys.path while it loads it
 from mkdocs.exceptions import PluginError
-from mkdocs.utils import get_relative_url
 
 PAGE = "memory.md"
 DATA = "memory/plans.json"  # in docs/, served as it is
-PLACE = '<div class="ts-memory"></div>'  # the page's element, as markdown renders it
+KIND = "ts-memory"  # the class of the page's element
+PLACE = data_element.place(KIND)
 RECORD = "python benchmarks/memory_calculator.py"
 
 
-def page_element(page_url: str, data_url: str) -> str:
-    """The page's element, told where its data is (relative to the page, as the site goes)."""
-    where = get_relative_url(data_url, page_url)
-    return f'<div class="ts-memory" data-src="{where}"></div>'
-
-
-def on_page_content(html, page, config, files):
-    if page.file.src_uri != PAGE:
-        return html
-    if PLACE not in html:
-        raise PluginError(f"{PAGE} has no {PLACE} for the calculator to draw in")
-    data = files.get_file_from_path(DATA)
+def check_data(data) -> None:
+    """Fails the build unless ``data`` (the site's file, or None) holds settings."""
     if data is None:
         raise PluginError(f"docs/{DATA} is missing: run `{RECORD}` to record it")
     try:
@@ -44,4 +35,9 @@ def on_page_content(html, page, config, files):
         ) from None
     if not settings:
         raise PluginError(f"docs/{DATA} has no settings: run `{RECORD}`")
-    return html.replace(PLACE, page_element(page.url, data.url), 1)
+
+
+def on_page_content(html, page, config, files):
+    return data_element.point_at_data(
+        html, page, files, src=PAGE, kind=KIND, data=DATA, check=check_data
+    )

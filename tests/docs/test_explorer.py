@@ -14,7 +14,6 @@ and 1400 pixels (the session's site, shared with tests/docs/test_docs.py), drive
 from __future__ import annotations
 
 import dataclasses
-import html
 import itertools
 import json
 import pathlib
@@ -23,7 +22,7 @@ import types
 import urllib.parse
 
 import pytest
-from docs_site import hook_module, load_hook, run_chromium
+from docs_site import hook_module, load_hook, probe
 
 from twinshard.measure.schedule import format_table, record_step
 from twinshard.measure.units import human_bytes
@@ -354,13 +353,10 @@ def test_the_page_draws_steps_and_fits_in_a_browser(
     assert scripts.index("../js/explorer_draw.js") < scripts.index("../js/explorer.js"), scripts
     assert '<link rel="stylesheet" href="../css/explorer.css"' in built
     assert not [s for s in scripts if re.match(r"(?:https?:)?//", s)], scripts
-    (site / "_explorer_probe.html").write_text(PROBE.read_text(encoding="utf-8"), encoding="utf-8")
-    url = f"{server}/_explorer_probe.html?page=/explorer/&width={width}"
-    dom = run_chromium(tmp_path, "--dump-dom", "--virtual-time-budget=30000", url)
-    found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
-    assert found, dom[-2000:]
-    seen = json.loads(html.unescape(found.group(1)))
-    assert not seen.get("error"), seen
+    page_probe = PROBE.read_text(encoding="utf-8")
+    seen = probe(
+        site, server, tmp_path, "_explorer_probe.html", page_probe, "/explorer/", width, 30000
+    )
     assert seen["where"].startswith("event 1 of ")  # the arrow key moved the cursor
     assert seen["panels"] == seen["events"] == 2 and "peak unsharded" in seen["totals"]
     assert seen["smallest_font"] >= 11

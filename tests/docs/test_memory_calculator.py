@@ -17,14 +17,13 @@ refusal of missing data without building. The last tests show the built page in 
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import re
 import urllib.parse
 
 import pytest
 from benchmark_scripts import load
-from docs_site import ROOT, load_hook, run_chromium
+from docs_site import ROOT, load_hook, probe
 
 from twinshard.measure.plan import cli as plan_cli
 from twinshard.measure.plan.trace import PARTS
@@ -239,13 +238,7 @@ def test_the_page_draws_the_bars_and_fits_in_a_browser(
     assert '<link rel="stylesheet" href="../css/memory.css"' in built
     (src,) = re.findall(r'<div class="ts-memory" data-src="([^"]+)">', built)
     assert urllib.parse.urljoin("/memory/", src) == "/memory/plans.json"
-    (site / "_memory_probe.html").write_text(PROBE, encoding="utf-8")
-    url = f"{server}/_memory_probe.html?page=/memory/&width={width}"
-    dom = run_chromium(tmp_path, "--dump-dom", "--virtual-time-budget=20000", url)
-    found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
-    assert found, dom[-2000:]
-    seen = json.loads(html.unescape(found.group(1)))
-    assert not seen.get("error"), seen
+    seen = probe(site, server, tmp_path, "_memory_probe.html", PROBE, "/memory/", width, 20000)
     first = {axis: values[0] for axis, values in data["axes"].items()}
     for view, model in (("before", "llama3-8b"), ("after", "llama3-70b")):
         shown, choice = seen[view], {**first, "model": model}

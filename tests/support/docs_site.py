@@ -171,6 +171,21 @@ def run_chromium(profile: pathlib.Path, *args: str) -> str:
     return done.stdout
 
 
+def probe(site, server, profile, name: str, probe_html: str, page: str, width: int, budget_ms: int):
+    """What ``probe_html`` (a page that loads ``page`` in a frame ``width`` pixels wide and
+    writes a JSON report into ``<pre id="result">``) reported, served from the site as
+    ``name``, after ``budget_ms`` of the browser's virtual time; fails on no report or on the
+    report's ``error``."""
+    (site / name).write_text(probe_html, encoding="utf-8")
+    url = f"{server}/{name}?page={page}&width={width}"
+    dom = run_chromium(profile, "--dump-dom", f"--virtual-time-budget={budget_ms}", url)
+    found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
+    assert found, dom[-2000:]
+    seen = json.loads(html.unescape(found.group(1)))
+    assert not seen.get("error"), seen
+    return seen
+
+
 # Loads each of ?page=PATHS (one a line) in turn in a frame of the same origin, WIDTH pixels
 # wide, and once the last has loaded writes a JSON list of reports into <pre id="result">, one a
 # page: its title, headings and (with full=1) text, heading ids and links; every picture with its
