@@ -52,6 +52,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    import suite_runs  # the conformance runs' parts, some of them tier-dependent
+
+    suite_runs.FULL_TIER = config.getoption("--full")
     config.addinivalue_line(
         "markers", "full: repeats a check on more combinations; runs only with --full"
     )

@@ -172,11 +172,15 @@ def _errors(impl) -> dict:
 
 def _channels_last(impl) -> dict:
     """A channels_last Conv2d weight (not contiguous): torch refuses it, twinshard trains it;
-    the plain model on the same data is the truth (every rank sees the same batch)."""
+    the plain model on the same data is the truth (every rank sees the same batch). The
+    unsharded weight is contiguous, so the convolution may take another kernel than the plain
+    model's channels_last one: equal within fp32's ``assert_close`` tolerance, and bitwise only
+    where the CPU's kernels happen to agree (an AMD EPYC's do not: 1e-6 apart)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
     model = model.to(memory_format=torch.channels_last)
     plain = copy.deepcopy(model)
+    start = [p.detach().clone() for p in plain.parameters()]
     failed = _error(lambda: impl.fully_shard(model))
     if failed is not None:
         return {"error": failed}
@@ -187,8 +191,9 @@ def _channels_last(impl) -> dict:
             m(x).pow(2).sum().backward()
             optim.step()
             optim.zero_grad()
-    return {"equal": all(torch.equal(a.full_tensor(), b) for a, b in
-                         zip(model.parameters(), plain.parameters()))}  # fmt: skip
+    pairs = [(a.full_tensor(), b) for a, b in zip(model.parameters(), plain.parameters())]
+    return {"close": all(torch.allclose(a, b, rtol=1.3e-6, atol=1e-5) for a, b in pairs),
+            "moved": all(not torch.equal(a, b) for a, b in zip(plain.parameters(), start))}  # fmt: skip
 
 
 CHECKS_2 = {"shard_dim_1": _shard_dim_1, "mesh_twice": _mesh_built_twice,
@@ -323,7 +328,8 @@ def test_non_contiguous_parameter_trains_where_torch_refuses_it():
         raised = out["channels_last", TORCH]["error"]
         assert "NotImplementedError" in raised[0] and "non-contiguous" in raised[1], raised
         for name in TWINSHARD:
-            assert out["channels_last", name] == {"equal": True}, (name, out["channels_last", name])
+            got = out["channels_last", name]
+            assert got == {"close": True, "moved": True}, (name, got)
 
 
 @pytest.mark.parametrize("case", TP_CASES)

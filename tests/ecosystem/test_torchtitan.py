@@ -112,7 +112,14 @@ def test_every_checkpoint_tensor_is_torchs_at_the_same_step(runs, impl, step):
 
 
 @pytest.mark.parametrize(
-    "name", ["reference resumes torch", "optimized resumes torch", "torch resumes optimized"]
+    "name",
+    [
+        # the reference loads torch's checkpoint as the optimized path does (the same
+        # ShardedParam and state dict code), so its resume repeats that check
+        pytest.param("reference resumes torch", marks=pytest.mark.full),
+        "optimized resumes torch",
+        "torch resumes optimized",
+    ],
 )
 def test_a_resumed_checkpoint_ends_where_torchs_uninterrupted_run_ended(runs, name):
     import client_torchtitan as titan

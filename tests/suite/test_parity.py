@@ -2,14 +2,16 @@
 
 Each training case compares the implementation, every step, with the plain model (the
 truth). The optimized path is also compared with the reference at world sizes 1 and 2 (bitwise
-in fp32), 3 and HSDP 2x2 (within the tolerance), and with torch's fully_shard at world size 2;
-torch's fully_shard itself passes the suite at 2 (and at 1 and 3 in the full tier,
-``tests/suite/test_torch_conformance.py``). The reference runs every case at 1 and 2, and at 3
-and 2x2 in the full tier (in the default tier it trains there as the optimized path's oracle;
-world size 4 is the optimized run's and the fuzzed test's). The optimized path runs a
-second time with stand-in streams, at world size 2, HSDP 2x2, and HSDP with one shard (2x1,
+in fp32), and with torch's fully_shard at world size 2; torch's fully_shard itself passes the
+suite at 2 (and at 1 and 3 in the full tier, ``tests/suite/test_torch_conformance.py``). The
+reference runs every case at 1 and 2, and at 3 and 2x2 in the full tier, where the optimized
+path is compared with it too (within the tolerance; world size 4 is the optimized run's and the
+fuzzed test's). At 3 and 2x2 the default tier runs the cases whose result depends on the mesh
+(``suite_runs.MESH_BOUND``); the interface's cases run there in the full tier. The optimized
+path runs a second time with stand-in streams, at world size 2, HSDP 2x2, and HSDP with one shard (2x1,
 and 3x1 in the full tier) and with one replica (1x2, and 1x3 in the full tier), where the
-reductions take their shortcuts (there the cases that reduce gradients; all in the full tier): its
+reductions take their shortcuts (there the cases whose gradients reach the reductions each
+another way, ``SHORTCUTS``; all in the full tier): its
 accelerator schedule on the CPU, every tensor access checked against the stream order
 (compared with the plain model). The whole matrix in that mode is one command: ``twinshard
 conform twinshard.optimized --stand-in-streams --no-oracles --world-sizes

@@ -47,13 +47,27 @@ FOR_STREAMS = [n for n in select(None) if not n.startswith("lossy_") or n in STR
 # At 2x1 and 1x2 the reductions take their shortcuts (no reduce-scatter over one rank, no
 # all-reduce over one replica): the cases that reduce gradients show them on streams; the rest
 # (state dicts, the API, errors, traces, costs, variants) see the streams of 2 and 2x2 again.
-REDUCING = ("training", "gradients", "mixed_precision", "offload")
-SHORTCUTS = [n for n in FOR_STREAMS if CASES[n].group in REDUCING]
+# Of the training cases, those whose gradients take another way to the reduction (one group,
+# per block, a whole model, each reshard setting, frozen and unused parameters); the others
+# change the forward (two forwards, dict outputs, ignored parameters, other shard dims) and
+# reach the same reductions.
+REDUCING_TRAINING = ["one_group", "per_block", "llama", "reshard_false", "reshard_true_root"]
+REDUCING_TRAINING += ["reshard_int", "frozen", "unused"]
+REDUCING = ("gradients", "mixed_precision", "offload")
+SHORTCUTS = [n for n in FOR_STREAMS if CASES[n].group in REDUCING or n in REDUCING_TRAINING]
 # At 2x2 the stand-in streams run, in the default tier, the cases that reduce gradients (the
 # replicas' all-reduce is on a stream there and nowhere else) and the lossy cases with custom
 # collectives over the replicas; the rest gather over the same shard group of 2 as at 2, and
 # run there (102 s of CI for every case at 2x2).
 AT_2X2 = SHORTCUTS + sorted(STREAM_LOSSY)
+# At 3 (odd shard lengths) and 2x2 (HSDP) the default tier runs the cases whose result
+# depends on the mesh; these check the interface (its methods, errors, what a user holds of a
+# parameter, pickling, compiling), which world size 2 checks, and run there in the full tier.
+MESH_FREE = [n for n in select(None) if CASES[n].group in ("api", "errors", "aliasing")]
+MESH_FREE += ["torch_fsdp_module", "unshard_before_forward", "list_form", "pickle", "compile"]
+MESH_FREE += ["module_list_with_forward", "post_accumulate_grad_hooks", "summon_full_params"]
+MESH_FREE += ["fsdp_module_methods", "reset_after_error", "one_rank_no_collectives"]
+MESH_BOUND = [n for n in select(None) if n not in MESH_FREE]
 # World size 4 in the default tier: the cases that need a shard group of 4 (an int
 # reshard_after_forward below the shard size, tensor parallelism, hpZ by node), and two models
 # on uneven shards; the rest repeat 2 and 3 there, and run in the full tier.
@@ -62,8 +76,11 @@ AT_FOUR += ["lossy_qgz_by_node", "lossy_zeropp_hpz", "lossy_fp8_hpz", "lossy_sha
 
 # name -> (implementation, [(meshes, run_suite options)]); world size 2 first in each run.
 # ``FULL`` in the options: only in the full tier (``--full``); each such part says why it only
-# repeats a check the default tier makes.
+# repeats a check the default tier makes. ``FULL_ORACLES``: the part's oracles in the full
+# tier, where they train anyway (the reference's runs at 3 and 2x2), instead of ``oracles``.
 FULL = "full"
+FULL_ORACLES = "full_oracles"
+FULL_TIER = False  # set by conftest.py: whether this session runs the full tier
 RUNS = {
     "reference": (
         "twinshard.reference",
@@ -80,7 +97,13 @@ RUNS = {
         OPTIMIZED,
         [
             ("2", {"oracles": True}),
-            ("1,3,2x2", {"oracles": ("reference",)}),
+            ("1", {"oracles": ("reference",)}),
+            # At 3 and 2x2 the reference is compared within the tolerance, not bitwise, as the
+            # plain model is: in the default tier the plain model alone (the reference would
+            # train every case there for it, 40% of those meshes' time); in the full tier the
+            # reference too, whose own runs there it reads back.
+            ("3,2x2", {"oracles": False, FULL_ORACLES: ("reference",), "patterns": MESH_BOUND}),
+            ("3,2x2", {"oracles": ("reference",), "patterns": MESH_FREE, FULL: 1}),
             ("4", {"oracles": False, "patterns": AT_FOUR}),
             (
                 "4",
@@ -191,7 +214,9 @@ def rows(run: str, mesh: str | None = None, full: bool = True, case: str | None 
     for i, shape, options in parts:
         if i in done:
             continue
-        options = {k: v for k, v in options.items() if k != FULL}
+        if FULL_TIER and FULL_ORACLES in options:
+            options = {**options, "oracles": options[FULL_ORACLES]}
+        options = {k: v for k, v in options.items() if k not in (FULL, FULL_ORACLES)}
         with unmeasured(impl != OPTIMIZED):  # only the optimized path's lines are measured
             new = run_suite(impl, [shape], tmpdir=folder, **options)
         done.add(i)
