@@ -68,6 +68,9 @@ class FlatParamGroup(KeptBlocks):
         self.holds_own = False  # the parameter's memory is the copy-in stream's (one-parameter)
         self.root_group = False  # the root's: see [Note: a prefetch reads the shards when ...]
         self.prefetched = False  # a forward prefetch whose copy-in is not yet ordered
+        self.watched: list | None = None  # see [Note: an edit after an implicit prefetch]
+        self.read_version = 0  # the sum of their version counters when the prefetch read them
+        self.edited = False  # the next copy-in waits for an edit on the current stream
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.reductions_in_flight = 1  # set_reduce_scatter_max_input_buffers
@@ -122,8 +125,9 @@ class FlatParamGroup(KeptBlocks):
         An early all-gather copies the shards in when it is issued, and user code may write
         them before the group computes: a forward pre-hook registered with ``prepend=True``,
         the parent's forward. The rule (``docs/optimized-path.md``, the conformance case
-        ``edit_between_forwards``) is that such a write is seen from the next all-gather on,
-        never half. On the CPU the copy-in runs at once, so that holds by itself; on an
+        ``edit_between_forwards``) is that such a write is never seen half: after an implicit
+        prefetch the group is gathered again ([Note: an edit after an implicit prefetch]),
+        after an explicit list's the write is seen from the next all-gather on. On the CPU the copy-in runs at once, so that holds by itself; on an
         accelerator the copy-in is queued on its own stream, which the write on the current
         stream could overtake. So the current stream waits for the copy-in (an event right
         after it) before such code runs: a block waits in its post-forward hook, after its own
@@ -145,6 +149,38 @@ class FlatParamGroup(KeptBlocks):
             self.own_comm().after_copy_in()
         return issued
 
+    def watch_for_edits(self) -> None:
+        """Note the version of each shard that an implicit forward prefetch has just read.
+
+        [Note: an edit after an implicit prefetch]
+        torch's ``fully_shard`` gathers a group at its own pre-forward unless an explicit
+        prefetch list says otherwise, so its forward sees an edit of the group's shards made
+        after the previous group's pre-forward (by a forward pre-hook registered with
+        ``prepend=True``, or the parent's forward). The implicit prefetch read the shards
+        earlier, so the hooks note each shard's version counter when they issue it, and the
+        group's own pre-forward compares (``gather_again_if_edited``): where one moved, the
+        stale all-gather is waited for and freed, and the group is gathered again, its copy-in
+        after the edit. The check reads two host counters per parameter and syncs nothing; an
+        edit costs a second all-gather of the group. Every rank must make the same edits,
+        as with every write to sharded parameters in SPMD training: a rank that edited and
+        one that did not would issue different collectives. An explicit
+        ``set_modules_to_forward_prefetch`` list reads early, as torch's does."""
+        # Two counters a parameter: an in-place op on the DTensor counts on it, not on its
+        # local tensor (DTensor's dispatch writes that below autograd); a write through
+        # ``to_local()`` counts on the local tensor. Counters only grow, so their sum moves
+        # with any write.
+        self.watched = [t for p in self.params for t in (p.sharded_param, p.local_shard)]
+        self.read_version = sum([t._version for t in self.watched])
+
+    def gather_again_if_edited(self) -> None:
+        """Gather again where a shard was edited since the implicit prefetch read it; see
+        [Note: an edit after an implicit prefetch]."""
+        watched, self.watched = self.watched, None
+        if self.in_flight is None or sum([t._version for t in watched]) == self.read_version:
+            return
+        self.reshard()  # waits for the stale all-gather, then frees what it gathered
+        self.edited = True
+
     @without_grad
     def issue_all_gather(self) -> None:
         params = [p for p in self.params if p.state is not UNSHARDED]
@@ -157,6 +193,8 @@ class FlatParamGroup(KeptBlocks):
                 written, self.moved_blocks = self.moved_blocks, False
             else:
                 written = self.replaced_since_gather(params)
+            if self.edited:  # see [Note: an edit after an implicit prefetch]
+                written, self.edited = True, False
             # kept blocks keep the dtype they were moved in with (``keep_shards``)
             dtypes = self.kept_dtypes if kept is not None else self.param_dtypes(params)
             if not self.one_mesh:  # one all-gather per mesh: ``meshes.py``
@@ -216,6 +254,8 @@ class FlatParamGroup(KeptBlocks):
         comm = self.own_comm()
         if meanwhile is not None and self.state is TrainingState.FORWARD and not comm.in_forward:
             comm.start_forward()  # the first group's pre-forward starts the step
+        if self.watched is not None:
+            self.gather_again_if_edited()
         self.unshard_async()
         early = meanwhile is not None and self.state is TrainingState.FORWARD
         if early:

@@ -14,9 +14,11 @@ same order from the same model, so the collectives stay matched across ranks. On
 ahead keeps at most two groups' unsharded parameters in flight (plus the root's).
 What an early all-gather reads: the group's sharded parameters as they are when it is issued.
 An edit of them made after that and before the group's own pre-forward (a pre-hook registered
-with ``prepend=True``, the parent's forward) is seen from the group's next all-gather on, not
-by this forward; torch's explicit prefetch lists behave the same way, its default does not
-prefetch in forward (docs/optimized-path.md, the conformance case ``edit_between_forwards``).
+with ``prepend=True``, the parent's forward) is seen by this forward as under torch's default,
+which gathers at the group's own pre-forward: the group is gathered again there ([Note: an
+edit after an implicit prefetch] in ``flat_group.py``). Under an explicit prefetch list,
+torch's and ours, the edit is seen from the group's next all-gather on (docs/optimized-path.md,
+the conformance case ``edit_between_forwards``).
 
 [Note: in forward, the next all-gather goes out before the copy-out]
 A block's pre-forward issues the next group's all-gather before it waits for its own, so the
@@ -140,6 +142,8 @@ class FSDPState(ReferenceState):
             if isinstance(group, FlatParamGroup) and group is not self.group:
                 issued = group.prefetch(order_now=False)
                 self.group.prefetched = self.group.prefetched or (issued and not backward)
+                if issued and not backward and hint is None:
+                    group.watch_for_edits()  # [Note: an edit after an implicit prefetch]
 
     def prefetch_targets(self, hint: list | None, order: list) -> list:
         """The groups to all-gather now, while this one computes: the modules of ``hint`` (an

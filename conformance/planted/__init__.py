@@ -22,6 +22,8 @@ suite and the fuzzer check the stream order: run them with ``--stand-in-streams`
                                a contract method of ``ShardedParam`` reaches both trees
     optimized_prefetch_races_edits  a prefetch's copy-in can be overtaken by a write to the
                                shards on the current stream (stand-in streams show it)
+    optimized_prefetch_misses_edits  an implicit prefetch's group computes with the shards
+                               it read before an edit made at the group's own pre-forward
     optimized_moves_shards_late  a shard moves into new memory at its first all-gather (and
                                after ``module.to``, ``assign=True`` loads): views and state
                                dicts taken earlier go stale, values stay right

@@ -15,6 +15,7 @@ from ._optimized import optimized_fully_shard
 class RacesEdits(FlatParamGroup):
     def prefetch(self, order_now: bool = True) -> bool:
         self.unshard_async()  # no ordering of the current stream after the copy-in
+        self.watch_for_edits()  # the hooks watch only what they were told was issued
         return False  # so the hooks do not order it either
 
 

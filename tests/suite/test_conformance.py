@@ -75,6 +75,7 @@ PLANTED = {
     "optimized_wrong_prefetch": (["per_block", "llama"], "2", PLAIN),
     "optimized_scaled_grads": (["per_block", "llama"], "2", PLAIN),
     "optimized_prefetch_races_edits": (["edit_between_forwards"], "2", STANDIN),
+    "optimized_prefetch_misses_edits": (["edit_between_forwards"], "2", PLAIN),
     "optimized_moves_shards_late": (["views_before_training", "views_after_replacing"], "2", PLAIN),
 }
 _planted: dict[str, dict] = {}  # bug -> case -> row, each bug run once
