@@ -16,6 +16,8 @@ The interface, and the switch that puts it under code written for torch's:
 - ``summon.py``: FSDP1's ``summon_full_params`` for any FSDP2-style module.
 - ``local_step.py``: the user's optimizer stepping the local shards of any FSDP2-style
   module's ``DTensor`` parameters: the same bits without ``DTensor``'s dispatch.
+- ``clip_grad.py``: torch's ``clip_grad_norm_`` on the local shards of such gradients, the same
+  bits with one all-reduce and no host read.
 - ``switch.py``, ``run.py``: torch's ``fully_shard`` switched to twinshard's (a function, a
   context manager, ``python -m twinshard.run``).
 

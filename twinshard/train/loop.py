@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from twinshard.clip_grad import clip_grad_norm_
 from twinshard.ranks import watchdog
 from twinshard.ranks.devices import rank_device
 
@@ -278,7 +279,7 @@ def train_step(
         (loss / cfg.grad_accum).backward()
         total += loss.detach()
     if cfg.clip_norm > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+        clip_grad_norm_(model.parameters(), cfg.clip_norm)  # torch's bits, on the local shards
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total / cfg.grad_accum
