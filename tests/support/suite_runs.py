@@ -194,10 +194,13 @@ def selected(run: str, mesh: str, full: bool = True) -> set[str]:
     }
 
 
-def rows(run: str, mesh: str | None = None, full: bool = True, case: str | None = None) -> dict:
-    """The rows of ``run`` by (mesh, case), once its parts up to ``mesh``'s ran (all: None; all
-    but the full tier's: ``full=False``); with ``case``, up to the part of ``mesh`` that runs it
-    (a mesh may have a default part and a full-tier part)."""
+def rows(run: str, mesh: str | None = None, full: bool | None = None, case: str | None = None):
+    """The rows of ``run`` by (mesh, case), once its parts up to ``mesh``'s ran (all: None),
+    those of the full tier with them where ``full`` (default: where the session runs the full
+    tier; a default session must not run a full-tier part that comes before a mesh it asks
+    for); with ``case``, up to the part of ``mesh`` that runs it (a mesh may have a default
+    part and a full-tier part)."""
+    full = FULL_TIER if full is None else full
     impl = RUNS[run][0]
     found = _rows.setdefault(run, {})
     done = _done.setdefault(run, set())
