@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-torch", type=float, help="twinshard's most over torch's")
     args = parser.parse_args(argv)
     import torch
-    from optimizer_step import plain_twin, sharded
+    from optimizer_step import plain_twin, report, sharded
 
     from twinshard.clip_grad import clip_grad_norm_
 
@@ -91,12 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             missed.append(f"{impl}: twinshard's clip is not torch's bit for bit")
         if args.target_torch and ratio > args.target_torch:
             missed.append(f"{impl}: twinshard's clip {ratio:.2f}x torch's")
-    text = "\n".join(lines + [""] + [f"MISSED {m}" for m in missed])
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return 1 if missed else 0
+    return report(lines, missed, args.out)
 
 
 if __name__ == "__main__":

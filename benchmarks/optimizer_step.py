@@ -188,10 +188,16 @@ def main(argv: list[str] | None = None) -> int:
             missed.append(f"{optimizer}: {judged} {ratio[judged]:.2f}x plain")
         if targeted and args.target_torch and vs_torch and vs_torch > args.target_torch:
             missed.append(f"{optimizer}: {judged} {vs_torch:.2f}x torch")
+    return report(lines, missed, args.out)
+
+
+def report(lines: list[str], missed: list[str], out: str | None) -> int:
+    """Print the table ``lines`` and a line per missed target, write them to ``out`` too
+    (markdown), and return the exit status: 1 where a target was missed."""
     text = "\n".join(lines + [""] + [f"MISSED {m}" for m in missed])
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
     return 1 if missed else 0
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from twinshard.api import MixedPrecisionPolicy, profiled, without_grad
+from twinshard.api import MixedPrecisionPolicy, profiled, without_grad, write_count
 from twinshard.api.comm_memory import SymmetricMemory
 from twinshard.reference.mesh import MeshInfo
 from twinshard.reference.param_group import TrainingState
@@ -170,13 +170,13 @@ class FlatParamGroup(KeptBlocks):
         # ``to_local()`` counts on the local tensor. Counters only grow, so their sum moves
         # with any write.
         self.watched = [t for p in self.params for t in (p.sharded_param, p.local_shard)]
-        self.read_version = sum([t._version for t in self.watched])
+        self.read_version = write_count(self.watched)
 
     def gather_again_if_edited(self) -> None:
         """Gather again where a shard was edited since the implicit prefetch read it; see
         [Note: an edit after an implicit prefetch]."""
         watched, self.watched = self.watched, None
-        if self.in_flight is None or sum([t._version for t in watched]) == self.read_version:
+        if self.in_flight is None or write_count(watched) == self.read_version:
             return
         self.reshard()  # waits for the stale all-gather, then frees what it gathered
         self.edited = True

@@ -236,6 +236,13 @@ def profiled(name: str):
     return NOT_PROFILED
 
 
+def write_count(tensors: list) -> int:
+    """How many in-place writes ``tensors`` have had between them, as autograd counts them (each
+    tensor's version counter, which views share with their base). The counters only grow, so
+    the count moves with any write; it is read on the host and syncs nothing."""
+    return sum([t._version for t in tensors])
+
+
 def without_grad(fn):
     """Decorator: run ``fn`` with gradients off, like ``@torch.no_grad()``, but switch the
     mode only when gradients are on, and switch it directly. The hooks of the optimized path
