@@ -70,6 +70,7 @@ def _ended(*_args) -> None:
             "pid": os.getpid(),
             "cpu": round(usage.ru_utime + usage.ru_stime, 3),
             "rank": "RANK" in os.environ or "rank" in _process_name(),
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" ")[0],
             "time": time.time(),
         }
     )
@@ -116,7 +117,8 @@ def install(how: str = "exec") -> None:
 
 def read(path: str) -> list[dict]:
     """One record per process: the start line's fields with the end line's ``cpu`` and
-    ``rank`` (``None`` where the process wrote no end line)."""
+    ``rank`` (``None`` where the process wrote no end line), and a fork's test from its end
+    line."""
     procs: list[dict] = []
     alive: dict[int, dict] = {}  # pid -> its newest start (the kernel reuses pids)
     with open(path) as f:
@@ -129,5 +131,10 @@ def read(path: str) -> list[dict]:
                 alive[record["pid"]] = {**record, "cpu": None, "rank": None}
                 procs.append(alive[record["pid"]])
             elif record["pid"] in alive:
-                alive.pop(record["pid"]).update(cpu=record["cpu"], rank=record["rank"])
+                proc = alive.pop(record["pid"])
+                proc.update(cpu=record["cpu"], rank=record["rank"])
+                if proc["how"] == "fork" and record.get("test"):
+                    # a rank of the fork server takes its caller's environment after the fork
+                    # (twinshard.ranks.fork_server): the test that launched it is known at its end
+                    proc["test"] = record["test"]
     return procs

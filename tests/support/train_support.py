@@ -99,8 +99,9 @@ def read_until(proc: subprocess.Popen, prefix: str, limit: float = 120.0, stream
 
 def rank_pids(launcher: int) -> list[int]:
     """The ranks that ``twinshard.ranks.launch`` (or ``torchrun``) in process ``launcher`` started, by
-    rank (they start in rank order; multiprocessing's resource tracker is not one of them)."""
-    found = []
+    rank (they start in rank order; multiprocessing's resource tracker is not one of them, and
+    the ranks of its fork server are, not the server itself)."""
+    processes = []  # (parent, start time, pid, command line)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -109,8 +110,15 @@ def rank_pids(launcher: int) -> list[int]:
             command = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == launcher and b"resource_tracker" not in command:
-            found.append((int(stat[19]), int(entry)))  # (start time, pid)
+        processes.append((int(stat[1]), int(stat[19]), int(entry), command))
+    servers = {pid for parent, _, pid, command in processes
+               if parent == launcher and b"multiprocessing.forkserver" in command}  # fmt: skip
+    found = [
+        (start, pid)
+        for parent, start, pid, command in processes
+        if (parent == launcher and pid not in servers and b"resource_tracker" not in command)
+        or parent in servers
+    ]
     return [pid for _, pid in sorted(found)]
 
 

@@ -1,4 +1,4 @@
-"""Tests for twinshard.ranks.launch: results, failure handling, deadlines, fork vs spawn."""
+"""Tests for twinshard.ranks.launch: results, failure handling, deadlines, fork vs a fresh rank."""
 
 import multiprocessing
 import os
@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.ranks.launch import LaunchError, RankInfo, _pick_start_method, get_rank_info, launch
+from twinshard.ranks.launch import (
+    FRESH,
+    LaunchError,
+    RankInfo,
+    _pick_start_method,
+    get_rank_info,
+    launch,
+)
 
 # Tests of launching itself: their launches start ranks of their own, not the shared worlds'.
 pytestmark = pytest.mark.real_launch
@@ -79,7 +86,7 @@ def assert_no_children_left():
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
 def test_results_are_ordered_by_rank(nprocs):
-    results = launch(rank_sum_and_info, nprocs)  # module-level fn: spawn
+    results = launch(rank_sum_and_info, nprocs)  # module-level fn: a fresh rank
     total = float(sum(range(1, nprocs + 1)))
     assert [r[:3] for r in results] == [(rank, nprocs, total) for rank in range(nprocs)]
     assert [r[3] for r in results] == [
@@ -104,7 +111,7 @@ def test_closure_defined_in_test_runs_with_fork():
         return dist.get_rank() + offset + extra + int(t.item())
 
     assert _pick_start_method(add_rank, (), {}, None) == "fork"
-    assert _pick_start_method(rank_sum_and_info, (), {}, None) == "spawn"
+    assert _pick_start_method(rank_sum_and_info, (), {}, None) == FRESH == "forkserver"
     assert launch(add_rank, 2, 1) == [44, 45]
     assert launch(lambda: get_rank_info().world_size, 3) == [3, 3, 3]
 
@@ -129,7 +136,7 @@ def test_children_use_one_thread_unless_told_otherwise():
 def test_rank_raising_fails_fast_and_kills_blocked_ranks():
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        launch(raise_on_rank_one, 2)  # spawn; default 300 s timeout
+        launch(raise_on_rank_one, 2)  # a fresh rank; default 300 s timeout
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert info.value.ranks == [1]  # rank 0 may fail too, but only as a knock-on effect

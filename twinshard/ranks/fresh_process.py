@@ -1,9 +1,11 @@
-"""One call in a freshly spawned process, which ends without finalizing its interpreter.
+"""One call in a fresh process, which ends without finalizing its interpreter.
 
 The fake-accelerator run, the schedule recorded on it, the memory planner and the simulated
 network each need a process of their own: they register a device or a process-group backend
-for good, or set the process's thread count. ``call`` spawns one, runs the function there and
-returns its result (or raises its exception, with the child's traceback as the cause).
+for good, or set the process's thread count. ``call`` starts one (forked from the fork server,
+with the caller's environment and output, or spawned: ``twinshard.ranks.fork_server``), runs the
+function there and returns its result (or raises its exception, with the child's traceback as
+the cause).
 
 [Note: a worker's exit]
 Such a process leaves threads behind that still hold Python objects: autograd's thread for the
@@ -24,28 +26,30 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import multiprocessing
 import os
 import signal
 import sys
 import traceback
 from typing import NoReturn
 
+from . import fork_server
+
 
 class ChildTraceback(Exception):
     """The traceback of an exception raised in the child process, as text."""
 
     def __str__(self) -> str:
-        return f"\n\nin the spawned process:\n{self.args[0]}"
+        return f"\n\nin the fresh process:\n{self.args[0]}"
 
 
 def call(fn, *args, timeout: float, **kwargs):
-    """``fn(*args, **kwargs)`` in a freshly spawned process; its result, or its exception.
+    """``fn(*args, **kwargs)`` in a fresh process; its result, or its exception.
     ``TimeoutError`` (the process is stopped) when it has not answered within ``timeout``
     seconds; ``RuntimeError`` when it ended without answering."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx, caller = fork_server.fresh()
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_serve, args=(send, fn, args, kwargs, os.getpid()), daemon=True)
+    parent = None if caller else os.getpid()  # a fork server's child has the server as parent
+    child = ctx.Process(target=_serve, args=(send, fn, args, kwargs, parent, caller), daemon=True)
     child.start()
     send.close()  # the child holds the only sending end: its death ends the wait below
     name = getattr(fn, "__qualname__", repr(fn))
@@ -73,7 +77,9 @@ def call(fn, *args, timeout: float, **kwargs):
     return answer[1]
 
 
-def _serve(send, fn, args, kwargs, parent_pid: int) -> None:
+def _serve(send, fn, args, kwargs, parent_pid: int | None, caller) -> None:
+    if caller is not None:
+        caller.become()
     die_with_parent(parent_pid)  # a daemon outlives a parent stopped by a signal otherwise
     try:
         answer = ("ok", fn(*args, **kwargs))

@@ -27,14 +27,17 @@ dies (``PR_SET_PDEATHSIG`` on Linux), so SIGKILL or SIGTERM to the parent leaves
 behind. With ``forward_signals=True``, SIGINT and SIGTERM are passed on to the ranks instead,
 which decide how to stop; a second one stops them at once.
 
-Fork or spawn. ``spawn`` starts a fresh interpreter that imports ``fn`` by module and
-name. It is the safer choice, but it cannot run a lambda, a closure, a nested
-function, or a function from a notebook, ``python -c`` or another ``__main__``
-without a file. With ``start_method=None``, ``launch`` forks for those (the child is
-a copy of the parent; nothing is imported) and spawns otherwise. A child forked after
-this process initialized CUDA (or another accelerator's runtime:
-``twinshard.ranks.devices.initialized_accelerator``) cannot use the device, so then ``launch``
-spawns, and where ``fn`` can only be forked (or ``"fork"`` was asked for) it raises
+Fork, or a fresh rank. A fresh rank imports ``fn`` by module and name. It is the safer
+choice, but it cannot run a lambda, a closure, a nested function, or a function from a
+notebook, ``python -c`` or another ``__main__`` without a file. With ``start_method=None``,
+``launch`` forks for those (the child is a copy of the parent; nothing is imported) and starts
+fresh ranks otherwise: forked from a server that imported torch once (``"forkserver"``,
+[Note: ranks from a fork server] in ``twinshard.ranks.fork_server``), with the caller's
+environment, directory and output, where the platform has one, else spawned (``"spawn"``, a new
+interpreter, which may always be asked for). A child forked after this process initialized
+CUDA (or another accelerator's runtime: ``twinshard.ranks.devices.initialized_accelerator``)
+cannot use the device, so then ``launch`` starts fresh ranks (the fork server never touches a
+device), and where ``fn`` can only be forked (or ``"fork"`` was asked for) it raises
 ``RuntimeError`` naming ``fn`` and saying what to do. Forcing ``"spawn"`` with an
 unpicklable ``fn`` or arguments raises ``TypeError`` up front.
 
@@ -75,12 +78,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import devices, fresh_process, watchdog
+from . import devices, fork_server, fresh_process, watchdog
 from .supervise import HangError, LaunchError, Watch, collect, forwarding, stop
 
 __all__ = ["HangError", "LaunchError", "RankInfo", "get_rank_info", "launch"]
 
 _PORT_TRIES = 10  # ports tried for the store before giving up
+FRESH = fork_server.START_METHOD  # how a fresh rank starts: [Note: ranks from a fork server]
 
 
 class RankInfo(NamedTuple):
@@ -144,7 +148,7 @@ def _resolve_backend(backend: str | None, nprocs: int) -> str:
 
 
 def _pick_start_method(fn: Callable, args: tuple, kwargs: dict, start_method: str | None) -> str:
-    """Fork when a spawned child could not import ``fn`` by module and name, else spawn; never
+    """Fork when a fresh child could not import ``fn`` by module and name, else ``FRESH``; never
     fork once this process has initialized an accelerator's runtime (``RuntimeError``)."""
     if start_method not in (None, "fork", "spawn", "forkserver"):
         raise ValueError(
@@ -179,7 +183,7 @@ def _pick_start_method(fn: Callable, args: tuple, kwargs: dict, start_method: st
             f"with start_method={start_method!r}, fn must be a module-level function and its "
             f"arguments picklable ({type(e).__name__}: {e})"
         ) from e
-    return start_method or "spawn"
+    return start_method or FRESH
 
 
 def _fork_refused(fn: Callable, runtime: str, why: str) -> str:
@@ -205,6 +209,7 @@ class _Setup(NamedTuple):
     parent_pid: int | None  # None: a fork server started the rank, not the launcher
     hang_timeout: float | None
     stack_dir: str | None
+    caller: fork_server.Caller | None  # for a rank from the fork server: the caller's state
 
 
 def listen_for_ranks() -> socket.socket:
@@ -240,6 +245,8 @@ def serve_store(listener: socket.socket, timeout: float) -> dist.TCPStore:
 def _worker(fn, args, kwargs, setup: _Setup, conn) -> None:
     rank, world_size, backend, timeout = setup.rank, setup.world_size, setup.backend, setup.timeout
     try:
+        if setup.caller is not None:
+            setup.caller.become()
         fresh_process.die_with_parent(setup.parent_pid)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a fork copies the parent's
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -310,7 +317,7 @@ def launch(
     ``backend``: default: the accelerator's (nccl, one GPU per rank) if there are enough
     devices, else "gloo" (CPU ranks).
     ``timeout``: seconds, for the process group and as the deadline for ``fn``.
-    ``start_method``: None picks fork or spawn (see the module docstring).
+    ``start_method``: None picks fork or a fresh rank (see the module docstring).
     ``env``: extra environment variables for the children.
     ``hang_timeout``: seconds without progress on any rank before the watchdog stops the run
     and raises ``HangError`` (a ``LaunchError``); None: no watchdog. ``fn`` may call
@@ -337,7 +344,8 @@ def launch(
     worlds = shared_worlds
     if worlds is not None and worlds.takes(backend, method, hang_timeout, forward_signals):
         return worlds.run(fn, nprocs, *args, timeout=timeout, env=env, **kwargs)
-    ctx = mp.get_context(method)
+    ctx = fork_server.context() if method == "forkserver" else mp.get_context(method)
+    caller = fork_server.Caller() if method == "forkserver" else None
     env = {str(k): str(v) for k, v in (env or {}).items()}
     listener = listen_for_ranks()  # the ranks connect to it; the server takes it over once they run
     port = listener.getsockname()[1]
@@ -348,7 +356,7 @@ def launch(
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
             setup = _Setup(
-                rank, nprocs, port, backend, timeout, env, parent, hang_timeout, stack_dir
+                rank, nprocs, port, backend, timeout, env, parent, hang_timeout, stack_dir, caller
             )
             p = ctx.Process(
                 target=_worker, name=f"twinshard-rank{rank}", args=(fn, args, kwargs, setup, writer)
