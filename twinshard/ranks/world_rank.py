@@ -49,9 +49,15 @@ def _report(conn, e: BaseException) -> None:
         _send(conn, "error", kind, str(e), traceback.format_exc())
 
 
-def rank_main(rank: int, nprocs: int, port: int, backend: str, conn, parent: int) -> None:
-    """A rank's life: connect to the store, then run tasks until told to close."""
+def rank_main(
+    rank: int, nprocs: int, port: int, backend: str, conn, parent: int | None, caller=None
+) -> None:
+    """A rank's life: connect to the store, then run tasks until told to close. ``caller``:
+    for a rank forked from the fork server, the state of the process that started the world
+    (``twinshard.ranks.fork_server.Caller``)."""
     try:
+        if caller is not None:
+            caller.become()
         fresh_process.die_with_parent(parent)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,8 +1,9 @@
 """Worlds of N ranks started once and reused: each runs many tasks, as ``launch`` runs one.
 
 Starting a rank costs more than most of what tests and notebooks run on it: a new interpreter
-imports torch (1.4-3.7 CPU seconds on a 2-core machine) and joins a process group, and a
-two-rank launch that runs nothing costs 2.7 s. A ``World`` starts its ranks once; ``run(fn,
+imports torch (1.4-3.7 CPU seconds on a 2-core machine, paid once per process where ranks fork
+from the fork server, ``twinshard.ranks.fork_server``) and joins a process group, and a
+two-rank launch that runs nothing cost 2.7 s with spawned ranks. A ``World`` starts its ranks once; ``run(fn,
 *args)`` sends ``fn`` to every rank and returns what each returned, ordered by rank, exactly
 as ``twinshard.ranks.launch.launch`` does, and raises the same ``LaunchError`` when a rank raises,
 dies or runs past the deadline (its first line names the task).
@@ -36,7 +37,6 @@ must be copies of the caller. The test suite does this for its whole session
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import pickle
 import sys
@@ -44,7 +44,7 @@ import time
 import warnings
 from multiprocessing.connection import wait
 
-from . import devices, launch, supervise
+from . import devices, fork_server, launch, supervise
 from .world_rank import rank_main
 
 __all__ = ["World", "Worlds", "serving"]
@@ -68,17 +68,18 @@ class World:
         self.tasks = 0
         self.last_cpu = 0.0  # CPU seconds the ranks spent on the last task
         self.leaks: list[tuple[str, list[str]]] = []  # (task, what its reset put back)
-        ctx = mp.get_context("spawn")
         listener = launch.listen_for_ranks()
         port = listener.getsockname()[1]
         self.procs, self.conns = [], []
         saved = {k: os.environ.get(k) for k in start_env or {}}
-        os.environ.update(start_env or {})  # a spawned process starts with this environment
+        os.environ.update(start_env or {})  # a fresh process starts with this environment
+        ctx, caller = fork_server.fresh()  # [Note: ranks from a fork server]
+        parent = None if caller else os.getpid()  # a fork server's child has the server as parent
         for rank in range(nprocs):
             ours, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=rank_main,
-                args=(rank, nprocs, port, backend, theirs, os.getpid()),
+                args=(rank, nprocs, port, backend, theirs, parent, caller),
                 name=f"twinshard-world{nprocs}-rank{rank}",
             )
             proc.start()
