@@ -9,8 +9,6 @@ time limits, and the fixtures several modules use.
   ``TWINSHARD_FRESH_RANKS=1`` starts fresh ranks for every launch, to hunt a state leak.
 - Tiers: the default run checks every case, mesh and planted bug once; tests marked ``full``
   only repeat a check on more combinations and run with ``--full`` (README.md, "Tiers").
-- Two lanes: with ``-n 2`` (the README's command) two workers run the test folders side by
-  side, each folder in one (``support/lanes.py``).
 - Both cores: fixtures that run in a process of their own (the documentation site's build, the
   fake accelerator's run) start in the background once collection is done, on the core the
   ranks leave idle, and the tests that read them run last (``support/background.py``).
@@ -30,7 +28,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 import background  # noqa: E402
-import lanes  # noqa: E402
 import shared_worlds  # noqa: E402
 import timing  # noqa: E402
 from coverage_scope import MEASURED_MODULES, unmeasured  # noqa: E402
@@ -58,7 +55,6 @@ def pytest_configure(config):
     import suite_runs  # the conformance runs' parts, some of them tier-dependent
 
     suite_runs.FULL_TIER = config.getoption("--full")
-    config.pluginmanager.register(lanes, "twinshard-lanes")  # each test's lane, for -n 2
     config.addinivalue_line(
         "markers", "full: repeats a check on more combinations; runs only with --full"
     )
@@ -85,11 +81,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(limit + extra), append=False)
     if not config.option.collectonly:
         # The fixtures built by a process of their own (the site, the fake accelerator's run)
-        # start now, on the core the ranks leave idle; the tests that read them run last. In a
-        # worker of -n 2 they start at its first test, for its lane only (support/lanes.py).
-        waiting = set(
-            background.needed(items) if lanes.in_worker() else background.start_needed(items)
-        )
+        # start now, on the core the ranks leave idle; the tests that read them run last.
+        waiting = set(background.start_needed(items))
         items[:] = [item for item in items if item not in waiting] + [
             item for item in items if item in waiting
         ]
@@ -109,7 +102,6 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_runtest_protocol(item, nextitem):
     """Run a test of a module outside ``MEASURED_MODULES`` (its fixtures included) unmeasured,
     and a test marked ``real_launch`` with ranks of its own."""
-    lanes.start_background(item)
     module = getattr(getattr(item, "module", None), "__name__", "").rpartition(".")[2]
     with unmeasured(module not in MEASURED_MODULES), shared_worlds.launches_for(item):
         return (yield)

@@ -53,18 +53,13 @@ def start(name: str, items: list = ()) -> None:
     )
 
 
-def needed(items) -> list:
-    """The items that ask for a job (to be run last)."""
-    return [i for i in items if any(n in getattr(i, "fixturenames", ()) for n in _jobs)]
-
-
 def start_needed(items) -> list:
     """Start the jobs that ``items`` ask for; return those items (to be run last)."""
     asking = {n: [i for i in items if n in getattr(i, "fixturenames", ())] for n in _jobs}
     for name, those in asking.items():
         if those:
             start(name, those)
-    return needed(items)
+    return [i for i in items if any(i in those for those in asking.values())]
 
 
 def result(name: str) -> tuple[int, str]:

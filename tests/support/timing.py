@@ -23,11 +23,7 @@ _outcome: dict[str, str] = {}
 
 
 def start() -> None:
-    """Fresh logs, and every later Python process of the session logging itself (a worker of
-    ``-n 2`` writes to the logs its controller started, named in its environment)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        processes.install("session")
-        return
+    """Fresh logs, and every later Python process of the session logging itself."""
     FOLDER.mkdir(parents=True, exist_ok=True)
     for name in ("tests.jsonl", "processes.jsonl", "tasks.jsonl"):
         (FOLDER / name).unlink(missing_ok=True)
