@@ -15,7 +15,7 @@ the exact run. How each client is brought to its
 FSDP2 path on gloo is said in its file (client_accelerate.py, client_lightning.py,
 client_trainer.py).
 
-All three clients run in one launch of 2 spawned ranks (the clients' imports and first steps
+All three clients run in one launch of 2 fresh ranks (the clients' imports and first steps
 are most of the time), shared by the tests of this module.
 
 The clients come with the ``clients`` extra (``pip install torch==2.13.0 -e ".[clients]"``).

@@ -1,7 +1,7 @@
 """``twinshard plan``: the recorded step's memory, communication and time, checked against
 what the model and the implementations must do (issue 26, item 1).
 
-One spawned process records every plan of this module (``plans`` below), on a small Llama at
+One fresh process records every plan of this module (``plans`` below), on a small Llama at
 8 ranks: the parts of the peak add up to the peak, the shards and optimizer states are what
 the parameter count says, the collectives are one all-gather per group in forward and
 backward and one reduce-scatter per group, the FLOP counter's backward is twice its forward,

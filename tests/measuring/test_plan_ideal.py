@@ -1,7 +1,7 @@
 """``twinshard plan``'s ideal step (issue 33): the job's model with no FSDP, and each
 implementation's FSDP overhead over it.
 
-One spawned process records the plans of this module: a small Llama at 8 ranks with each
+One fresh process records the plans of this module: a small Llama at 8 ranks with each
 implementation, the same job with other FSDP-only settings and with more tokens, and the
 ideal's own job recorded as a plan of its own. The ideal must be the plain model's compute,
 below every implementation's compute (FSDP adds work to the compute stream and removes none of
