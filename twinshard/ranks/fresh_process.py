@@ -78,9 +78,7 @@ def call(fn, *args, timeout: float, **kwargs):
 
 
 def _serve(send, fn, args, kwargs, parent_pid: int | None, caller) -> None:
-    if caller is not None:
-        caller.become()
-    die_with_parent(parent_pid)  # a daemon outlives a parent stopped by a signal otherwise
+    begin_as_child(caller, parent_pid)  # a daemon outlives a parent stopped by a signal otherwise
     try:
         answer = ("ok", fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
@@ -92,6 +90,14 @@ def _serve(send, fn, args, kwargs, parent_pid: int | None, caller) -> None:
         send.send(("error", RuntimeError(text), text))
     send.close()
     leave(0)
+
+
+def begin_as_child(caller, parent_pid: int | None) -> None:
+    """First thing in a fresh process: the caller's state where it was forked from the fork
+    server (``caller``, a ``fork_server.Caller``, else None), then ``die_with_parent``."""
+    if caller is not None:
+        caller.become()
+    die_with_parent(parent_pid)
 
 
 def die_with_parent(parent_pid: int | None) -> None:

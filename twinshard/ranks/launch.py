@@ -245,9 +245,7 @@ def serve_store(listener: socket.socket, timeout: float) -> dist.TCPStore:
 def _worker(fn, args, kwargs, setup: _Setup, conn) -> None:
     rank, world_size, backend, timeout = setup.rank, setup.world_size, setup.backend, setup.timeout
     try:
-        if setup.caller is not None:
-            setup.caller.become()
-        fresh_process.die_with_parent(setup.parent_pid)
+        fresh_process.begin_as_child(setup.caller, setup.parent_pid)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a fork copies the parent's
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.update(setup.env)

@@ -56,9 +56,7 @@ def rank_main(
     for a rank forked from the fork server, the state of the process that started the world
     (``twinshard.ranks.fork_server.Caller``)."""
     try:
-        if caller is not None:
-            caller.become()
-        fresh_process.die_with_parent(parent)
+        fresh_process.begin_as_child(caller, parent)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         torch.set_num_threads(1)

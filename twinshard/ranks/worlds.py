@@ -51,7 +51,7 @@ __all__ = ["World", "Worlds", "serving"]
 
 JOIN_LIMIT = 60.0  # seconds for a task's ranks to join its process group
 TEARDOWN_LIMIT = 30.0  # seconds for the barrier after a task and the reset
-COVERAGE_ENV = "COVERAGE_PROCESS_CONFIG"  # set by ``coverage run`` with subprocess patching
+COVERAGE_ENV = fork_server.COVERAGE_ENV  # set by ``coverage run`` with subprocess patching
 
 
 class World:
