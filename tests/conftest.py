@@ -15,12 +15,15 @@ time limits, and the fixtures several modules use.
 - Time limits: each test gets ``TEST_LIMIT`` seconds, plus the budget of each expensive
   session fixture it asks for (``FIXTURE_LIMITS``), so that the first test to need one can
   build it; the whole session stops at pytest-timeout's ``session_timeout``.
+- A second lane: the measuring commands' files run in a pytest of their own at a lower
+  priority, on the CPU the session leaves idle, and are reported here (``support/second_lane.py``).
 - A test of a module outside ``MEASURED_MODULES`` runs its ranks without coverage.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 import background  # noqa: E402
+import second_lane  # noqa: E402
 import shared_worlds  # noqa: E402
 import timing  # noqa: E402
 from coverage_scope import MEASURED_MODULES, unmeasured  # noqa: E402
@@ -54,6 +58,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     import suite_runs  # the conformance runs' parts, some of them tier-dependent
 
+    second_lane.configure(config)
     suite_runs.FULL_TIER = config.getoption("--full")
     config.addinivalue_line(
         "markers", "full: repeats a check on more combinations; runs only with --full"
@@ -66,6 +71,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    second_lane.keep_mine(items)
     if not config.getoption("--full"):
         kept = [item for item in items if item.get_closest_marker("full") is None]
         if len(kept) < len(items):
@@ -80,6 +86,8 @@ def pytest_collection_modifyitems(config, items):
             limit = own.args[0] if own is not None and own.args else TEST_LIMIT
             item.add_marker(pytest.mark.timeout(limit + extra), append=False)
     if not config.option.collectonly:
+        # The measuring commands' files go to the second lane, on the core left idle.
+        second_lane.split(config, items, timing.FOLDER)
         # The fixtures built by a process of their own (the site, the fake accelerator's run)
         # start now, on the core the ranks leave idle; the tests that read them run last.
         waiting = set(background.start_needed(items))
@@ -92,10 +100,21 @@ def pytest_sessionstart(session):
     shared_worlds.start()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    """The session's own tests, then the second lane's, reported once it is done."""
+    second_lane.count(session)
+    result = yield
+    limit = float(session.config.getini("session_timeout") or 2700)
+    second_lane.join(session, limit - (time.monotonic() - timing.STARTED))
+    return result
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
     shared_worlds.finish(timing.FOLDER)
     background.stop_all()
+    second_lane.stop()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -9,24 +9,29 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import time
 
 import breakdown
 import processes
+import second_lane
 
 # TWINSHARD_TEST_LOGS: another folder (a session that runs pytest inside a test keeps its own)
 FOLDER = pathlib.Path(
     os.environ.get("TWINSHARD_TEST_LOGS")
     or pathlib.Path(__file__).resolve().parents[2] / "build" / "tests"
 )
+STARTED = time.monotonic()  # when the session began (conftest.py imports this first)
 _seconds: dict[str, float] = {}
 _outcome: dict[str, str] = {}
 
 
 def start() -> None:
-    """Fresh logs, and every later Python process of the session logging itself."""
+    """Fresh logs (a second lane writes to its session's), and every later Python process of
+    the session logging itself."""
     FOLDER.mkdir(parents=True, exist_ok=True)
     for name in ("tests.jsonl", "processes.jsonl", "tasks.jsonl"):
-        (FOLDER / name).unlink(missing_ok=True)
+        if not second_lane.in_lane():
+            (FOLDER / name).unlink(missing_ok=True)
     os.environ[processes.LOG_ENV] = str(FOLDER / "processes.jsonl")
     path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (processes.STARTUP, path) if p)
@@ -41,7 +46,7 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the main process has every test's report
+    if second_lane.in_lane():  # the session has every test's report
         return
     with open(FOLDER / "tests.jsonl", "w") as f:
         for nodeid, seconds in _seconds.items():
@@ -53,3 +58,5 @@ def pytest_terminal_summary(terminalreporter) -> None:
             )
     terminalreporter.write_sep("=", "where the time went (tests/support/breakdown.py)")
     terminalreporter.write_line(breakdown.from_folder(str(FOLDER)))
+    if lane := second_lane.summary():
+        terminalreporter.write_line(lane)
