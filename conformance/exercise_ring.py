@@ -79,9 +79,10 @@ def stuck_lines(error: HangError, name: str) -> list[str]:
     return out
 
 
-def grade(ring, exercise: str = "ring_reduce_scatter") -> list[str]:
-    """What is wrong with ``ring``, an answer to ``exercise`` (module docstring); an empty list
-    where nothing is."""
+def grade(ring, exercise: str = "ring_reduce_scatter", hang_seconds: float = HANG_SECONDS):
+    """What is wrong with ``ring``, an answer to ``exercise`` (module docstring), as a list of
+    lines; an empty list where nothing is. A run without progress for ``hang_seconds`` is a
+    deadlock."""
     if exercise not in EXERCISES:
         raise ValueError(f"grade: no exercise {exercise!r}; the exercises are {list(EXERCISES)}")
     runs = [(size, None) for size in WORLDS] + [(4, SUBGROUPS)]
@@ -89,13 +90,17 @@ def grade(ring, exercise: str = "ring_reduce_scatter") -> list[str]:
         folder = tempfile.mkdtemp(prefix="twinshard-ring-")
         try:
             found = launch(
-                _run, size, ring, exercise, subgroups, folder, timeout=120, hang_timeout=HANG_SECONDS,
+                _run, size, ring, exercise, subgroups, folder, timeout=120, hang_timeout=hang_seconds,
                 start_method="fork",
             )  # fmt: skip
         except HangError as error:
             raised = [p.read_text() for p in sorted(Path(folder).glob("rank*.txt"))]
             lines = stuck_lines(error, ring.__name__) or [error.headline]
-            return [*raised, f"deadlock at {size} ranks, no progress for {HANG_SECONDS} s:", *lines]
+            return [
+                *raised,
+                f"deadlock at {size} ranks, no progress for {hang_seconds:g} s:",
+                *lines,
+            ]
         except LaunchError as error:
             raised = [p.read_text() for p in sorted(Path(folder).glob("rank*.txt"))]
             return raised or [f"the ring failed at {size} ranks: {str(error).splitlines()[0]}"]

@@ -9,8 +9,6 @@ and assert the rules a GPU needs: the copy-in waits for the compute that produce
 on an event recorded after its last use, and the end of backward waits for the last reduction.
 """
 
-import gc
-
 import pytest
 import torch
 
@@ -63,16 +61,19 @@ def test_release_needs_the_allocating_stream_to_wait_for_every_use(streams):
 
 def test_a_reused_address_is_a_new_buffer(streams):
     side = streams.new_stream("side")
-    for _ in range(50):  # freed memory comes back at the same addresses
+    released, reused = set(), 0
+    for _ in range(50):  # freed memory comes back at the addresses of released buffers
         with streams.use(side):
             buffer = torch.zeros(16) + 1
         side.wait_event(streams.current().record_event())
         streams.release([buffer], "a test release")
+        released.add(buffer.data_ptr())
         del buffer
-        gc.collect()
         fresh = torch.empty(16)
-        fresh.fill_(3.0)  # not a use after release: another buffer at the old address
+        reused += fresh.data_ptr() in released
+        fresh.fill_(3.0)  # not a use after release: another buffer at an old address
         assert fresh.sum().item() == 48.0
+    assert reused, "no buffer came back at a released address: the check saw no reuse"
 
 
 def _two_steps(post_optim_event: bool):

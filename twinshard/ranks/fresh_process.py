@@ -53,16 +53,16 @@ def call(fn, *args, timeout: float, **kwargs):
     child.start()
     send.close()  # the child holds the only sending end: its death ends the wait below
     name = getattr(fn, "__qualname__", repr(fn))
-    answer = None
+    answer, answered = None, True
     try:
-        if not receive.poll(timeout):
+        if not (answered := receive.poll(timeout)):
             raise TimeoutError(f"{name}: no answer from its process within {timeout:.0f} s")
         answer = receive.recv()
     except EOFError:
         pass  # it ended without answering: said below, once it has been joined
     finally:
         receive.close()
-        child.join(10)
+        child.join(10 if answered else 0)  # one that timed out is stopped at once
         if child.is_alive():
             child.kill()
             child.join()
