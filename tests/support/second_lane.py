@@ -118,7 +118,11 @@ def split(config, items: list, folder: pathlib.Path) -> None:
         env=env,
         stdout=output,
         stderr=subprocess.STDOUT,
-        start_new_session=True,  # its ranks and commands are stopped with it
+        # A process group of its own, so that its ranks and commands are stopped with it, in
+        # the session's session: Linux's autogroups share the CPU fairly between sessions
+        # and apply nice only within one, so a new session would take half the CPU, niced or
+        # not (measured: 0.48 of two cores against 0.08 in the same session).
+        process_group=0,
         preexec_fn=lambda: os.nice(NICENESS),
     )
     _lane.update(process=process, mine=mine, files=files, reports_path=reports, log=log)
