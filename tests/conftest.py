@@ -16,7 +16,8 @@ time limits, and the fixtures several modules use.
   session fixture it asks for (``FIXTURE_LIMITS``), so that the first test to need one can
   build it; the whole session stops at pytest-timeout's ``session_timeout``.
 - A second lane: the measuring commands' files run in a pytest of their own at a lower
-  priority, on the CPU the session leaves idle, and are reported here (``support/second_lane.py``).
+  priority, once the background jobs are done, on the CPU the session leaves idle, and are
+  reported here (``support/second_lane.py``).
 - A test of a module outside ``MEASURED_MODULES`` runs its ranks without coverage.
 """
 
@@ -108,6 +109,10 @@ def pytest_runtestloop(session):
     limit = float(session.config.getini("session_timeout") or 2700)
     second_lane.join(session, limit - (time.monotonic() - timing.STARTED))
     return result
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    second_lane.start_when(not background.running())  # once the site is built
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -62,6 +62,11 @@ def start_needed(items) -> list:
     return [i for i in items if any(i in those for those in asking.values())]
 
 
+def running() -> bool:
+    """Whether a job that was started is still running."""
+    return any(job.process is not None and job.process.poll() is None for job in _jobs.values())
+
+
 def result(name: str) -> tuple[int, str]:
     """The job's exit status and output (started now if nobody started it)."""
     job = _jobs[name]

@@ -11,8 +11,9 @@ lane takes the idle core. Two equal lanes were tried before and were slower: tor
 beside the other lane's took five times as long, and the site's notebooks ran past their
 limits.
 
-How: after collection ``split`` takes the selected tests of ``FILES`` out of the session and
-starts ``python -m pytest`` on them (the same options of tier; coverage follows, since
+How: after collection ``split`` takes the selected tests of ``FILES`` out of the session;
+``start_when`` starts ``python -m pytest`` on them once the session's background jobs are
+done (beside the site's build it delayed the notebooks into the suite's runs) (the same options of tier; coverage follows, since
 ``coverage run`` patches subprocesses). In the lane, ``Reporter`` writes every test report to
 a JSON-lines file as it comes. When the session's own tests are done, ``join`` waits for the
 lane, then hands each report to the session's hooks (terminal, JUnit, the time accounting, the
@@ -93,8 +94,8 @@ class Reporter:
 
 
 def split(config, items: list, folder: pathlib.Path) -> None:
-    """In the session: start the lane on the selected tests of ``FILES`` and take them out of
-    ``items``; nothing where every selected test is in one lane or the other, or where
+    """In the session: take the selected tests of ``FILES`` out of ``items``, for a lane that
+    ``start_when`` starts; nothing where every selected test is in one lane or the other, or where
     ``TWINSHARD_ONE_LANE`` is set."""
     if in_lane() or os.environ.get(ONE_LANE_ENV, "0") not in ("", "0"):
         return
@@ -111,11 +112,29 @@ def split(config, items: list, folder: pathlib.Path) -> None:
     command += [f"--junitxml={folder / 'lane.junit.xml'}"]  # the session's has every test
     command += ["--full"] if config.getoption("--full") else []
     env = {**os.environ, REPORTS_ENV: str(reports), ITEMS_ENV: str(listed)}
-    output = open(log, "w")
-    process = subprocess.Popen(
-        [*command, *files],
-        cwd=root,
-        env=env,
+    _lane.update(command=[*command, *files], cwd=root, env=env, process=None, mine=mine)
+    _lane.update(files=files, reports_path=reports, log=log)
+    items[:] = [i for i in items if i not in mine]
+
+
+def count(session) -> None:
+    """In the session, before its tests run: count the lane's tests among them (for the
+    terminal's progress)."""
+    if "mine" in _lane:
+        session.testscollected += len(_lane["mine"])
+
+
+def start_when(idle: bool) -> None:
+    """Start the lane once ``idle``: conftest.py calls this after each test with whether the
+    session's background jobs (the site's build and its notebooks) are done. Started beside
+    them, the lane delayed the notebooks into the suite's runs, which then took 20% longer."""
+    if not idle or "command" not in _lane or _lane.get("process") is not None:
+        return
+    output = open(_lane["log"], "w")
+    _lane["process"] = subprocess.Popen(
+        _lane["command"],
+        cwd=_lane["cwd"],
+        env=_lane["env"],
         stdout=output,
         stderr=subprocess.STDOUT,
         # A process group of its own, so that its ranks and commands are stopped with it, in
@@ -125,22 +144,14 @@ def split(config, items: list, folder: pathlib.Path) -> None:
         process_group=0,
         preexec_fn=lambda: os.nice(NICENESS),
     )
-    _lane.update(process=process, mine=mine, files=files, reports_path=reports, log=log)
     _lane["output"] = output
-    _lane["started"] = time.monotonic()
-    items[:] = [i for i in items if i not in mine]
-
-
-def count(session) -> None:
-    """In the session, before its tests run: count the lane's tests among them (for the
-    terminal's progress)."""
-    if _lane.get("process") is not None:
-        session.testscollected += len(_lane["mine"])
+    _lane["started"] = time.time()
 
 
 def join(session, limit: float) -> None:
     """In the session, once its own tests ran: wait up to ``limit`` seconds for the lane, then
     report its tests through the session's hooks."""
+    start_when(True)
     process = _lane.get("process")
     if process is None:
         return
@@ -151,9 +162,10 @@ def join(session, limit: float) -> None:
         stop()
     _lane["output"].close()
     _lane["waited"] = time.monotonic() - waited
-    _lane["took"] = time.monotonic() - _lane["started"]
     hook = session.config.hook
     path = _lane["reports_path"]
+    ended = path.stat().st_mtime if path.exists() else time.time()  # its last report
+    _lane["took"] = ended - _lane["started"]
     lines = path.read_text().splitlines() if path.exists() else []
     reported: dict[str, str] = {}  # nodeid -> the last phase reported
     for line in lines:
@@ -188,8 +200,8 @@ def summary() -> str | None:
         return None
     return (
         f"second lane: {len(_lane['mine'])} tests of {len(_lane['files'])} files at nice {NICENESS}, "
-        f"done {_lane['took']:.0f} s after it started; the session waited {_lane['waited']:.0f} s "
-        f"for it at its end"
+        f"its last report {_lane['took']:.0f} s after it started; the session waited "
+        f"{_lane['waited']:.0f} s for it at its end"
     )
 
 
