@@ -258,3 +258,31 @@ def test_an_exchange_in_place_counts_as_the_all_gather_it_stands_for():
     assert gathered_in_place([buffer[1, :3]], [buffer[0]]) is None  # part of the buffer only
     assert gathered_in_place([torch.zeros(5)], [buffer[0]]) is None  # memory not shared
     assert gathered_in_place([buffer[1], buffer[0]], [buffer[0]]) is None  # not one of each
+
+
+def _cut_plain_tensors() -> list:
+    """On each rank: a plain tensor cut down to the rank's rows twice, and a new tensor of the
+    same name cut after it (a case may replace a plain run's tensor between comparisons)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from twinshard.conformance.driver import Trace, _blocks
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(10.0).reshape(5, 2)  # 5 rows: 3 on rank 0, 2 on rank 1
+    run = Trace(placements={"w": distribute_tensor(full, mesh, [Shard(0)])})
+    plain = Trace()
+    first, again = _blocks(run, "w", plain)(full), _blocks(run, "w", plain)(full)
+    replaced = _blocks(run, "w", plain)(full + 100)
+    return [first.tolist(), first is again, replaced.tolist(), len(plain.pieces)]
+
+
+def test_a_plain_tensor_is_cut_to_the_ranks_rows_once_and_a_new_one_again():
+    from twinshard.ranks.launch import launch
+
+    rank0, rank1 = launch(_cut_plain_tensors, 2, backend="gloo")
+    assert rank0[0] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]] and rank1[0] == [[6.0, 7.0], [8.0, 9.0]]
+    assert rank0[1] and rank1[1]  # the second cut is the first one's piece
+    assert rank1[2] == [[106.0, 107.0], [108.0, 109.0]]  # the new tensor's rows, not the old
+    assert rank0[3] == rank1[3] == 2
