@@ -112,15 +112,15 @@ def test_search_and_sweep_are_refused_together(capsys):
 
 
 def test_the_command_searches_the_tiny_model(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(search, "AC", ("none", "block"))  # fewer settings: a minute, not seven
-    monkeypatch.setattr(search, "PER_RANK", (1, 2))
+    monkeypatch.setattr(search, "AC", ("none", "block"))  # fewer settings: seconds, not minutes
+    monkeypatch.setattr(search, "PER_RANK", (1,))
     out = tmp_path / "search.json"
     picture = tmp_path / "search.png"
     args = "plan --model tiny --world 8 --seq 32 --impls torch --search --no-progress".split()
     assert main([*args, "--json", str(out), "--plot", str(picture)]) == 0
     text = capsys.readouterr().out
-    assert "Search over 8 settings" in text and "**Fastest that fits: " in text
+    assert "Search over 4 settings" in text and "**Fastest that fits: " in text
     data = json.loads(out.read_text())["search"]
-    assert len(data) == 8 and data[0]["why"] == "fastest that fits"
+    assert len(data) == 4 and data[0]["why"] == "fastest that fits"
     assert all(d["tokens_per_s"] <= data[0]["tokens_per_s"] for d in data[1:])
     assert picture.stat().st_size > 10_000
