@@ -129,3 +129,14 @@ def test_the_summary_replays_against_a_device_only_where_the_limit_matters():
         "releases": tight.releases,
         "oom_at": tight.oom[:1],
     }
+
+
+def test_the_limit_gives_back_every_cached_segment_of_every_stream():
+    """As PyTorch's allocator does with ``max_split_size_mb`` unset: a request over the limit has
+    every whole free segment given back, the other streams' included, not only as many as it
+    needs (the 30 MiB segment alone would have been enough here, leaving 52 MiB reserved)."""
+    log = [("alloc", "a", 30 * MiB, "main"), ("free", "a")]  # 30 MiB cached for "main"
+    log += [("alloc", "s", 20 * MiB, "side"), ("free", "s")]  # 20 MiB cached for "side"
+    log += [("alloc", "b", 32 * MiB, "main")]  # neither holds it: 50 + 32 > 64
+    stats = replay(log, 64 * MiB).stats
+    assert stats.reserved == 32 * MiB and stats.releases == 1 and not stats.oom

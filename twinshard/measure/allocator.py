@@ -16,9 +16,9 @@ replays them and reports the allocated, requested and reserved peaks. The rules,
 - **splitting**: the rest of a block stays free behind the request if it is at least 512 bytes
   (small pool) or more than 1 MiB (large pool); otherwise the request takes the whole block,
   and counts as allocated with it;
-- **freeing** merges a block with free neighbours of its segment; a segment is given back to the
-  driver only when a new one would not fit under the device's limit: first whole free segments
-  of the request's pool, then every whole free segment; only then is it out of memory;
+- **freeing** merges a block with free neighbours of its segment; segments are given back to the
+  driver only when a new one would not fit under the device's limit, and then every whole free
+  segment of every stream is (``release_cached_blocks``); only then is it out of memory;
 - **expandable segments** (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): one segment per
   stream and pool that grows at its end in pages (2 MiB small, 20 MiB large), any split of 512
   bytes or more is kept, and pages of a free tail are unmapped when memory runs short.
@@ -196,15 +196,13 @@ class CachingAllocator:
         return first
 
     # --- memory from the driver -------------------------------------------------------------------
-    def _reserve(self, nbytes: int, pool: tuple, request: int) -> None:
+    def _reserve(self, nbytes: int, request: int) -> None:
         """Count ``nbytes`` more reserved, first giving cached memory back where the limit
         says so; a request that still does not fit is recorded as out of memory."""
         s = self.stats
         if self.limit is not None and s.reserved + nbytes > self.limit:
             s.releases += 1
-            self._release(nbytes, only=pool)
-            if s.reserved + nbytes > self.limit:
-                self._release(nbytes, only=None)
+            self._release()
             if s.reserved + nbytes > self.limit:
                 s.oom.append((request, s.reserved))
         s.reserved += nbytes
@@ -213,7 +211,7 @@ class CachingAllocator:
 
     def _new_segment(self, pool: tuple, size: int) -> Block:
         nbytes = segment_size(size)
-        self._reserve(nbytes, pool, size)
+        self._reserve(nbytes, size)
         segment = Segment(next(self._serial), pool, nbytes)
         segment.first = Block(segment, 0, nbytes)
         self.segments.append(segment)
@@ -233,7 +231,7 @@ class CachingAllocator:
         have = end.size if end is not None and end.free else 0
         nbytes = -(-max(0, size - have) // page) * page  # whole pages, none if it holds it
         if nbytes:
-            self._reserve(nbytes, pool, size)
+            self._reserve(nbytes, size)
         segment.size += nbytes
         if end is not None and end.free:
             self._unlist(end)
@@ -253,27 +251,18 @@ class CachingAllocator:
             block = block.next
         return block
 
-    def _release(self, wanted: int, only: tuple | None) -> None:
-        """Give cached memory back to the driver: whole free segments (of pool ``only``, or of
-        every pool), the smallest one that frees ``wanted`` if one does, else the largest
-        first until ``wanted`` is freed; expandable: the whole free pages at each end."""
-        if self.expandable:
-            for segment in self.segments:
+    def _release(self) -> None:
+        """Give cached memory back to the driver: every whole free segment of every pool (with
+        ``max_split_size_mb`` unset, PyTorch's default, nothing is given back alone first);
+        expandable: the whole free pages at each segment's end."""
+        for segment in list(self.segments):
+            if self.expandable:
                 self._unmap_end(segment)
-            return
-        free = [s for s in self.segments if s.whole_free_block() and only in (None, s.pool)]
-        free.sort(key=lambda s: s.size)
-        enough = [s for s in free if s.size >= wanted]
-        chosen = enough[:1] if enough and only is not None else free[::-1]
-        freed = 0
-        for segment in chosen:
-            if only is not None and freed >= wanted:
-                break
-            self._unlist(segment.first)
-            self.segments.remove(segment)
-            self.stats.reserved -= segment.size
-            self.stats.segments -= 1
-            freed += segment.size
+            elif segment.whole_free_block():
+                self._unlist(segment.first)
+                self.segments.remove(segment)
+                self.stats.reserved -= segment.size
+                self.stats.segments -= 1
 
     def _unmap_end(self, segment: Segment) -> None:
         page = SMALL_SEGMENT if segment.pool[1] else LARGE_SEGMENT
