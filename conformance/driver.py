@@ -69,7 +69,7 @@ class Trace:
     placements: dict[str, DTensor] = field(default_factory=dict)
     optimizer: torch.optim.Optimizer | None = None
     model: nn.Module | None = None  # the plain run's final model
-    # a plain run's tensors cut down to a rank's blocks (``_blocks``), by the tensor and the
+    # a plain run's tensors cut down to a rank's blocks (``_cut``), by the tensor and the
     # placements: several sharded runs are compared with the same plain run, by several cases
     pieces: dict = field(default_factory=dict, repr=False)
 
@@ -257,22 +257,17 @@ def _add(sums: list | None, grads: list) -> list:
     return [a if b is None else (b if a is None else a + b) for a, b in zip(sums, grads)]
 
 
-def _blocks(run: Trace, name: str, plain: Trace):
-    """Cut a full tensor of the plain run ``plain`` down to this rank's block of ``name`` in
-    ``run``, once per tensor and placements (DTensor's slicing costs about a fifth of a
-    millisecond, and each plain tensor is cut for every run and case compared with it)."""
-    dt = run.placements.get(name)
-
-    def cut(t):
-        if t is None or dt is None:
-            return t
-        key = (id(t), dt.device_mesh, tuple(dt.placements))
-        kept = plain.pieces.get(key)
-        if kept is None or kept[0] is not t:  # held with its tensor, so the id stays its own
-            kept = plain.pieces[key] = (t, local_rows(t, dt))
-        return kept[1]
-
-    return cut
+def _cut(plain: Trace, t: torch.Tensor | None, dt: DTensor | None) -> torch.Tensor | None:
+    """A full tensor ``t`` of the plain run ``plain`` cut down to this rank's block of ``dt``,
+    once per tensor and placements (DTensor's slicing costs about a fifth of a millisecond, and
+    each plain tensor is cut for every run and case compared with it); kept with its tensor, so
+    that its id stays its own."""
+    if t is None or dt is None:
+        return t
+    key = (id(t), dt.device_mesh, tuple(dt.placements))
+    if key not in plain.pieces:
+        plain.pieces[key] = (t, local_rows(t, dt))
+    return plain.pieces[key][1]
 
 
 def compare(
@@ -308,9 +303,10 @@ def _compare(checker, label, run, truth, truth_low, other) -> None:
                 checker.fail(f"{label} {kind}: names {sorted(set(mine) ^ set(true))} differ")
                 continue
             for name, value in mine.items():
-                whole = _blocks(run, name, truth)(true[name])
+                dt = run.placements.get(name)
+                whole = _cut(truth, true[name], dt)
                 expected = getattr(other, kind)[step].get(name) if other else whole
-                low = _blocks(run, name, truth_low)(true_low[name]) if true_low else None
+                low = _cut(truth_low, true_low[name], dt) if true_low else None
                 checker.close(
                     f"{label} step {step} {kind[:-1]} '{name}'", value, expected, low, whole
                 )

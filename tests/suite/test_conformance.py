@@ -267,14 +267,14 @@ def _cut_plain_tensors() -> list:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from twinshard.conformance.driver import Trace, _blocks
+    from twinshard.conformance.driver import Trace, _cut
 
     mesh = init_device_mesh("cpu", (2,))
     full = torch.arange(10.0).reshape(5, 2)  # 5 rows: 3 on rank 0, 2 on rank 1
-    run = Trace(placements={"w": distribute_tensor(full, mesh, [Shard(0)])})
+    dt = distribute_tensor(full, mesh, [Shard(0)])
     plain = Trace()
-    first, again = _blocks(run, "w", plain)(full), _blocks(run, "w", plain)(full)
-    replaced = _blocks(run, "w", plain)(full + 100)
+    first, again = _cut(plain, full, dt), _cut(plain, full, dt)
+    replaced = _cut(plain, full + 100, dt)
     return [first.tolist(), first is again, replaced.tolist(), len(plain.pieces)]
 
 

@@ -14,11 +14,12 @@ limits.
 How: after collection ``split`` takes the selected tests of ``FILES`` out of the session.
 ``start_when`` starts ``python -m pytest`` on them, with the session's tier, once the
 session's background jobs are done (beside the site's build the lane delayed the notebooks
-into the suite's runs); coverage follows, since ``coverage run`` patches subprocesses. In the lane, ``Reporter`` writes every test report to
-a JSON-lines file as it comes. When the session's own tests are done, ``join`` waits for the
-lane, then hands each report to the session's hooks (terminal, JUnit, the time accounting, the
-exit status), as pytest-xdist does with its workers' reports; a test the lane never reported
-fails with the end of the lane's output. ``TWINSHARD_ONE_LANE=1`` runs everything in the
+into the suite's runs); coverage follows, since ``coverage run`` patches subprocesses. In the
+lane, ``Reporter`` writes every test report to a JSON-lines file as it comes. When the
+session's own tests are done, ``join`` waits for the lane, then hands each report to the
+session's hooks (terminal, JUnit, the time accounting, the exit status), as pytest-xdist does
+with its workers' reports; a test the lane never reported fails with the end of the lane's
+output. ``TWINSHARD_ONE_LANE=1`` runs everything in the
 session, in one lane.
 """
 
