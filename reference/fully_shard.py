@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch.nn as nn
 
+import twinshard.api.arguments as arguments
 from twinshard.api import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
-from twinshard.api.arguments import check_module, raise_split_tie, shard_placement
 
 from . import more
 from .mesh import default_mesh, mesh_info
@@ -85,10 +85,10 @@ def shard_module(
     """The steps of ``fully_shard`` for ``impl``'s types (the contract: docs/optimized-path.md)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
-        check_module(m, get_state(m))  # an nn.Module with a forward, sharded once
+        arguments.check_module(m, get_state(m))  # an nn.Module with a forward, sharded once
     mesh = mesh if mesh is not None else default_mesh()
     if dp_mesh_dims is not None:  # ``mesh`` is the whole SPMD mesh: take its data-parallel part
-        mesh = more.data_parallel_mesh(mesh, dp_mesh_dims, reshard_after_forward)
+        mesh = arguments.data_parallel_mesh(mesh, dp_mesh_dims, reshard_after_forward)
     info = mesh_info(mesh)
     auto = reshard_after_forward is None
     # what backward gathers over: the shard group, None (kept unsharded) or rows of N ranks
@@ -96,10 +96,10 @@ def shard_module(
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
     owners, managed = _collect_params(modules, set(ignored_params or ()))
     if dp_mesh_dims is not None:
-        more.check_spmd_params(owners)  # each a DTensor of the whole SPMD mesh
+        arguments.check_spmd_params(owners)  # each a DTensor of the whole SPMD mesh
     params, meshes = [], {mesh: info}  # a parameter may have a mesh of its own (experts')
     for p, where in owners.items():
-        dim, own = shard_placement(shard_placement_fn, p, where)  # Shard(dim), and its mesh
+        dim, own = arguments.shard_placement(shard_placement_fn, p, where)  # Shard(dim), mesh
         p_info = meshes.setdefault(own, mesh_info(own)) if own is not None else info
         layout = more.choose_layout(
             p, info=p_info, device=info.device, dim=dim, offload=offload, mp=mp, fqn=where[0][1]
@@ -137,6 +137,6 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[dict, list]
         for name, p in m._parameters.items():
             if p is not None and p not in ignored:
                 if hasattr(p, "_twinshard_sharded_by"):
-                    raise_split_tie(modules[0], prefix + name, p)
+                    arguments.raise_split_tie(modules[0], prefix + name, p)
                 owners.setdefault(p, []).append((m, name))
     return owners, [m for _, m in visited]

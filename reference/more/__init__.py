@@ -22,8 +22,6 @@ the core imports nothing else of this package (``tests/engine/test_reference_rul
     choose_layout,          layouts.py       a parameter's layout, chosen once from its
     layout_for_shard                         features (fully_shard), and again where its shard
                                              gathers itself or was replaced (ShardedParam)
-    data_parallel_mesh,     tensor_parallel  dp_mesh_dims: the data-parallel part of an SPMD
-    check_spmd_params                        mesh, every parameter a DTensor on it (fully_shard)
     wait_for_grad_copies    offload.py       CPU offload: gradient copies waited for once (root)
     user_all_gather,        comm_hooks.py    the user's collectives, set_custom_all_gather and
     user_reduce_scatter                      set_custom_reduce_scatter (collectives.py)
@@ -39,10 +37,8 @@ from .fp16 import fp16_divisors
 from .layouts import choose_layout, layout_for_shard
 from .offload import wait_for_grad_copies
 from .post_forward import post_forward_mesh_info
-from .tensor_parallel import check_spmd_params, data_parallel_mesh
 from .usage import check_usage
 
-__all__ = ["check_spmd_params", "check_usage",
-           "choose_layout", "data_parallel_mesh", "fp16_divisors", "layout_for_shard",
+__all__ = ["check_usage", "choose_layout", "fp16_divisors", "layout_for_shard",
            "post_forward_mesh_info", "user_all_gather", "user_reduce_scatter",
            "wait_for_grad_copies"]  # fmt: skip

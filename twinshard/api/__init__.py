@@ -22,7 +22,8 @@ Its files:
 __init__.py     the policies, the errors, ``UnshardHandle``, the helpers every implementation
                 calls (this face: what a user imports from ``twinshard.api``)
 fsdp_module.py  the ``FSDPModule`` contract: every method ``fully_shard`` adds, documented once
-arguments.py    what ``fully_shard`` refuses, in torch's words, before it shards anything
+arguments.py    what ``fully_shard`` refuses, in torch's words, before it shards anything,
+                and the data-parallel mesh that ``dp_mesh_dims`` names
 mesh_dims.py    ``DataParallelMeshDims`` and ``ShardPlacementResult`` for torch before 2.13
 comm_memory.py  where the collectives' buffers come from: torch's two switches for NCCL's memory
 """

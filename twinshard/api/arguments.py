@@ -16,7 +16,15 @@ reads as the algorithm, with each refusal one call.
 - ``raise_ran_first``: a sharded child that ran forward before its root;
 - ``check_materialized``, ``check_replacement``: parameters left on meta at the first forward,
   and a parameter the user replaced (``to_empty``, ``load_state_dict(assign=True)``, DCP) by
-  something that is not a ``DTensor`` of its shape.
+  something that is not a ``DTensor`` of its shape;
+- ``data_parallel_mesh``, ``check_spmd_params``: with ``dp_mesh_dims`` (torch 2.13's
+  ``DataParallelMeshDims``), ``fully_shard`` gets the mesh every parallelism was cut from,
+  (``dp_shard``, ``cp``, ``tp``) say, every parameter a ``DTensor`` on it, ``Replicate`` on
+  the dims named data parallel; its data-parallel mesh is read as torch's FSDP2 reads it:
+  several dims of a kind flattened into one (``dp_shard_cp``), the replicate dim first (HSDP),
+  and with replicate dims alone (DDP) a mesh of (R, 1), so parameters stay whole and keep the
+  user's layout. ``dp_dims`` says which dims a data-parallel mesh stands for (the reference's
+  ``more/tensor_parallel.py`` places each parameter by it).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from twinshard.api import FSDPUsageError
+from twinshard.api import FSDPNotSupportedError, FSDPUsageError
 
 
 def check_module(module: Any, state: Any) -> None:
@@ -211,3 +219,58 @@ def _own_mesh(mesh_info: Any, where: list, p: nn.Parameter):
         "FSDPMeshInfo(mesh, shard_mesh_dim=0) of a 1D mesh, or HSDPMeshInfo(mesh, "
         "shard_mesh_dim=1, replicate_mesh_dim=0) of a 2D one"
     )
+
+
+_made: dict[int, tuple] = {}  # id(data-parallel mesh) -> (it, replicate names, shard names)
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims, reshard_after_forward) -> DeviceMesh:
+    """The data-parallel mesh of a whole SPMD ``mesh``: (shard), (replicate, shard) or
+    (replicate, 1), each of the dims ``dp_mesh_dims`` names of a kind flattened into one. An int
+    ``reshard_after_forward`` is refused, as torch's FSDP2 refuses it (rows of N ranks of a mesh
+    that is a part of the world are not built alike on every rank)."""
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise FSDPNotSupportedError(
+            f"reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims): "
+            f"fully_shard got {reshard_after_forward}; pass True or False"
+        )
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    missing = [n for n in (*shard, *replicate) if n not in (mesh.mesh_dim_names or ())]
+    if missing:
+        raise FSDPUsageError(
+            f"dp_mesh_dims={dp_mesh_dims} names {missing}, which the mesh passed to fully_shard "
+            f"lacks (its dims: {mesh.mesh_dim_names}); pass the whole SPMD mesh, dims named"
+        )
+    one = lambda names: mesh[names] if len(names) == 1 else mesh[names]._flatten()  # noqa: E731
+    if not shard:  # unflattened as torch's meshes are: every copy of it, on every rank, at once
+        dp = one(replicate)._unflatten(0, (one(replicate).size(), 1), ("_".join(replicate), "1"))
+    elif not replicate:
+        dp = one(shard)
+    elif len(shard) == len(replicate) == 1:
+        dp = mesh[(*replicate, *shard)]
+    else:
+        dp = DeviceMesh._concatenate([one(replicate), one(shard)])
+    _made[id(dp)] = (dp, replicate, shard)
+    return dp
+
+
+def dp_dims(dp_mesh: DeviceMesh) -> tuple[tuple, tuple, bool]:
+    """(replicate names, shard names, replicate only) of the dims of the whole mesh that
+    ``dp_mesh`` stands for: as ``dp_mesh_dims`` named them, else ``dp_mesh``'s own dims."""
+    made = _made.get(id(dp_mesh))
+    if made is not None and made[0] is dp_mesh:
+        return made[1], made[2], not made[2]
+    names = tuple(dp_mesh.mesh_dim_names or ())
+    return names[:-1], names[-1:], False
+
+
+def check_spmd_params(owners: dict) -> None:
+    """With ``dp_mesh_dims``, refuse a parameter that is not a ``DTensor`` (of the whole mesh);
+    ``owners`` maps each parameter to the (module, name) pairs holding it."""
+    plain = [where[0][1] for p, where in owners.items() if not isinstance(p, DTensor)]
+    if plain:  # the first words are torch's
+        raise FSDPUsageError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
+            f"(e.g. via distribute_module). Got plain tensor for parameter '{plain[0]}'. Make "
+            "each a DTensor on that mesh, or pass the data-parallel mesh and no dp_mesh_dims"
+        )
