@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.api import without_grad
+from twinshard.reference.sharded_param import ShardedParam
 
 from .comm import CommContext, Pending
 
@@ -297,8 +298,7 @@ def copy_out(result: AllGatherResult, comm: CommContext) -> None:
     if result.views is not None:
         outs, sizes = gathered_views(result, result.views)  # memory of the current stream
         CopyOut(result, outs, sizes, comm, hold=True)()
-    for p in result.params:
-        p.finish_unshard()
+    ShardedParam.finish_unshard_all(result.params)
     if result.then is not None:  # a group on several meshes (``meshes.py``)
         copy_out(result.then, comm)
 
@@ -314,7 +314,7 @@ def gathered_views(result: AllGatherResult, cache: dict) -> tuple[list, list]:
     stays a view of it, so the views made by one copy-out serve every later one; making nine
     views costs about as much as the split-copy that fills them. They are made again when the
     outputs are not the same tensors (another set of parameters) or the shape differs."""
-    outs = [o for p, d in zip(result.params, result.dtypes) for o in p.all_gather_outputs(d)]
+    outs = ShardedParam.all_gather_outputs_all(result.params, result.dtypes)
     key = (result.ranks, result.as_bytes)
     kept = cache.get(key)
     if kept is None or not same_tensors(kept[0], outs):

@@ -283,17 +283,25 @@ class FlatParamGroup(KeptBlocks):
             self.order_prefetch()
         super().post_forward()
 
+    @without_grad
     def reshard(self, after_forward: bool = False) -> None:
-        """Free the unsharded parameters (the reference's ``reshard``), first finishing an
-        all-gather still in flight; nothing to do for a group that holds none. The copy-out
+        """Free the unsharded parameters (the reference's ``reshard``; the contract's
+        group-level ``reshard_all`` where none keeps a piece), first finishing an all-gather
+        still in flight; nothing to do for a group that holds none. The copy-out
         is the only way parameters of this group become unsharded, so ``holds_unsharded``
         tells, without asking each parameter: the end of every backward reshards all groups,
         and most have been resharded by their post-backward already."""
         self.wait_for_unshard()  # a prefetched gather that nobody used: finish, then free
-        if self.holds_unsharded:
-            super().reshard(after_forward)
-            self.holds_unsharded = False
-            self.own_comm().after_reshard(self.holds_own)
+        if not self.holds_unsharded:
+            return
+        piece = self.post_forward_info
+        if after_forward and piece is not None and piece is not self.info:
+            super().reshard(after_forward)  # each keeps a piece for backward
+        else:
+            with profiled("twinshard::reshard"):
+                ShardedParam.reshard_all(self.params)
+        self.holds_unsharded = False
+        self.own_comm().after_reshard(self.holds_own)
 
     # --- reduce: one reduce-scatter, finished one group later ---------------------------------------
     def reduce_scatter_memory(self):

@@ -105,6 +105,7 @@ import torch.distributed as dist
 
 from twinshard.api import without_grad
 from twinshard.guard import unused_grads
+from twinshard.reference.sharded_param import ShardedParam
 
 from .comm import CommContext, Pending
 
@@ -155,8 +156,7 @@ def reduce_scatter(
     ``view(torch.Size)`` 2.2 us: the group's blocks are viewed at every step)."""
     group = group or info.shard_group
     divide_before, op, divide_after = ops
-    used = [p.has_grad_to_reduce for p in params]
-    grads = [p.reduce_scatter_input(dtype) for p in params]  # None: frozen, takes no part
+    used, grads = ShardedParam.reduce_scatter_inputs(params, dtype)  # None: frozen, no part
     taken = [i for i, g in enumerate(grads) if g is not None]
     if not taken:
         return None
@@ -283,9 +283,8 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
         if result.out_in_packed:  # after the copy out of it, on the stream that allocated it
             comm.streams.release((packed,), "release of the reduce_scatter input, block copied out")
             del packed
-        blocks = torch.split_with_sizes(out, result.sizes)
-        for p, block, shape, declared in zip(
-            result.params, blocks, result.shapes, result.declared
-        ):  # every rank keeps every sum: see twinshard/guard/unused_grads.py
-            unused_grads.note_reduced(p, declared)
-            p.accumulate_grad(block.view(*shape))
+        pieces = torch.split_with_sizes(out, result.sizes)
+        blocks = [b.view(*shape) for b, shape in zip(pieces, result.shapes)]  # (chunk, *rest)
+        for p, declared in zip(result.params, result.declared):  # before any is added
+            unused_grads.note_reduced(p, declared)  # every rank keeps every sum: see the guard
+        ShardedParam.accumulate_grads(result.params, blocks)

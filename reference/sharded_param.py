@@ -52,7 +52,7 @@ class ParamState(Enum):
     UNSHARDED = auto()  # module holds the whole parameter as a plain tensor
 
 
-class ShardedParam:
+class ShardedParam(more.GroupMethods):
     """Shards one parameter at construction and moves it between its states."""
 
     def __init__(

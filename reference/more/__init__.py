@@ -11,6 +11,7 @@ after the core, in this order:
     offload.py          shards and gradients in host memory
     tensor_parallel.py  FSDP over tensor parallelism and dp_mesh_dims, and Shard(dim)
     extension.py        parameters that gather themselves (float8 weights)
+    group.py            the contract's group-level methods: a group's parameters in one call
 
 The core (the modules of ``twinshard.reference`` itself) reads without any of this. Each
 feature here is reached from the core at the lines that name it, through the seams below, and
@@ -26,6 +27,7 @@ the core imports nothing else of this package (``tests/engine/test_reference_rul
     user_all_gather,        comm_hooks.py    the user's collectives, set_custom_all_gather and
     user_reduce_scatter                      set_custom_reduce_scatter (collectives.py)
     check_usage             usage.py         parameters used on some ranks only (the root)
+    GroupMethods            group.py         what ``ShardedParam`` does for a whole group
 
 and one seam module of its own, ``fsdp_module.py``: ``FSDPModule``, the methods of torch's
 interface that ``fully_shard`` gives a module, with the rest of torch's compatibility
@@ -34,11 +36,12 @@ interface that ``fully_shard`` gives a module, with the rest of torch's compatib
 
 from .comm_hooks import user_all_gather, user_reduce_scatter
 from .fp16 import fp16_divisors
+from .group import GroupMethods
 from .layouts import choose_layout, layout_for_shard
 from .offload import wait_for_grad_copies
 from .post_forward import post_forward_mesh_info
 from .usage import check_usage
 
-__all__ = ["check_usage", "choose_layout", "fp16_divisors", "layout_for_shard",
+__all__ = ["GroupMethods", "check_usage", "choose_layout", "fp16_divisors", "layout_for_shard",
            "post_forward_mesh_info", "user_all_gather", "user_reduce_scatter",
            "wait_for_grad_copies"]  # fmt: skip

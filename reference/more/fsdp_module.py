@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 
+import twinshard.api.arguments as arguments
 from twinshard.api import FSDPModule as FSDPModuleContract
-from twinshard.api import FSDPUsageError, UnshardHandle, fsdp_class
+from twinshard.api import UnshardHandle, fsdp_class
 
 from ..param_group import ParamGroup
 from ..state import FSDPState, get_state
@@ -61,21 +62,16 @@ class FSDPModule(FSDPModuleContract):
             group.reduce_unused = bool(reduce_scatter_unused_params)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        if not factor > 0:
-            raise FSDPUsageError(f"gradient divide factor must be positive, got {factor!r}")
+        arguments.check_divide_factor(factor)
         if (group := get_state(self).group) is not None:
             group.divide_factor = float(factor)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        # The reference finishes all gradient work inside every backward: nothing to change.
-        pass
+        pass  # the reference finishes all gradient work inside every backward: nothing to do
 
     # --- when parameters are freed and gathered ------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise FSDPUsageError(
-                f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}"
-            )
+        arguments.check_bool("set_reshard_after_forward", reshard_after_forward)
         for state in states_below(self, recurse):
             state.auto_reshard_after_forward = False
             if state.group is not None:
@@ -94,10 +90,7 @@ class FSDPModule(FSDPModuleContract):
     def reset_iter_state(self) -> None:
         state = get_state(self)
         if state.is_root is False:
-            raise FSDPUsageError(
-                f"reset_iter_state must be called on the root module, not on this "
-                f"{type(self).__name__}, which runs inside another sharded module"
-            )
+            arguments.raise_not_root("reset_iter_state", self)
         for s in state.all_states or [state]:
             s.reset()
 
@@ -112,17 +105,12 @@ class FSDPModule(FSDPModuleContract):
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         if (group := get_state(self).group) is not None:
-            if stream is not None and group.info.replicate_group is not None:
-                raise FSDPUsageError("set_all_reduce_hook: stream cannot be set with HSDP")
+            arguments.check_hook_stream(stream, hsdp=group.info.replicate_group is not None)
             group.comms.all_reduce_hook = hook
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         group = get_state(self).group  # as torch's: a custom collective allocates its buffers
-        if group is not None and (group.comms.all_gather or group.comms.reduce_scatter):
-            raise FSDPUsageError(
-                "set_allocate_memory_from_process_group_for_comm cannot be used with a custom "
-                "all-gather or reduce-scatter (set_custom_*), which allocates its own buffers"
-            )
+        arguments.check_no_custom_comms(group.comms if group is not None else None)
         super().set_allocate_memory_from_process_group_for_comm(enable)
 
     # --- torch's FSDP2 and nn.Module --------------------------------------------------------------
@@ -137,10 +125,7 @@ class FSDPModule(FSDPModuleContract):
         return nn.Module._apply(self, *args, **kwargs)
 
     def __deepcopy__(self, memo):
-        raise FSDPUsageError(
-            f"cannot deepcopy the sharded {type(self).__name__}: its parameters are split over "
-            "ranks; copy the unsharded model before fully_shard, or use its state_dict"
-        )
+        arguments.raise_deepcopy(self)
 
 
 class TorchStateView:
@@ -157,10 +142,7 @@ def share_comm_ctx(modules: list) -> None:
     has one stream and no context to share: the modules are checked, nothing else."""
     for m in modules:
         if get_state(m) is None:
-            raise FSDPUsageError(
-                f"share_comm_ctx expects modules that fully_shard was applied to; "
-                f"{type(m).__name__} is not one"
-            )
+            arguments.raise_not_sharded("share_comm_ctx", m)
 
 
 def make_fsdp_modules(modules: list[nn.Module], *, managed, methods, group, device) -> None:

@@ -45,11 +45,17 @@ BATCHED = (
     "all_gather_mesh",
     "all_gather_inputs",
     "all_gather_outputs",
-    "finish_unshard",
-    "reduce_scatter_input",
     "combine_partial_sum",
-    "accumulate_grad",
 )
+# The contract's group-level methods (reference/more/group.py): each names the per-parameter
+# method it does for a whole group, and the optimized path moves its groups with them.
+GROUP_LEVEL = {
+    "all_gather_outputs_all": "all_gather_outputs",
+    "finish_unshard_all": "finish_unshard",
+    "reshard_all": "reshard",
+    "reduce_scatter_inputs": "reduce_scatter_input",
+    "accumulate_grads": "accumulate_grad",
+}
 
 
 def _private_names_of_the_reference() -> set[str]:
@@ -129,12 +135,20 @@ def test_contract_methods_are_documented_and_used_by_the_reference(name):
     )
 
 
-@pytest.mark.parametrize("name", BATCHED)
+@pytest.mark.parametrize("name", [*BATCHED, *GROUP_LEVEL])
 def test_optimized_collectives_call_the_contract(name):
-    """The optimized path batches these calls itself; the others (reshard, take_grad, refresh,
-    has_new_grad) it reaches through the reference's ParamGroup, which it extends."""
+    """The optimized path batches these calls itself, a group's parameters at once where the
+    contract has a group-level method; the others (take_grad, refresh, has_new_grad, reshard
+    with a piece kept) it reaches through the reference's ParamGroup, which it extends."""
     files = ("collectives.py", "reduction.py", "flat_group.py")
     assert f".{name}(" in "".join((ROOT / "optimized" / f).read_text() for f in files)
+
+
+@pytest.mark.parametrize("name", GROUP_LEVEL)
+def test_group_level_methods_name_the_method_they_do_for_a_group(name):
+    doc = getattr(ShardedParam, name).__doc__ or ""
+    assert f"``{GROUP_LEVEL[name]}" in doc, f"ShardedParam.{name} must name its method"
+    assert name not in _sharded_param_attributes()  # inherited, not ShardedParam's own code
 
 
 @pytest.mark.parametrize("name", KEPT)

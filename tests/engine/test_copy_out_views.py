@@ -14,6 +14,8 @@ from twinshard.optimized.collectives import AllGatherResult, gathered_views, own
 
 
 class StandInParam:
+    layout = None  # not the plain layout: the group-level method asks all_gather_outputs
+
     def __init__(self, rows: int, cols: int):
         self.buffer = torch.zeros(rows, cols)
 

@@ -4,7 +4,7 @@ The group's post-backward is planted on the inputs of its first module to run fo
 as torch 2.13 plants it, so that it runs once the whole group's backward is done. Planted on
 every module's inputs, the head's post-backward resharded the group before the norm's backward,
 which gathered it a second time. Counted here by the unshards of ``norm.weight`` in the
-reference and the optimized path; the values are the conformance case ``list_form``'s.
+reference and the optimized path (``finish_unshard``, or the group-level ``finish_unshard_all``); the values are the conformance case ``list_form``'s.
 """
 
 import pytest
@@ -20,14 +20,25 @@ def _unshards_per_pass(impl_name: str) -> list:
     from twinshard.reference.sharded_param import ShardedParam
 
     impl = importlib.import_module(impl_name)
-    counts, finish = [], ShardedParam.finish_unshard
+    counts, finish, finish_all, inside = [], ShardedParam.finish_unshard, None, []
+    finish_all = ShardedParam.finish_unshard_all  # the group-level method, which calls
+    # ``finish_unshard`` itself for a parameter of another layout: counted once either way
 
     def counted(self):
-        if self.fqn == "norm.weight":
+        if self.fqn == "norm.weight" and not inside:
             counts[-1] += 1
         return finish(self)
 
+    def counted_all(params):
+        counts[-1] += sum(p.fqn == "norm.weight" for p in params)
+        inside.append(True)
+        try:
+            return finish_all(params)
+        finally:
+            inside.pop()
+
     ShardedParam.finish_unshard = counted
+    ShardedParam.finish_unshard_all = staticmethod(counted_all)
     torch.manual_seed(0)
     model = MLPStack(dim=15, hidden=37, n_blocks=2)
     for block in model.blocks:

@@ -291,12 +291,31 @@ def sharded_param_writes(source: str) -> list[str]:
     return hits
 
 
-@pytest.mark.parametrize("path", SECOND, ids=_name)
+# The contract's group-level methods are ``ShardedParam``'s own, inherited from the second
+# reading (DESIGN: they sit beside the per-parameter ones), so they move its state as its methods
+# do; ``test_group_level_methods_are_the_parameters_own`` checks that they are inherited.
+GROUP_LEVEL = REFERENCE / "more" / "group.py"
+
+
+@pytest.mark.parametrize("path", [p for p in SECOND if p != GROUP_LEVEL], ids=_name)
 def test_only_the_parameter_writes_its_fields(path):
     """The second reading's functions and layouts read a ``ShardedParam`` and call its methods;
     they never write its fields (a layout keeps its own on ``self``)."""
     hits = sharded_param_writes(path.read_text())
     assert not hits, f"{_name(path)} writes a ShardedParam's fields: {hits}"
+
+
+def test_group_level_methods_are_the_parameters_own():
+    """The one file of the second reading that writes a ``ShardedParam``'s fields holds one
+    class, whose methods ``ShardedParam`` inherits, and nothing else."""
+    from twinshard.reference.more.group import GroupMethods
+    from twinshard.reference.sharded_param import ShardedParam
+
+    assert GroupMethods in ShardedParam.__mro__
+    tree = ast.parse(GROUP_LEVEL.read_text())
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert defined == ["GroupMethods"], defined
+    assert sharded_param_writes(GROUP_LEVEL.read_text())  # it does write them: the reason
 
 
 def test_the_field_write_check_can_fail():
@@ -309,7 +328,7 @@ def test_the_parameter_reaches_the_second_reading_only_for_its_layout():
     nothing else, and the plain layout (``layout.py``) imports nothing of the reference."""
     source = (REFERENCE / "sharded_param.py").read_text()
     used = set(re.findall(r"\bmore\.(\w+)", source))
-    assert used <= {"choose_layout", "layout_for_shard"}, used
+    assert used <= {"choose_layout", "layout_for_shard", "GroupMethods"}, used
     layout = ast.parse((REFERENCE / "layout.py").read_text())
     relative = [n.module for n in ast.walk(layout) if isinstance(n, ast.ImportFrom) and n.level]
     assert not relative, f"layout.py imports {relative}: the feature layouts import it"

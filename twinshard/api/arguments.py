@@ -14,6 +14,8 @@ reads as the algorithm, with each refusal one call.
 - ``shard_placement``: what ``shard_placement_fn`` answers for a parameter;
 - ``raise_split_tie``: a parameter another ``fully_shard`` call sharded (a tie split in two);
 - ``raise_ran_first``: a sharded child that ran forward before its root;
+- the ``FSDPModule`` methods' refusals: ``check_divide_factor``, ``check_bool``,
+  ``check_hook_stream``, ``check_no_custom_comms``, ``raise_not_root``, ``raise_not_sharded``, ``raise_deepcopy``;
 - ``check_materialized``, ``check_replacement``: parameters left on meta at the first forward,
   and a parameter the user replaced (``to_empty``, ``load_state_dict(assign=True)``, DCP) by
   something that is not a ``DTensor`` of its shape;
@@ -218,6 +220,58 @@ def _own_mesh(mesh_info: Any, where: list, p: nn.Parameter):
         f"{shape}, shard_mesh_dim={shard}, replicate_mesh_dim={replicate}; give "
         "FSDPMeshInfo(mesh, shard_mesh_dim=0) of a 1D mesh, or HSDPMeshInfo(mesh, "
         "shard_mesh_dim=1, replicate_mesh_dim=0) of a 2D one"
+    )
+
+
+def check_divide_factor(factor: float) -> None:
+    """``set_gradient_divide_factor``: a positive factor."""
+    if not factor > 0:
+        raise FSDPUsageError(f"gradient divide factor must be positive, got {factor!r}")
+
+
+def check_bool(method: str, value: Any) -> None:
+    """A setting that takes a bool (``set_reshard_after_forward``): refuse anything else."""
+    if not isinstance(value, bool):
+        raise FSDPUsageError(f"{method} takes a bool, got {value!r}")
+
+
+def raise_not_root(method: str, module: nn.Module) -> None:
+    """``method`` (``reset_iter_state``) was called on a module inside another sharded one."""
+    raise FSDPUsageError(
+        f"{method} must be called on the root module, not on this "
+        f"{type(module).__name__}, which runs inside another sharded module"
+    )
+
+
+def raise_not_sharded(method: str, module: Any) -> None:
+    """``method`` (``share_comm_ctx``) was given a module ``fully_shard`` never sharded."""
+    raise FSDPUsageError(
+        f"{method} expects modules that fully_shard was applied to; "
+        f"{type(module).__name__} is not one"
+    )
+
+
+def check_hook_stream(stream: Any, hsdp: bool) -> None:
+    """``set_all_reduce_hook``: a stream of its own only without HSDP, as torch's."""
+    if stream is not None and hsdp:
+        raise FSDPUsageError("set_all_reduce_hook: stream cannot be set with HSDP")
+
+
+def check_no_custom_comms(comms: Any) -> None:
+    """``set_allocate_memory_from_process_group_for_comm``, as torch's: not beside a custom
+    collective (``comms``: the group's ``CommHooks``, or None), which allocates its buffers."""
+    if comms is not None and (comms.all_gather or comms.reduce_scatter):
+        raise FSDPUsageError(
+            "set_allocate_memory_from_process_group_for_comm cannot be used with a custom "
+            "all-gather or reduce-scatter (set_custom_*), which allocates its own buffers"
+        )
+
+
+def raise_deepcopy(module: nn.Module) -> None:
+    """A sharded module cannot be deep-copied: its parameters are split over ranks."""
+    raise FSDPUsageError(
+        f"cannot deepcopy the sharded {type(module).__name__}: its parameters are split over "
+        "ranks; copy the unsharded model before fully_shard, or use its state_dict"
     )
 
 
