@@ -77,8 +77,8 @@ class FlatParamGroup(KeptBlocks):
         self.comm_memory = None  # set_allocate_memory_from_process_group_for_comm, ...symm_mem
         self.views: dict = {}  # see [Note: the copy-out views are kept]
         self.gathered_from: dict = {}  # per ShardedParam: the DTensor its last all-gather read
-        # each parameter's block, (numel, shape): fixed when the parameter was sharded
-        self.blocks = {p: (p.block_shape.numel(), tuple(p.block_shape)) for p in self.params}
+        # each parameter's block, (numel, shape, contiguous strides): fixed when it was sharded
+        self.blocks = {p: block_of(p.block_shape) for p in self.params}
         self.one_mesh = len(mesh_parts(self.params)) == 1
         self.setup_kept_blocks(self.one_mesh)
 
@@ -353,6 +353,11 @@ class FlatParamGroup(KeptBlocks):
             if result is not None:
                 self.usage.update(zip(result.params, result.used))
                 comm.pending_reduce.append((result, self.comms.all_reduce_hook))
+
+
+def block_of(shape: torch.Size) -> tuple:
+    """A block of ``shape``: its numel, its shape as a tuple and its contiguous strides."""
+    return shape.numel(), tuple(shape), torch.empty(shape, device="meta").stride()
 
 
 def finish_reduce(comm: CommContext, keep: int = 0) -> None:

@@ -37,6 +37,15 @@ Where ``out`` is a block of ``packed`` (gloo's in-place path below) the blocks a
 of it first (the division, or a clone), so that a gradient does not keep all S blocks alive,
 and ``packed`` goes after that copy.
 
+[Note: one view a block]
+Each parameter's reduced block is a view of ``out`` at its offset, made by one ``as_strided``
+from the shape and contiguous strides the group computed when the parameter was sharded
+(``FlatParamGroup.blocks``). Splitting ``out`` and then viewing each piece as its shape made two
+tensors a block: under valgrind the split of a block's nine gradients took about 77,000
+instructions and each view after it about 6,000 (``benchmarks/instructions.py``, the hooks'
+setting). ``out`` is made contiguous first (it is, unless a custom reduce-scatter hands back
+something else), so that the offsets and strides hold.
+
 [Note: HSDP after the reduce-scatter]
 The partial sum of earlier backwards (``set_requires_all_reduce(False)``) is added on the
 reduce-scatter stream, right after the reduce-scatter: the stream that allocated those
@@ -122,6 +131,7 @@ class ReduceScatterResult:
     params: list  # the ShardedParams in ``out``, in order
     shapes: list  # per param: its block's shape, a tuple (chunk, *rest)
     sizes: list  # per param: its block's numel, so ``out`` splits into the blocks
+    strides: list  # per param: its block's strides, contiguous
     used: list  # per param: whether this rank had a gradient (else it sent zeros)
     declared: list  # per param: used here, or unused by the user's word (keep_unused)
     divide_after: float | None  # what the sum is divided by, if the collective did not
@@ -152,7 +162,7 @@ def reduce_scatter(
     wire]). ``group``: another process group over the shard ranks for the reduce-scatter
     (``set_separate_reduce_scatter_group``). ``memory``: where the buffers come from without
     a custom reduce-scatter (``twinshard/api/comm_memory.py``). ``blocks``: each parameter's block as (numel,
-    shape tuple), computed once by the group (``view(*shape)`` takes 0.9 us,
+    shape tuple, strides), computed once by the group (``view(*shape)`` takes 0.9 us,
     ``view(torch.Size)`` 2.2 us: the group's blocks are viewed at every step)."""
     group = group or info.shard_group
     divide_before, op, divide_after = ops
@@ -163,6 +173,7 @@ def reduce_scatter(
     params, used = [params[i] for i in taken], [used[i] for i in taken]
     grads = [grads[i] for i in taken]
     sizes, shapes = [blocks[p][0] for p in params], [blocks[p][1] for p in params]
+    strides = [blocks[p][2] for p in params]
     S = info.shard_size
     memory = custom or memory
     in_place = custom is None and info.replicate_group is None and comm.runs_on_gloo(group)
@@ -242,6 +253,7 @@ def reduce_scatter(
         params=params,
         shapes=shapes,
         sizes=sizes,
+        strides=strides,
         used=used,
         declared=declared,
         divide_after=divide_after,
@@ -280,11 +292,14 @@ def accumulate(result: ReduceScatterResult, comm: CommContext, hook=None) -> Non
             out = out / d if result.out_in_packed else out.div_(d)
         elif result.out_in_packed:
             out = out.clone()  # (per-rank numel,) so that the gradients do not keep ``packed``
+        out = out.contiguous()  # (per-rank numel,): the blocks below are read at its strides
         if result.out_in_packed:  # after the copy out of it, on the stream that allocated it
             comm.streams.release((packed,), "release of the reduce_scatter input, block copied out")
             del packed
-        pieces = torch.split_with_sizes(out, result.sizes)
-        blocks = [b.view(*shape) for b, shape in zip(pieces, result.shapes)]  # (chunk, *rest)
+        blocks, start = [], out.storage_offset()  # each parameter's (chunk, *rest), a view
+        for size, shape, stride in zip(result.sizes, result.shapes, result.strides):
+            blocks.append(out.as_strided(shape, stride, start))  # see [Note: one view a block]
+            start += size
         for p, declared in zip(result.params, result.declared):  # before any is added
             unused_grads.note_reduced(p, declared)  # every rank keeps every sum: see the guard
         ShardedParam.accumulate_grads(result.params, blocks)
