@@ -33,7 +33,6 @@ streams.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import threading
 import weakref
@@ -197,41 +196,43 @@ class StreamSanitizer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         reads, writes, view = _accesses(func, args, kwargs)
-        if view:
-            return func(*args, **kwargs)
-        # Each tensor's memory is looked up once per op, the stream and the op's name once:
-        # the checks run at every operation of a checked case.
-        stream, op = self.streams.current(), _name(func)
-        known = set()  # the memory the op was handed
-        for t in writes:
-            known.add(self._access(t, True, stream, op))
-        for t in reads:
-            known.add(self._access(t, False, stream, op))
+        if not view:
+            for t in writes:
+                self._access(t, True, func)
+            for t in reads:
+                self._access(t, False, func)
         out = func(*args, **kwargs)
-        if writes:  # a write may have given its tensor new memory (``resize_``)
-            known.update(_memory(t)[0] for t in writes)
-        for t in _tensors(out):
-            key, storage = _memory(t)
-            if key is not None and key not in known:  # fresh, allocated on the current stream
-                self.records[key] = StorageRecord(
-                    weakref.ref(storage), stream, Access(stream, stream.tick(), op)
-                )
+        if not view:
+            known = {_key(t) for t in reads + writes}
+            for t in _tensors(out):
+                if _key(t) not in known:  # a fresh tensor, allocated on the current stream
+                    self._fresh(t, func)
         return out
 
-    def _record(self, key: int, storage) -> StorageRecord:
+    def _record(self, t: torch.Tensor) -> StorageRecord | None:
+        key = _key(t)
+        if key is None:
+            return None
         rec = self.records.get(key)
+        storage = _storage(t)
         if rec is None or rec.storage() is not storage:  # new, or an old address reused
             rec = StorageRecord(weakref.ref(storage), self.streams.default, None)
             self.records[key] = rec
         return rec
 
-    def _access(self, t: torch.Tensor, write: bool, stream, op: str) -> int | None:
-        """Check ``op``'s access to ``t`` from ``stream`` and note it; returns the memory's key
-        (None: memory the checks do not follow)."""
-        key, storage = _memory(t)
-        if key is None:
-            return None
-        rec = self._record(key, storage)
+    def _fresh(self, t: torch.Tensor, func) -> None:
+        key = _key(t)
+        if key is not None:
+            stream = self.streams.current()
+            self.records[key] = StorageRecord(
+                weakref.ref(_storage(t)), stream, Access(stream, stream.tick(), _name(func))
+            )
+
+    def _access(self, t: torch.Tensor, write: bool, func) -> None:
+        rec = self._record(t)
+        if rec is None:
+            return
+        stream, op = self.streams.current(), _name(func)
         verb = "writes" if write else "reads"
         if rec.released is not None:
             raise StreamOrderError(
@@ -253,13 +254,11 @@ class StreamSanitizer(TorchDispatchMode):
             rec.last_write, rec.reads = access, {}
         else:
             rec.reads[stream.name] = access
-        return key
 
     def release(self, t: torch.Tensor, where: str) -> None:
-        key, storage = _memory(t)
-        if key is None:
+        rec = self._record(t)
+        if rec is None:
             return
-        rec = self._record(key, storage)
         uses = ([rec.last_write] if rec.last_write else []) + list(rec.reads.values())
         for a in uses:
             if not _ordered(a, rec.allocated_on):
@@ -331,20 +330,20 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _memory(t: torch.Tensor) -> tuple:
-    """(key, storage) of ``t``'s memory (``memory_key``), or (None, None) for memory the
-    checks do not follow: off the CPU, a tensor without storage (a subclass), no memory."""
+def _storage(t: torch.Tensor):
+    return t.untyped_storage()
+
+
+def _key(t: torch.Tensor) -> int | None:
     if t.device.type != "cpu":
-        return None, None
+        return None
     try:
-        storage = t.untyped_storage()
-        key = memory_key(t, storage)
+        ptr = memory_key(t)
     except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
-        return None, None
-    return key or None, storage
+        return None
+    return ptr or None
 
 
-@functools.cache
 def _name(func) -> str:
     return f"{func.namespace}.{func.__name__}"
 
