@@ -19,7 +19,6 @@ from twinshard.reference.param_group import ParamGroup
 from twinshard.reference.sharded_param import ParamState
 
 SHARDED = ParamState.SHARDED  # read at every unshard: see ``flat_group.py``
-EXTENDED = "fsdp_pre_all_gather"  # set on a kept block since: the all-gather extension
 
 
 def storage_shape(p) -> torch.Size | None:
@@ -52,7 +51,11 @@ def is_kept(p, kept: torch.Tensor | None) -> bool:
     """Whether the module's sharded parameter of ``p`` still lives in ``kept``, where
     ``keep_in`` put it. ``load_state_dict(assign=True)``, ``to_empty`` or ``module.to`` give it
     new memory; loading values in place (``load_state_dict``, DCP, ``copy_``) keeps it there."""
-    return p.held is p.sharded_param and p.local_shard is kept and not hasattr(kept, EXTENDED)
+    return (
+        p.held is p.sharded_param
+        and p.local_shard is kept
+        and not hasattr(kept, "fsdp_pre_all_gather")  # set on it since
+    )
 
 
 class KeptBlocks(ParamGroup):
@@ -97,12 +100,8 @@ class KeptBlocks(ParamGroup):
         for p in params:  # loops, not any()/all() over generators: a group checks at every unshard
             if p.state is not SHARDED:
                 return None
-        for p, kept in zip(params, self.kept_views):  # ``is_kept``, inlined: 18 calls a step
-            if (
-                p.held is not p.sharded_param
-                or p.local_shard is not kept
-                or hasattr(kept, EXTENDED)
-            ):
+        for p, kept in zip(params, self.kept_views):
+            if not is_kept(p, kept):
                 return self.keep_shards()
         return self.kept_blocks, self.kept_numel
 

@@ -20,7 +20,7 @@ def _unshards_per_pass(impl_name: str) -> list:
     from twinshard.reference.sharded_param import ShardedParam
 
     impl = importlib.import_module(impl_name)
-    counts, finish, finish_all, inside = [], ShardedParam.finish_unshard, None, []
+    counts, finish, inside = [], ShardedParam.finish_unshard, []
     finish_all = ShardedParam.finish_unshard_all  # the group-level method, which calls
     # ``finish_unshard`` itself for a parameter of another layout: counted once either way
 
