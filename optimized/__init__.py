@@ -9,6 +9,9 @@ changes is how the work is scheduled:
   accelerator), overlapping with compute (``comm.py``);
 - the next group's all-gather is issued before the current group computes, in forward and
   backward, one group ahead (``state.py``).
+
+``twinshard.optimized.in_pieces`` is the same implementation with a parent of sharded modules
+sharded in pieces, each gathered and reduced where it is used (``pieces.py``).
 """
 
 from twinshard.api import (

@@ -20,6 +20,7 @@ from twinshard.api import (
     check_fsdp_modules,
     register_fsdp_forward_method,
 )
+from twinshard.api.arguments import check_module
 from twinshard.api.comm_memory import ProcessGroupMemory, SymmetricMemory
 from twinshard.reference.fully_shard import Implementation, shard_module
 from twinshard.reference.more.fsdp_module import FSDPModule as ReferenceModule
@@ -28,6 +29,7 @@ from twinshard.reference.state import get_state
 
 from .comm import CommContext
 from .flat_group import FlatParamGroup
+from .pieces import also_on_pieces, pieces_of
 from .state import FSDPState
 
 
@@ -44,9 +46,9 @@ def fully_shard(
 ) -> nn.Module:
     """Shard ``module`` like ``twinshard.reference.fully_shard``, communicating per group and
     overlapping communication with compute."""
-    sharded = shard_module(
+    return sharded(
         module,
-        Implementation(group_type=FlatParamGroup, state_type=FSDPState, module_type=FSDPModule),
+        False,
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
@@ -55,19 +57,56 @@ def fully_shard(
         shard_placement_fn=shard_placement_fn,
         dp_mesh_dims=dp_mesh_dims,
     )
-    group = get_state(sharded[0] if isinstance(sharded, (list, tuple)) else sharded).group
-    if group is not None:  # see [Note: the kept blocks alias the sharded parameters]
-        for m in group.modules_with_params():
-            m.register_load_state_dict_post_hook(lambda *args: group.keep_shards_now())
-    return sharded
+
+
+def sharded(
+    module,
+    in_pieces: bool,
+    *,
+    mesh,
+    reshard_after_forward,
+    mp_policy,
+    offload_policy,
+    ignored_params,
+    shard_placement_fn,
+    dp_mesh_dims,
+):
+    """``fully_shard``'s steps; with ``in_pieces``, a parent of sharded modules is sharded in
+    pieces first ([Note: the root's parameters in pieces] in ``pieces.py``)."""
+
+    def shard(m):
+        return shard_module(
+            m,
+            Implementation(group_type=FlatParamGroup, state_type=FSDPState, module_type=FSDPModule),
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored_params,
+            shard_placement_fn=shard_placement_fn,
+            dp_mesh_dims=dp_mesh_dims,
+        )
+
+    runs = pieces_of(module, set(ignored_params or ())) if in_pieces else []
+    if runs:
+        check_module(module, get_state(module))  # before any piece of it is sharded
+    pieces = [get_state(shard(run)[0]) for run in runs]
+    done = shard(module)
+    state = get_state(done[0] if isinstance(done, (list, tuple)) else done)
+    state.pieces = pieces
+    for group in [s.group for s in [state, *pieces] if s.group is not None]:
+        for m in group.modules_with_params():  # [Note: the kept blocks alias the sharded ...]
+            m.register_load_state_dict_post_hook(lambda *args, g=group: g.keep_shards_now())
+    return done
 
 
 class _Handle(UnshardHandle):
-    def __init__(self, group: FlatParamGroup):
-        self.group = group
+    def __init__(self, groups: list[FlatParamGroup]):
+        self.groups = groups
 
     def wait(self) -> None:
-        self.group.wait_for_unshard()
+        for group in self.groups:
+            group.wait_for_unshard()
 
 
 class FSDPModule(ReferenceModule):
@@ -75,13 +114,31 @@ class FSDPModule(ReferenceModule):
 
     def _fsdp_unshard(self, wait: bool):
         state = get_state(self)  # no lazy init: an unshard must not make a child a root
-        if state.group is None:
+        groups = [s.group for s in [state, *state.pieces] if s.group is not None]
+        if not groups:
             return None if wait else UnshardHandle()
         if not wait:
-            state.group.prefetch()
-            return _Handle(state.group)
-        state.group.unshard()
+            for group in groups:
+                group.prefetch()
+            return _Handle(groups)
+        for group in groups:
+            group.unshard()
         return None
+
+    # the methods that act on the module's own group act on its pieces' too
+    reshard = also_on_pieces(ReferenceModule.reshard)
+    set_gradient_divide_factor = also_on_pieces(ReferenceModule.set_gradient_divide_factor)
+    set_unshard_in_backward = also_on_pieces(ReferenceModule.set_unshard_in_backward)
+    set_custom_all_gather = also_on_pieces(ReferenceModule.set_custom_all_gather)
+    set_custom_reduce_scatter = also_on_pieces(ReferenceModule.set_custom_reduce_scatter)
+    set_all_reduce_hook = also_on_pieces(ReferenceModule.set_all_reduce_hook)
+    set_reshard_after_forward = also_on_pieces(ReferenceModule.set_reshard_after_forward)
+    set_reshard_after_backward = also_on_pieces(ReferenceModule.set_reshard_after_backward)
+    set_requires_gradient_sync = also_on_pieces(ReferenceModule.set_requires_gradient_sync)
+    set_requires_all_reduce = also_on_pieces(ReferenceModule.set_requires_all_reduce)
+    set_reduce_scatter_unused_params = also_on_pieces(
+        ReferenceModule.set_reduce_scatter_unused_params
+    )
 
     def _apply(self, *args, **kwargs):
         # The reference's (reshard, then nn.Module's), and the new local tensors move into the
@@ -106,11 +163,13 @@ class FSDPModule(ReferenceModule):
         state.lazy_init()
         state.comm.set_post_optim_event(event)
 
+    @also_on_pieces
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         super().set_allocate_memory_from_process_group_for_comm(enable)  # checks
         if (group := get_state(self).group) is not None:  # this module's group, as torch's
             group.comm_memory = ProcessGroupMemory(group.info.shard_group) if enable else None
 
+    @also_on_pieces
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         super().set_symm_mem_for_comm(backend)  # checks
         if (group := get_state(self).group) is not None:
@@ -121,11 +180,13 @@ class FSDPModule(ReferenceModule):
                 )
             group.comm_memory = SymmetricMemory(group.info.shard_group, backend)
 
+    @also_on_pieces
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         super().set_force_sum_reduction_for_comms(enable)  # checks the flag
         if (group := get_state(self).group) is not None:  # this module's group, as torch's
             group.force_sum_reduction = enable
 
+    @also_on_pieces
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
@@ -136,6 +197,7 @@ class FSDPModule(ReferenceModule):
             if state.group is not None:
                 state.group.reductions_in_flight = max_input_buffers
 
+    @also_on_pieces
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
         super().set_separate_reduce_scatter_group(enable, recurse=recurse)  # checks the flag
         for state in states_below(self, recurse):

@@ -67,6 +67,7 @@ class FSDPState(ReferenceState):
         self.forward_hint: list | None = None  # explicit set_modules_to_forward_prefetch
         self.backward_hint: list | None = None
         self.comm: CommContext | None = None
+        self.pieces: list[FSDPState] = []  # see [Note: the root's parameters in pieces]
 
     def lazy_init(self) -> None:
         if self.is_root is not None:
@@ -80,6 +81,9 @@ class FSDPState(ReferenceState):
             state.use_comm(self.comm)
         if isinstance(self.group, FlatParamGroup):
             self.group.root_group = True  # its prefetch is ordered as soon as it has waited
+        for piece in self.pieces:  # kept from forward to backward, as the root's own group
+            if piece.auto_reshard_after_forward and piece.group is not None:
+                piece.group.post_forward_info = None
 
     def use_comm(self, comm: CommContext) -> None:
         """Share the root's ``comm`` (streams, work in flight) with this module's group."""

@@ -1,5 +1,6 @@
 """The measurements behind issue 33's missed targets: ``benchmarks/floors.py``'s overhead floor
-is a floor (no implementation's planned overhead is below it), and ``benchmarks/instructions.py
+is a floor (no implementation's planned overhead is below it) and its verdict is issue 53's
+targets', and ``benchmarks/instructions.py
 --inside`` counts inside every hook of each implementation (a hook it does not route through
 ``functools.reduce`` would be counted as interface cost instead)."""
 
@@ -26,12 +27,13 @@ def test_the_overhead_floor_is_below_every_planned_overhead(monkeypatch):
         return rows
 
     monkeypatch.setattr(cli, "plan", keep)
-    lines, above_bound = floors.overhead_floor(blocks=2)
+    lines, missed = floors.overhead_floor(blocks=2)
     floor_ms = float(next(x for x in lines if "floor (the four" in x).split("**")[1].split()[0])
-    assert set(planned) == {"optimized", "torch"}
+    assert set(planned) == {"optimized", floors.PIECES, "torch"}
     for impl, overhead in planned.items():
         assert 0 < floor_ms <= overhead * 1e3, (impl, floor_ms, overhead)
-    assert above_bound == (floor_ms > 0.5 * planned["torch"] * 1e3)
+    ours, theirs = planned[floors.PIECES] * 1e3, planned["torch"] * 1e3
+    assert missed == (ours > 0.6 * theirs or ours > 1.05 * floor_ms), (ours, theirs, floor_ms)
     # recorded in a fresh process: this one did not take the fake accelerator as its own
     import torch
 

@@ -103,13 +103,14 @@ class Recorder:
 
     # --- hooks (each bound to its group's path with ``partial``) --------------------------------
     def _attach(self, g: GroupInfo) -> None:
-        m, path = g.module, g.path
+        path = g.path
         wrap = partial(self._wrap_inputs, path)
-        self.handles += [
-            m.register_forward_pre_hook(wrap, prepend=True, with_kwargs=True),
-            m.register_forward_pre_hook(partial(self._after_pre_forward, path)),
-            m.register_forward_hook(partial(self._after_forward, path)),
-        ]
+        for m in g.modules:  # each module of the call: the hooks run for each one
+            self.handles += [
+                m.register_forward_pre_hook(wrap, prepend=True, with_kwargs=True),
+                m.register_forward_pre_hook(partial(self._after_pre_forward, path)),
+                m.register_forward_hook(partial(self._after_forward, path)),
+            ]
 
     def _wrap_inputs(self, path: str, module, args, kwargs):
         if not (self.active and torch.is_grad_enabled()):

@@ -1,0 +1,98 @@
+"""The parameters of a parent of sharded modules, in pieces gathered and reduced where they
+are used.
+
+[Note: the root's parameters in pieces]
+``fully_shard(model)`` on a Llama whose blocks are sharded makes one group of what is left: the
+token embedding, the final norm and the output projection. Gathered as one, the output layer
+(half of that group's bytes at Llama 3 70B's vocabulary) crosses the network before the
+first block can start; reduced as one, its gradient, which backward makes first, waits until
+backward has finished, when the embedding's is made. Both ends of the step then carry the whole
+group (4.2 GB gathered and 8.5 GB reduced at Llama 3 70B), and on a network-bound job those two
+collectives are the step's exposed time.
+
+``twinshard.optimized.in_pieces`` (the optimized path, as an implementation of its own) cuts
+such a group where the module's sharded children cut it. The module's children are read in
+the order they were registered; a child that holds sharded modules separates two runs, and each
+run of children holding the group's parameters becomes a piece. The first piece stays the
+module's own group, gathered at its pre-forward as before; every later run is sharded as one
+group of its own (``fully_shard([norm, output])``, as torchtitan users write by hand):
+gathered when its first module starts forward (prefetched by the group that runs before it),
+and reduced as soon as its backward ends. A piece of the root keeps its parameters from forward
+to backward, as the root does. At Llama 3 70B on 1,024 H100s the first gather then carries the
+embedding alone and the output layer's gradient is reduced while the blocks compute their
+backward (``benchmarks/floors.py``).
+
+Nothing is cut where cutting could change what a user sees: a list of modules, a group with
+one piece, a parameter shared by two pieces (tied embeddings), or a child that holds both
+sharded modules and parameters of the group. The pieces are FSDP modules (they answer
+``isinstance(m, FSDPModule)``), and the parent's methods that act on its own group act on its
+pieces too (``unshard``, ``reshard``, the custom collectives, ...). A piece's parameters must
+be used through its modules' forwards, as every sharded module's are: a parent whose forward
+reads ``self.output.weight`` without calling ``self.output`` needs ``twinshard.optimized``.
+
+What the cut changes in the numbers: nothing at one or two ranks. At more ranks a collective
+that sums sums each element in an order that depends on where it sits in the buffer (gloo's
+ring, NCCL's channels), so a piece's gradients agree with those of torch's one flat
+reduce-scatter to rounding, not to the bit, as under any other grouping of the same model.
+That is why ``twinshard.optimized`` keeps torch's groups and this is a choice.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.nn as nn
+
+from twinshard.reference.state import get_state
+
+
+def pieces_of(module, ignored: set) -> list[list[nn.Module]]:
+    """The runs of ``module``'s children to shard as groups of their own before ``module``
+    (see [Note: the root's parameters in pieces]); empty where the group stays whole."""
+    if isinstance(module, (list, tuple)):
+        return []
+    runs: list[list[nn.Module]] = [[]]
+    for child in module.children():
+        if any(get_state(m) is not None for _, m in child.named_modules()):
+            if free_params(child, ignored):
+                return []  # sharded modules and the group's parameters under one child
+            runs.append([])  # a sharded child ends a run
+        elif any(p not in ignored for p in child.parameters()):
+            runs[-1].append(child)
+    runs = [run for run in runs if run]
+    if len(runs) < 2 or shared_between(module, runs, ignored):
+        return []
+    return runs[1:]
+
+
+def free_params(module: nn.Module, ignored: set) -> bool:
+    """Whether ``module`` holds parameters outside every sharded module below it."""
+    if get_state(module) is not None:
+        return False
+    own = any(p is not None and p not in ignored for p in module._parameters.values())
+    return own or any(free_params(child, ignored) for child in module.children())
+
+
+def shared_between(module: nn.Module, runs: list[list[nn.Module]], ignored: set) -> bool:
+    """Whether a parameter sits in two runs, or in a run and ``module`` itself."""
+    seen = {id(p) for p in module._parameters.values() if p is not None and p not in ignored}
+    for run in runs:
+        mine = {id(p) for child in run for p in child.parameters() if p not in ignored}
+        if seen & mine:
+            return True
+        seen |= mine
+    return False
+
+
+def also_on_pieces(method):
+    """``method`` of an ``FSDPModule`` that acts on its own group, made to act on the groups of
+    its pieces too: called on the module, then on the first module of each piece."""
+
+    @functools.wraps(method)
+    def on_module_and_pieces(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        for piece in get_state(self).pieces:
+            method(piece.module, *args, **kwargs)
+        return result
+
+    return on_module_and_pieces
