@@ -21,7 +21,8 @@ The parts (``--only``):
   minutes per implementation here, and the world size, which sets the per-rank shapes, stays
   1,024. ``--blocks 80`` plans the whole model.
 - ``published``: on every run of ``published_runs.RUNS``, the optimized path's planned step and
-  planned peak memory at most torch's.
+  planned peak memory at most torch's. ``--ours twinshard.optimized.in_pieces`` holds that
+  implementation to the ``plan`` and ``published`` targets in place of ``optimized``.
 - ``cpu``: ``twinshard bench`` on gloo at 2 ranks, the ``small`` model, as
   ``benchmarks/record.sh`` runs it: the optimized step at most 0.75 of torch's (medians of the
   interleaved repetitions).
@@ -223,11 +224,23 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the files")
     parser.add_argument("--blocks", type=int, default=8, help="blocks of the 70B job (80: all)")
+    parser.add_argument(
+        "--ours",
+        default="optimized",
+        help="the implementation held to the targets (plan and published parts), e.g. "
+        "twinshard.optimized.in_pieces",
+    )
     args = parser.parse_args(argv)
     parts = [p for p in args.only.split(",") if p]
     wrong = [p for p in parts if p not in PARTS]
     if wrong or not parts or not 1 <= args.blocks <= 80:
         parser.error(f"--only takes some of {','.join(PARTS)}; --blocks 1 to 80")
+    if args.ours != "optimized" and {"cpu", "hooks"} & set(parts):
+        parser.error(
+            "--ours is for the plan and published parts; the cpu and hooks parts time optimized"
+        )
+    global IMPLS
+    IMPLS = (args.ours, "torch")
     started, date = time.time(), time.strftime("%Y-%m-%d", time.gmtime())
     rows, data, plans, names = [], {}, {}, []
     if {"plan", "published"} & set(parts):
@@ -246,9 +259,11 @@ def main(argv=None) -> int:
     if "hooks" in parts:
         found, data["hooks"] = hook_targets()
         rows += found
-    header = [f"# Issue 33's targets: {', '.join(parts)}", "", where_and_when(started, argv)]
+    held = "" if args.ours == "optimized" else f" ({args.ours} in the optimized column)"
+    header = [f"# Issue 33's targets: {', '.join(parts)}{held}", "", where_and_when(started, argv)]
     text = report(rows, header, plans, names)
     suffix = "" if parts == list(PARTS) else "-" + "-".join(parts)
+    suffix += "" if args.ours == "optimized" else "-" + args.ours.rsplit(".", 1)[-1]
     base = os.path.join(args.out, f"{date}-targets{suffix}")
     os.makedirs(args.out, exist_ok=True)
     from twinshard.commandline.report_files import publish

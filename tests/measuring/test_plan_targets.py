@@ -51,3 +51,20 @@ def test_exit_status_and_files(targets, monkeypatch, tmp_path, optimized_step, s
     rows = json.loads(written.read_text())["targets"]
     assert [r["met"] for r in rows] == [status == 0, True]
     assert "| planned step, a run (ms) |" in written.with_suffix(".md").read_text()
+
+
+def test_another_implementation_held_to_the_planned_targets(targets, monkeypatch, tmp_path):
+    """``--ours`` plans that implementation in place of ``optimized``, and says so."""
+    ours = "twinshard.optimized.in_pieces"
+    plans = {"a run": {ours: _row(10.0, 80), "torch": _row(11.0, 90)}}
+    monkeypatch.setattr(targets, "planned", lambda parts, blocks: (plans, {"compute_bound": []}))
+    monkeypatch.setattr(targets.published_runs, "RUNS", {"a run": None})
+    try:
+        assert targets.main(["--only", "published", "--ours", ours, "--out", str(tmp_path)]) == 0
+        assert targets.IMPLS == (ours, "torch")
+    finally:
+        targets.IMPLS = ("optimized", "torch")
+    (written,) = tmp_path.glob("*-targets-published-in_pieces.md")
+    assert f"({ours} in the optimized column)" in written.read_text()
+    with pytest.raises(SystemExit):
+        targets.main(["--only", "cpu", "--ours", ours, "--out", str(tmp_path)])
