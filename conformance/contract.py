@@ -164,14 +164,17 @@ def expected(plan: Plan) -> list[dict[str, GroupStep]]:
 
 
 def group_specs(
-    model: nn.Module, paths: list[str], settings: dict[str, dict] | None = None
+    model: nn.Module,
+    paths: list[str],
+    settings: dict[str, dict] | None = None,
+    taken: set[int] | None = None,
 ) -> list[GroupSpec]:
     """The groups of ``model`` (unsharded) when ``fully_shard`` is applied to the modules at
     ``paths``: each holds the trainable parameters of its module that no other of ``paths``
-    below it holds. ``settings``: per path, ``reshard_after_forward`` and
-    ``unshard_in_backward``."""
+    below it holds (nor ``taken``, by ``id``). ``settings``: per path,
+    ``reshard_after_forward`` and ``unshard_in_backward``."""
     settings = settings or {}
-    claimed: set[int] = set()
+    claimed: set[int] = set(taken or ())
     specs = []
     for path in sorted(paths, key=lambda p: -p.count(".") - (p != "")):  # children first
         module = model.get_submodule(path)
@@ -184,3 +187,38 @@ def group_specs(
         )
     order = {m: i for i, (m, _) in enumerate(model.named_modules())}
     return sorted(specs, key=lambda s: order[s.path])
+
+
+def with_pieces(plan: Plan, model: nn.Module, recorded: list[str]) -> Plan:
+    """``plan`` with every group that a recording shows cut in pieces held as groups of their
+    own. A recorded group that is none of the plan's is such a piece: the modules of one call
+    the implementation made itself (``norm+head``; [Note: the root's parameters in pieces] in
+    ``optimized/pieces.py``). It takes the settings of the group it was cut from (the plan's
+    group nearest above its first module), the root's default keeping it unsharded too, and
+    that group keeps the rest of its parameters."""
+    paths = [g.path for g in plan.groups]
+    pieces = [r for r in recorded if r not in paths]
+    if not pieces:
+        return plan
+    specs = {g.path: g for g in plan.groups}
+    settings = {
+        g.path: dict(reshard_after_forward=g.reshard_after_forward, unshard_in_backward=g.unshard_in_backward)
+        for g in plan.groups
+    }  # fmt: skip
+    taken: set[int] = set()
+    cut = []
+    for piece in pieces:
+        modules = [model.get_submodule(m) for m in piece.split("+")]
+        mine = [p for m in modules for p in m.parameters() if p.requires_grad]
+        taken |= {id(p) for p in mine}
+        first = piece.split("+")[0]
+        above = max((p for p in paths if p == "" or first.startswith(p + ".")), key=len)
+        kept = specs[above].reshard_after_forward
+        kept = False if kept is None and above == "" else kept  # the root's default
+        spec = GroupSpec(piece, [p.shape for p in mine], [p.dtype for p in mine], kept)
+        spec.unshard_in_backward = specs[above].unshard_in_backward
+        cut.append(spec)
+    order = {m: i for i, (m, _) in enumerate(model.named_modules())}
+    groups = group_specs(model, paths, settings, taken) + cut
+    groups.sort(key=lambda g: order[g.path.split("+")[0]])
+    return Plan(**{**plan.__dict__, "groups": groups})

@@ -61,7 +61,7 @@ class Windows:
     and the last hook that may issue its all-gather."""
 
     def __init__(self, plan: Plan, steps: dict[str, GroupStep], events: list):
-        self.plan, self.events = plan, events
+        self.plan, self.events, self.steps = plan, events, steps
         n = len(events)
         finals = [e.index for e in events if e.hook == "final_callback"]
         self.final = finals[-1] if finals else n - 1
@@ -83,7 +83,10 @@ class Windows:
     def _first_of(self, phase: str, path: str) -> int | None:
         """The earliest hook that may issue ``path``'s all-gather in this pass: its own
         pre-hook, that of the group before it (implicit prefetch), or that of a module whose
-        explicit list names it."""
+        explicit list names it. In backward a group kept from forward gathers nothing, so the
+        group before it counts too: the pre-backward hooks of a root and of a piece of it
+        ([Note: the root's parameters in pieces]) both hang on the model's output, in either
+        order."""
         hook = "pre_" + phase
         own = _index(self.events, hook, path)
         if own is None:
@@ -91,8 +94,13 @@ class Windows:
         order = self.orders[phase]
         lists = self.plan.forward_prefetch if phase == "forward" else self.plan.backward_prefetch
         candidates = [own] + [_index(self.events, hook, h) for h, n in lists.items() if path in n]
-        if path in order and order.index(path) > 0:
-            candidates.append(_index(self.events, hook, order[order.index(path) - 1]))
+        before = order[: order.index(path)] if path in order else []
+        while before:  # the group before it; in backward, past groups that gather nothing
+            previous = before.pop()
+            candidates.append(_index(self.events, hook, previous))
+            step = self.steps.get(previous)
+            if phase == "forward" or step is None or step.gather_backward is not None:
+                break
         first = min(c for c in candidates if c is not None)
         self.issue[path, phase] = (first, own)
         return first

@@ -21,7 +21,7 @@ from twinshard.measure.schedule import Recorder
 from twinshard.models import MLPBlock
 
 from ..compare import Checker
-from ..contract import Plan, expected, group_specs
+from ..contract import Plan, expected, group_specs, with_pieces
 from ..contract_check import check_collectives, counts, due_collectives, seen_collectives
 from ..contract_memory import check_memory
 from .core import case
@@ -54,9 +54,9 @@ def build() -> EmbedMLP:
     return EmbedMLP()
 
 
-def shard(impl, model: nn.Module, mesh, settings: dict | None = None, **kwargs) -> None:
+def shard(impl, model: nn.Module, mesh, settings: dict | None = None, paths=PATHS, **kwargs):
     """``fully_shard`` on the embedding, each block, then the root; ``settings`` per path."""
-    for path in PATHS:
+    for path in paths:
         extra = {**kwargs, **(settings or {}).get(path, {})}
         impl.fully_shard(model.get_submodule(path), mesh=mesh, **extra)
 
@@ -91,6 +91,8 @@ def record(ctx, impl, plan: Plan, wrap, on_micro=None) -> list:
 def judge(plan: Plan, schedules: list, checker: Checker, label: str) -> str:
     """Hold recorded micro-batches to the contract; returns their counts for the notes."""
     lines = []
+    if schedules:  # groups the implementation cut in pieces are held as groups of their own
+        plan = with_pieces(plan, build(), schedules[0].groups)
     for m, (steps, schedule) in enumerate(zip(expected(plan), schedules)):
         where = f"{label}, {plan.label}, micro-batch {m + 1} of {plan.micro}"
         seen = seen_collectives(plan, schedule)
@@ -135,9 +137,9 @@ def cost_case(ctx, plan: Plan, wrap, on_micro=None) -> Checker:
     return checker
 
 
-def plan_for(ctx, label: str, settings: dict | None = None, **fields) -> Plan:
+def plan_for(ctx, label: str, settings: dict | None = None, paths=PATHS, **fields) -> Plan:
     """A plan for the model as ``shard`` wraps it."""
-    return Plan(label, group_specs(build(), PATHS, settings), ctx.mesh_shape, **fields)
+    return Plan(label, group_specs(build(), paths, settings), ctx.mesh_shape, **fields)
 
 
 def _all(value):
@@ -151,6 +153,16 @@ def case_cost_default(ctx):
     one reduction per group; at most the root, the group computing and one prefetched group
     unsharded after any hook; gradients of one group in flight beside the one computing."""
     return cost_case(ctx, plan_for(ctx, "default"), shard)
+
+
+@case("cost")
+def case_cost_root_embedding(ctx):
+    """The embedding left to the root (torch's default grouping): the root holds the
+    embedding, the norm and the head, which an implementation may gather and reduce in pieces
+    (``twinshard.optimized.in_pieces``), each piece held as a group of the root's settings."""
+    paths = PATHS[1:]  # the blocks, then the root
+    plan = plan_for(ctx, "the embedding in the root's group", paths=paths)
+    return cost_case(ctx, plan, lambda impl, m, mesh: shard(impl, m, mesh, paths=paths))
 
 
 @case("cost")

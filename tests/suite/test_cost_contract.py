@@ -11,6 +11,7 @@ meshes that ``tests/suite/test_torch_conformance.py`` and ``tests/suite/test_par
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -93,8 +94,9 @@ PLANTED = {
     "2x2": {"all_reduces_every_micro_batch": {"cost_no_all_reduce": "all_reduce: 23"}},
 }
 # Implementations that must pass every cost case (with their expected failures) on meshes
-# that the other runs leave out.
+# that the other runs leave out, and implementations that no other run checks.
 PASSING = {
+    "2": ["twinshard.optimized.in_pieces"],  # the root in pieces: run by no other test's cases
     "2x2": ["torch.distributed.fsdp"],
     "2x1": ["torch.distributed.fsdp", "twinshard.reference"],
     "1x2": ["torch.distributed.fsdp", "twinshard.reference"],
@@ -142,3 +144,22 @@ def test_cost_cases_pass(results, impl, mesh):
     assert all(r["reason"] for r in rows if r["status"] in ("XFAIL", "SKIP"))
     statuses = [r["status"] for r in rows]  # torch at 1x2: each an expected failure, with reason
     assert statuses.count("PASS") >= 10 or set(statuses) <= {"XFAIL", "SKIP"}, statuses
+
+
+def test_the_root_in_pieces_is_held_to_the_contract_piece_by_piece(results):
+    """``cost_root_embedding`` under ``in_pieces``: the root's ``norm+head`` piece is gathered
+    and reduced on its own (one collective more of each than the contract asks of one root
+    group), and the contract, holding it as a group of the root's settings, passes it."""
+    from twinshard.conformance.cases import cost
+    from twinshard.conformance.contract import group_specs
+    from twinshard.conformance.contract_check import due_collectives
+
+    rows = results["twinshard.optimized.in_pieces"]["2"]
+    (row,) = [r for r in rows if r["case"] == "cost_root_embedding"]
+    assert row["status"] == "PASS", row["failures"][:2]
+    (note,) = [n for n in row["notes"] if n.startswith("in_pieces: ")]
+    ours = [int(n) for n in re.findall(r"(AG|RS|AR) (\d+)", note) for n in n[1:]]
+    whole = Plan("whole", group_specs(cost.build(), cost.PATHS[1:]), (2,))
+    due = due_collectives(whole, expected(whole)[0])
+    asked = [len([d for d in due if d.op == op]) for op in ("all_gather", "reduce_scatter")]
+    assert ours == [asked[0] + 1, asked[1] + 1, 0], (note, asked)
