@@ -57,12 +57,12 @@ def record(config, progress=print) -> dict:
         labels.attach(model)
         trace.model, trace.optimizer = model, opt
         trace.modules = sharded_modules(model)
-        if config.probe:
-            trace.probe = Probe(model, opt, sharded_modules(model))
 
     def before(trace, k):
         progress(f"{config.impl}: step {k + 1} of {STEPS + 1}")
         if k == STEPS - 1:
+            if config.probe:  # the recorded step's categories, not the first step's too
+                trace.probe = Probe(trace.model, trace.optimizer, trace.modules)
             trace.start()
         elif k == STEPS:  # see StepTrace: the parts of the recorded step's peak
             trace.stop()
