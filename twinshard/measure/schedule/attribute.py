@@ -44,12 +44,11 @@ class ParamSizes:
 
 
 class GroupInfo:
-    """One sharded module (or the modules of one ``fully_shard`` call) and the parameters it
-    manages: (name, owner module, attribute)."""
+    """The modules of one ``fully_shard`` call and the parameters they manage: (name, owner
+    module, attribute)."""
 
-    def __init__(self, path: str, module: nn.Module, owned: list, modules: list | None = None):
-        self.path, self.module = path, module
-        self.modules = modules or [module]  # several where one call sharded several
+    def __init__(self, path: str, modules: list[nn.Module], owned: list):
+        self.path, self.modules = path, modules
         self.params = [(name, owner, attr) for name, owner, attr, _ in owned]
         self.sizes: dict[str, ParamSizes] = {}
         for name, _, _, p in owned:

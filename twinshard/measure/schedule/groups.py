@@ -18,39 +18,25 @@ from .attribute import GroupInfo
 
 def find_groups(model: nn.Module) -> list[GroupInfo]:
     """Every sharded module with the parameters it manages (not those of sharded children);
-    modules sharded by one call (``fully_shard([norm, output])``) make one group, shown as
-    ``norm+output`` with its parameters' names from the model (``norm.weight``)."""
-    groups, seen = [], set()
-    fsdp = [(path, m) for path, m in model.named_modules() if isinstance(m, FSDPModule)]
-    calls: dict = {}  # one entry per fully_shard call: the modules' paths and modules
-    for path, module in fsdp:
-        calls.setdefault(_call_of(module), []).append((path, module))
+    the modules of one call (``fully_shard([norm, output])``, one state, whose pre-forward hook
+    torch's ``register_fsdp_forward_method`` reads) make one group, ``norm+output``, its
+    parameters named from the model (``norm.weight``)."""
+    groups, seen, calls = [], set(), {}
+    for path, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            key = getattr(m._get_fsdp_state(), "_pre_forward", None) or id(m)
+            calls.setdefault(key, []).append((path, m))
     for members in reversed(list(calls.values())):  # children first: a tie is the lower group's
         owned = []
-        for path, module in members:
-            prefix = f"{path}." if len(members) > 1 and path else ""
-            owned += _owned(module, prefix, seen)
-        paths = [path for path, _ in members]
-        groups.append(GroupInfo("+".join(paths), members[0][1], owned, [m for _, m in members]))
+        todo = [(f"{path}." if len(members) > 1 and path else "", m) for path, m in members]
+        while todo:
+            prefix, m = todo.pop(0)
+            for attr, p in m.named_parameters(recurse=False):
+                if isinstance(p, DTensor) and id(p) not in seen:
+                    seen.add(id(p))
+                    owned.append((prefix + attr, m, attr, p))
+            for child_name, child in reversed(list(m.named_children())):
+                if not isinstance(child, FSDPModule):
+                    todo.insert(0, (f"{prefix}{child_name}.", child))
+        groups.append(GroupInfo("+".join(p for p, _ in members), [m for _, m in members], owned))
     return list(reversed(groups))
-
-
-def _call_of(module: nn.Module):
-    """What the modules of one ``fully_shard`` call share: their state's pre-forward hook (a
-    bound method, equal for one state), as torch's ``register_fsdp_forward_method`` reads it."""
-    return getattr(module._get_fsdp_state(), "_pre_forward", None) or id(module)
-
-
-def _owned(module: nn.Module, prefix: str, seen: set) -> list:
-    """The sharded parameters ``module`` manages: (name, owner module, attribute, parameter)."""
-    owned, todo = [], [(prefix, module)]
-    while todo:
-        at, m = todo.pop()
-        for attr, p in m.named_parameters(recurse=False):
-            if isinstance(p, DTensor) and id(p) not in seen:
-                seen.add(id(p))
-                owned.append((at + attr, m, attr, p))
-        for child_name, child in reversed(list(m.named_children())):
-            if not isinstance(child, FSDPModule):
-                todo.append((f"{at}{child_name}.", child))
-    return owned
