@@ -29,7 +29,7 @@ from twinshard.reference.state import get_state
 
 from .comm import CommContext
 from .flat_group import FlatParamGroup
-from .pieces import also_on_pieces, pieces_of
+from .pieces import also_on_pieces, explain_a_failed_forward, pieces_of
 from .state import FSDPState
 
 
@@ -94,6 +94,8 @@ def sharded(
     done = shard(module)
     state = get_state(done[0] if isinstance(done, (list, tuple)) else done)
     state.pieces = pieces
+    if pieces:
+        explain_a_failed_forward(module, pieces)
     for group in [s.group for s in [state, *pieces] if s.group is not None]:
         for m in group.modules_with_params():  # [Note: the kept blocks alias the sharded ...]
             m.register_load_state_dict_post_hook(lambda *args, g=group: g.keep_shards_now())

@@ -28,7 +28,8 @@ sharded modules and parameters of the group. The pieces are FSDP modules (they a
 ``isinstance(m, FSDPModule)``), and the parent's methods that act on its own group act on its
 pieces too (``unshard``, ``reshard``, the custom collectives, ...). A piece's parameters must
 be used through its modules' forwards, as every sharded module's are: a parent whose forward
-reads ``self.output.weight`` without calling ``self.output`` needs ``twinshard.optimized``.
+reads ``self.output.weight`` without calling ``self.output`` needs ``twinshard.optimized``
+(DTensor then refuses the sharded weight, and a warning names the pieces and says so).
 
 What the cut changes in the numbers: nothing at one or two ranks. At more ranks a collective
 that sums sums each element in an order that depends on where it sits in the buffer (gloo's
@@ -40,6 +41,8 @@ That is why ``twinshard.optimized`` keeps torch's groups and this is a choice.
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 
 import torch.nn as nn
 
@@ -96,3 +99,23 @@ def also_on_pieces(method):
         return result
 
     return on_module_and_pieces
+
+
+def explain_a_failed_forward(module: nn.Module, pieces: list) -> None:
+    """Warn, when ``module``'s forward fails on a sharded parameter (DTensor refusing to mix
+    with plain tensors), that its pieces are gathered only by their own forwards."""
+    names = {id(m): n for n, m in module.named_modules()}
+    shown = ", ".join("+".join(names[id(m)] for m in piece.modules) for piece in pieces)
+
+    def after_forward(module, args, output):  # always called, inside the failure's except
+        error = sys.exc_info()[1]
+        if error is not None and "DTensor" in str(error):
+            warnings.warn(
+                f"twinshard.optimized.in_pieces: the forward of {type(module).__name__} failed on "
+                f"a sharded parameter. Its pieces ({shown}) are gathered only when their own "
+                "forward runs: call those modules instead of reading their parameters, or shard "
+                "with twinshard.optimized, which keeps the parent's group whole",
+                stacklevel=2,
+            )
+
+    module.register_forward_hook(after_forward, always_call=True)

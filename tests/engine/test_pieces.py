@@ -12,10 +12,13 @@ on 2 gloo ranks a Llama of two blocks, sharded block by block and then at the ro
 - the root's own-group methods reach the pieces: ``unshard`` and ``reshard``, an asynchronous
   ``unshard``, and a setting with ``recurse=False``;
 - ``twinshard.optimized`` keeps the root one group, as torch's does, and trains a parent whose
-  forward reads a child's weight without calling the child.
+  forward reads a child's weight without calling the child, which ``in_pieces`` refuses with a
+  warning that names the piece and the way out.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -82,6 +85,17 @@ def _methods() -> dict:
     model.reshard()
     model.set_requires_gradient_sync(False, recurse=False)
     out["sync"] = [get_state(m).group.reduce_grads for m in (model, model.output, model.blocks[0])]
+    fails = ReadsTheHead()
+    for block in fails.blocks:
+        O.fully_shard(block)
+    O.fully_shard(fails)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fails(torch.randn(3, 4))
+        except RuntimeError as error:
+            out["refused"] = "DTensor" in str(error)
+    out["warned"] = [str(w.message) for w in caught if "in_pieces" in str(w.message)]
     kept = _sharded(whole)
     out["whole"] = type(kept.output).__name__, len(get_state(kept).group.params)
     reads = ReadsTheHead()
@@ -150,6 +164,13 @@ def test_the_roots_methods_reach_its_pieces():
     assert out["resharded"] == ["DTensor", "DTensor"]
     assert out["async"] == "Parameter"
     assert out["sync"] == [False, False, True]  # the root and its piece, not the block
+
+
+def test_reading_a_pieces_weight_in_the_parents_forward_is_explained():
+    out = results()["methods"]
+    assert out["refused"]  # DTensor refuses the sharded weight
+    (warning,) = out["warned"]
+    assert "ReadsTheHead" in warning and "(head)" in warning and "twinshard.optimized" in warning
 
 
 def test_the_optimized_path_keeps_torchs_groups():

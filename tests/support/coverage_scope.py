@@ -4,7 +4,7 @@
 and a measured rank runs its Python about a third slower. Only the test modules in
 ``MEASURED_MODULES`` run the optimized path in the ways the report needs (the whole conformance
 suite, with and without stand-in streams, the planted bugs, the drop-in features, the kept
-blocks' fallbacks and the fp16 division);
+blocks' fallbacks, the fp16 division and the root in pieces);
 ``unmeasured()`` starts the ranks of everything else without it, which keeps CI short.
 """
 
@@ -26,6 +26,7 @@ MEASURED_MODULES = {
     "test_kept_shards",
     "test_optimized_schedule",
     "test_parity",
+    "test_pieces",
     "test_reduce_switches",
     "test_stream_order",
 }
