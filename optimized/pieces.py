@@ -72,13 +72,13 @@ def free_params(module: nn.Module, ignored: set) -> bool:
     """Whether ``module`` holds parameters outside every sharded module below it."""
     if get_state(module) is not None:
         return False
-    own = any(p is not None and p not in ignored for p in module._parameters.values())
+    own = any(p not in ignored for p in module.parameters(recurse=False))
     return own or any(free_params(child, ignored) for child in module.children())
 
 
 def shared_between(module: nn.Module, runs: list[list[nn.Module]], ignored: set) -> bool:
     """Whether a parameter sits in two runs, or in a run and ``module`` itself."""
-    seen = {id(p) for p in module._parameters.values() if p is not None and p not in ignored}
+    seen = {id(p) for p in module.parameters(recurse=False) if p not in ignored}
     for run in runs:
         mine = {id(p) for child in run for p in child.parameters() if p not in ignored}
         if seen & mine:
