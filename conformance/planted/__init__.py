@@ -56,6 +56,8 @@ Planted costs: the values stay right, only what is communicated or kept alive is
     reshards_after_backward            set_reshard_after_backward(False) is ignored
     keeps_after_forward                no group is resharded after forward
     reduces_fp32                       bf16 parameters: gradients reduced in fp32 anyway
+    in_pieces_gathered_early           the root in pieces: a parent prefetches its pieces at
+                                       its own pre-forward, not where each piece is next
 
 ``twinshard conform twinshard.conformance.planted.scaled_grads`` must fail; the test suite
 asserts that it does, case by case. The bugs are planted per object (by swapping the class

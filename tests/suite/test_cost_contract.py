@@ -90,6 +90,9 @@ PLANTED = {
         "reduces_fp32": {
             "cost_bf16_reduce": "reduce_scatter: 23 collective(s), 4410 elements in float32"
         },
+        "in_pieces_gathered_early": {
+            "cost_root_embedding": "all-gather of norm+head was issued in pre_forward of root"
+        },
     },
     "2x2": {"all_reduces_every_micro_batch": {"cost_no_all_reduce": "all_reduce: 23"}},
 }

@@ -115,8 +115,8 @@ def _check(examples: list[Example], mesh: tuple) -> None:
     assert examples
     verdicts = _verdicts(examples, mesh)
     assert len(verdicts) == len(examples)
+    assert all(v["ok"] for v in verdicts), _report(verdicts)  # one that raised: its traceback
     assert all(v["compared"] > 0 for v in verdicts), "an example compared nothing"
-    assert all(v["ok"] for v in verdicts), _report(verdicts)
 
 
 @pytest.mark.parametrize("mesh", list(PLAN), ids=mesh_name)

@@ -40,8 +40,9 @@ def test_case(run, mesh, name):
     if result["status"] == "SKIP":
         assert result["reason"], f"case {name} was skipped on mesh {mesh} without a reason"
         pytest.skip(result["reason"])
-    assert result["compared"] > 0, f"case {name} compared nothing"
+    # a case that raised compared nothing: its traceback says why, so it is shown first
     assert result["ok"], "\n".join(result["failures"][:5])
+    assert result["compared"] > 0, f"case {name} compared nothing"
 
 
 def test_every_group_ran_on_every_mesh(full_tier):
