@@ -34,12 +34,11 @@ RESERVED_WITHIN = 0.10  # issue 36's target: planned reserved within 10% of the 
 
 def planned_fits(row: dict, device: str, mode: str) -> bool:
     """Whether ``row``'s step fits ``device`` by the caching allocator's model in ``mode``:
-    with plain segments, the step replayed against the device's memory (cached segments given
-    back before a request fails, as PyTorch does); with expandable ones, which map pages as
-    they are needed, the reserved peak against it."""
+    the step replayed against the device's memory, cached memory given back before a request
+    fails as PyTorch does (whole free segments; with expandable ones, every free page)."""
     if mode == "segments":
         return row["memory"]["fits"][device]
-    return row["memory"]["allocator"]["expandable"]["reserved_peak"] <= DEVICES[device].capacity
+    return row["memory"]["allocator"]["fits"][device]["fits_expandable"]
 
 
 def compare(rows: dict) -> list[dict]:

@@ -34,7 +34,8 @@ The applications:
 - ``commandline/``: what every command shares: the words it spells alike, which
   implementation it runs (a short name or any module), how a report ends.
 - ``train/``: ``twinshard train`` and ``twinshard export``.
-- ``models.py``: small example models; ``example.py``: a first run
+- ``models.py``: small example models, and ``hf_config.py``: a Hugging Face ``config.json``
+  as their config (a job's ``--model``); ``example.py``: a first run
   (``python -m twinshard.example``).
 - ``fakeaccel/``: the fake accelerator's old command name (``python -m twinshard.fakeaccel``).
 """

@@ -121,13 +121,19 @@ def test_the_summary_replays_against_a_device_only_where_the_limit_matters():
     log += [("alloc", "c", 20 * MiB, 0)]
     out = summary(log, {"roomy": 64 * MiB, "tight": 40 * MiB})
     assert out["segments"]["reserved_peak"] == 50 * MiB
-    assert out["fits"]["roomy"] == {"fits": True, "releases": 0, "oom_at": []}
+    # expandable: 20 MiB mapped for a, one page more for b (its free 20 MiB hold 20 of 30),
+    # one more for c: 60 MiB, under 64
+    assert out["expandable"]["reserved_peak"] == 60 * MiB
+    roomy = {"fits": True, "releases": 0, "oom_at": [], "fits_expandable": True}
+    assert out["fits"]["roomy"] == roomy and out["max_split_size_mb"] is None
     tight = replay(log, 40 * MiB).stats
     assert tight.oom and tight.releases >= 1
+    assert replay(log, 40 * MiB, expandable=True).stats.oom  # c finds no free page to unmap
     assert out["fits"]["tight"] == {
         "fits": False,
         "releases": tight.releases,
         "oom_at": tight.oom[:1],
+        "fits_expandable": False,
     }
 
 
@@ -140,3 +146,79 @@ def test_the_limit_gives_back_every_cached_segment_of_every_stream():
     log += [("alloc", "b", 32 * MiB, "main")]  # neither holds it: 50 + 32 > 64
     stats = replay(log, 64 * MiB).stats
     assert stats.reserved == 32 * MiB and stats.releases == 1 and not stats.oom
+
+
+def test_max_split_size_keeps_oversize_blocks_whole_and_for_their_own_sizes():
+    """``max_split_size_mb:64``: a cached block of 64 MiB or more serves no smaller request,
+    and a request of 64 MiB or more takes a cached block only within 20 MiB of its size,
+    whole (unset, the 100 MiB block would serve all three requests, split)."""
+    a = CachingAllocator(max_split=64 * MiB)
+    a.malloc("a", 100 * MiB)
+    a.free("a")
+    a.malloc("b", 30 * MiB)  # 30 < 64, and the free block is oversize: a new segment
+    assert a.stats.reserved == 130 * MiB and a.stats.segments == 2
+    a.malloc("c", 90 * MiB)  # 100 < 90 + 20: taken whole, not split
+    assert a.stats.allocated == 130 * MiB and a.stats.requested == 120 * MiB
+    a.free("c")
+    a.malloc("d", 70 * MiB)  # 100 >= 70 + 20: refused, a segment of its own
+    assert a.stats.reserved == 200 * MiB
+    unset = CachingAllocator()
+    unset.malloc("a", 100 * MiB)
+    unset.free("a")
+    unset.malloc("b", 30 * MiB)  # split off the 100 MiB block: 70 MiB rest
+    unset.malloc("c", 60 * MiB)  # split off the rest
+    assert unset.stats.reserved == 100 * MiB and unset.stats.segments == 1
+
+
+def test_max_split_size_gives_back_oversize_segments_before_everything():
+    """Over the limit, the request's pool gives back the smallest free oversize segment that
+    covers it, and keeps the rest cached; where the oversize ones do not cover it, everything
+    cached goes back."""
+    a = CachingAllocator(limit=200 * MiB, max_split=64 * MiB)
+    for key, size in (("x", 100), ("y", 70), ("s", 30)):  # y and s: oversize blocks refused
+        a.malloc(key, size * MiB)
+    for key in "xys":
+        a.free(key)
+    assert a.stats.reserved == 200 * MiB
+    a.malloc("z", 80 * MiB)  # 200 + 80 > 200: the 100 MiB segment covers 80 and goes back
+    assert a.stats.reserved == 180 * MiB and a.stats.segments == 3 and not a.stats.oom
+    a.malloc("w", 90 * MiB)  # only 70 MiB oversize left, short of 90: all cached goes back
+    assert a.stats.reserved == 170 * MiB and a.stats.segments == 2 and not a.stats.oom
+    assert a.stats.releases == 2
+
+
+def test_expandable_segments_unmap_free_pages_inside_and_map_them_again():
+    """Under the limit, a free block inside an expandable segment gives back its whole pages
+    (here page 0, [0, 20) MiB, of a freed [0, 30) MiB block): a request of another stream then
+    fits; taking the block again maps the page again, which has another free page given back."""
+    a = CachingAllocator(limit=100 * MiB, expandable=True)
+    for key, size in (("a", 30), ("b", 30), ("c", 10)):  # 80 MiB mapped: a, b, c, 10 free
+        a.malloc(key, size * MiB)
+    (main,) = a.segments
+    a.free("a")
+    a.malloc("d", 15 * MiB, stream="other")  # one page: 100 MiB
+    a.malloc("e", 25 * MiB, stream="other")  # one page more: over; page 0 of main goes
+    assert a.stats.reserved == 100 * MiB and not a.stats.oom and main.unmapped == {0}
+    other = a.segments[1]
+    a.free("e")  # [15, 40) MiB of other, its free end: its page 1, [20, 40), is whole
+    a.malloc("f", 20 * MiB)  # best fit: [0, 30) of main; page 0 mapped again, over the limit
+    assert a.stats.reserved == 100 * MiB and not a.stats.oom and a.stats.releases == 2
+    assert main.unmapped == set() and main.size == 80 * MiB
+    assert other.size == 20 * MiB and other.unmapped == set()  # the end's page cut off
+    assert a.stats.peak_reserved == 100 * MiB
+
+
+def test_the_plan_takes_max_split_size_from_the_users_alloc_conf():
+    from twinshard.measure.allocator import max_split_of, summary
+
+    conf = "PYTORCH_CUDA_ALLOC_CONF"
+    assert max_split_of({conf: "expandable_segments:True,max_split_size_mb:128"}) == 128 * MiB
+    assert max_split_of({}) is None and max_split_of({conf: "expandable_segments:True"}) is None
+    for bad in ("max_split_size_mb:big", "max_split_size_mb:20"):
+        with pytest.raises(ValueError, match="max_split_size_mb is .*above 20"):
+            max_split_of({conf: bad})
+    log = [("alloc", "a", 100 * MiB, 0), ("free", "a"), ("alloc", "b", 30 * MiB, 0)]
+    assert summary(log, {})["segments"]["reserved_peak"] == 100 * MiB  # b split off a's block
+    limited = summary(log, {}, 64 * MiB)
+    assert limited["segments"]["reserved_peak"] == 130 * MiB  # the oversize block refused
+    assert limited["max_split_size_mb"] == 64

@@ -89,3 +89,15 @@ def test_bad_hf_config_is_one_line(raw, named, tmp_path, capsys):
     assert main(["plan", "--model", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and named in err, err
+
+
+@pytest.mark.parametrize(
+    "conf", ["max_split_size_mb:big", "expandable_segments:True,max_split_size_mb:8"]
+)
+def test_bad_allocator_setting_is_one_line(conf, monkeypatch, capsys):
+    """The plan replays the step under the ``PYTORCH_CUDA_ALLOC_CONF`` it runs with, as the
+    training run would allocate; a setting PyTorch would refuse is refused before any work."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    assert main(["plan", "--world", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb is" in err, err

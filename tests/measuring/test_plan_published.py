@@ -8,13 +8,17 @@ import pytest
 from benchmark_scripts import load
 
 from twinshard.measure.plan import config
+from twinshard.measure.plan.profiles import DEVICES
 
 published = load("plan_published")
 runs = load("published_runs")
 
 
-def _published_row(tokens_per_s, allocated_gib, expandable_gib, plain_gib, plain_fits=True):
-    """A plan's summary row as ``plan_published.compare`` reads it."""
+def _published_row(
+    tokens_per_s, allocated_gib, expandable_gib, plain_gib, plain_fits=True, expandable_fits=True
+):
+    """A plan's summary row as ``plan_published.compare`` reads it: whether the step fits each
+    device, replayed against its memory, with plain and expandable segments (``*_fits``)."""
     return {
         "time": {"tokens_per_s": tokens_per_s, "mfu": 0.35, "exposed_s": 0.0},
         "memory": {
@@ -28,8 +32,12 @@ def _published_row(tokens_per_s, allocated_gib, expandable_gib, plain_gib, plain
                     "reserved_peak": plain_gib * 2**30,
                     "allocated_peak": (allocated_gib + 1) * 2**30,
                 },
+                "fits": {
+                    name: {"fits": plain_fits, "fits_expandable": expandable_fits}
+                    for name in DEVICES
+                },
             },
-            "fits": {"a100": plain_fits, "h100-500w": plain_fits},
+            "fits": dict.fromkeys(DEVICES, plain_fits),
         },
         "record_s": 1.0,
     }
@@ -49,6 +57,8 @@ def test_published_runs_are_valid_plans_and_compared_as_ratios():
     assert compared["reserved_ratio"] == pytest.approx(1.05)
     assert compared["fitted"] and compared["mode"] == "expandable"
     assert compared["fits"]  # 86.5 GiB of expandable segments on a 96 GiB device
+    row = _published_row(2 * 5762.0, 41.2, 86.52, 98.88, plain_fits=False, expandable_fits=False)
+    assert not published.compare({name: row})[0]["fits"]  # the replay, not the peak, decides
     text = published.markdown([compared])
     assert (
         "| 11,524 | 2.00 | 82.4 | 41.2 | 0.50 | 42.2 | 86.5 | 98.9 | 1.05 | yes (expandable, 96) |"

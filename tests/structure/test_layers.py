@@ -235,7 +235,7 @@ def test_train_shards_through_the_one_step_builder(path):
 
 # The measuring package's layers, bottom first: a module imports its own layer and those below.
 LAYERS = (
-    ("__init__", "job", "flags", "hf", "grid", "units"),  # the job, its flags, its grid
+    ("__init__", "job", "flags", "grid", "units"),  # the job, its flags, its grid
     ("step",),  # one training step built and driven
     ("world", "simnet", "fakedevice", "fakecuda"),  # ways to join a world, and their backends
     ("observe", "probe", "monitor", "memory", "allocator"),  # observers, the memory predictor
@@ -282,7 +282,7 @@ def test_the_layer_check_can_fail():
         "twinshard.measure.world": "from twinshard.measure.bench.config import Job\n",
         "twinshard.measure.schedule.cli": "def f():\n    from ..fakeaccel import Monitor\n",
         "twinshard.measure.plan.cli": "from twinshard.measure import step, probe\n",
-        "twinshard.measure.job": "from . import hf\n",
+        "twinshard.measure.job": "from . import units\n",
     }
     assert upward_imports(sources) == [
         "twinshard.measure.schedule.cli -> twinshard.measure.fakeaccel",

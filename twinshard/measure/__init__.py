@@ -5,12 +5,13 @@ twinshard.measure.fakeaccel`` describe a training job the same way, build and dr
 the same way and join a world the same way. A module imports its own layer and those below it,
 never one above (``tests/structure/test_layers.py`` checks it); bottom first:
 
-    job.py flags.py hf.py      the job and its one validator, ``Job.problem()``; a job's flags
+    job.py flags.py            the job and its one validator, ``Job.problem()``; a job's flags
     grid.py units.py           added and read (their words, one spelling and help text per
                                concept, old spellings kept as aliases that name their
                                replacement, are ``twinshard/commandline/vocabulary.py``'s,
                                which train speaks too); a Hugging Face
-                               ``config.json`` as a job's ``--model``; the one grid of jobs
+                               ``config.json`` as a job's ``--model`` (read by
+                               ``twinshard.hf_config``); the one grid of jobs
                                behind every sweep; how bytes, times, ratios, tables and
                                figures are written
     step.py                    one training step of a job: its model built and sharded (train

@@ -21,13 +21,19 @@ replays them and reports the allocated, requested and reserved peaks. The rules,
   segment of every stream is (``release_cached_blocks``); only then is it out of memory;
 - **expandable segments** (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): one segment per
   stream and pool that grows at its end in pages (2 MiB small, 20 MiB large), any split of 512
-  bytes or more is kept, and pages of a free tail are unmapped when memory runs short.
+  bytes or more is kept, and when memory runs short every whole page of a free block is unmapped,
+  inside the segment as at its end, to be mapped again when a request takes it;
+- **max_split_size_mb** (``max_split``, in bytes; unset by default): a request of at least that
+  size is never split off a larger block and takes a cached block only within 20 MiB of its
+  size; a smaller request takes no block of at least that size; and when memory runs short, the
+  pool's free oversize segments are given back first (the smallest that covers the request, else
+  from the largest down), everything cached only if that is not enough.
 
-Left out: the delay of a free until the events of other streams that used the block
-(``record_stream``; here a free is at once), ``max_split_size_mb``, power-of-two rounding and
-garbage collection (off by default), CUDA graph pools, and unmapping free pages inside an
-expandable segment rather than at its end. Each makes reserved memory higher or equal in the real
-allocator; the first is what ``active`` memory adds to allocated there.
+Left out: power-of-two rounding and garbage collection (off by default) and CUDA graph pools.
+Frees are at once: neither FSDP2 nor twinshard calls ``record_stream``, and ProcessGroupNCCL
+records its streams on a tensor only for a collective issued with ``async_op=True`` (it keeps a
+blocking one's tensors alive instead), which on an accelerator neither issues. A free block whose
+pages were unmapped is chosen by best fit as if they were mapped.
 """
 
 from __future__ import annotations
@@ -59,6 +65,11 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
+def page_size(pool: tuple) -> int:
+    """The page of an expandable segment of ``pool`` (stream, small)."""
+    return SMALL_SEGMENT if pool[1] else LARGE_SEGMENT
+
+
 @dataclass(eq=False)
 class Block:
     """A piece of a segment, free or given to a request."""
@@ -76,18 +87,14 @@ class Block:
 
 @dataclass(eq=False)
 class Segment:
-    """Memory taken from the driver: ``size`` bytes (mapped bytes of an expandable one)."""
+    """Memory taken from the driver: ``size`` bytes (expandable: mapped, but ``unmapped``)."""
 
     serial: int
     pool: tuple  # (stream, small)
     size: int
     first: Block | None = None
     expandable: bool = False
-
-    def whole_free_block(self) -> Block | None:
-        """Its one block, if that block is free (the segment can be given back)."""
-        b = self.first
-        return b if b is not None and b.free and b.next is None else None
+    unmapped: set = field(default_factory=set)  # expandable: indexes of pages given back inside
 
 
 @dataclass
@@ -106,10 +113,11 @@ class Stats:
 
 class CachingAllocator:
     """Replays allocations and frees as the caching allocator serves them; ``limit``: the device's
-    usable bytes (None: no limit), ``expandable``: expandable segments."""
+    usable bytes (None: no limit), ``expandable``: expandable segments, ``max_split``:
+    ``max_split_size_mb`` in bytes (None: unset)."""
 
-    def __init__(self, limit: int | None = None, expandable: bool = False):
-        self.limit, self.expandable = limit, expandable
+    def __init__(self, limit: int | None = None, expandable: bool = False, max_split=None):
+        self.limit, self.expandable, self.max_split = limit, expandable, max_split
         self.pools: dict[tuple, list] = {}  # (stream, small) -> free blocks, sorted by key()
         self.segments: list[Segment] = []
         self.grown: dict[tuple, Segment] = {}  # expandable: the one segment of each pool
@@ -166,17 +174,26 @@ class CachingAllocator:
         blocks = self.pools.get(pool, [])
         i = bisect.bisect_left(blocks, (size, -1, -1), key=Block.key)
         for block in blocks[i:]:
-            if not (self.expandable and block.next is None):
-                self._unlist(block)
-                return block
+            if self.expandable and block.next is None:
+                continue
+            if self._oversize(size, block):
+                return None  # every later block is larger, and as oversize
+            self._unlist(block)
+            return block
         return None
+
+    def _oversize(self, size: int, block: Block) -> bool:
+        """``max_split_size_mb``: whether ``block`` is too large to serve a request of ``size``."""
+        m = self.max_split
+        return m is not None and block.size >= (m if size < m else size + LARGE_SEGMENT)
 
     def _take(self, block: Block, size: int) -> None:
         """Give ``block`` to a request of ``size``, splitting off a free rest where the rules
         say so."""
         rest = block.size - size
         small = block.segment.pool[1]
-        split = rest >= MIN_BLOCK if small or self.expandable else rest > SMALL_SIZE
+        whole = self.max_split is not None and size >= self.max_split
+        split = rest >= MIN_BLOCK if small or self.expandable else rest > SMALL_SIZE and not whole
         if split:
             tail = Block(block.segment, block.offset + size, rest, True, block, block.next)
             if block.next is not None:
@@ -184,6 +201,11 @@ class CachingAllocator:
             block.next, block.size = tail, size
             self._list(tail)
         block.free = False
+        segment, page = block.segment, page_size(block.segment.pool)
+        for index in [i for i in segment.unmapped if block.offset < (i + 1) * page]:
+            if index * page < block.offset + size:  # an unmapped page the request covers
+                self._reserve(page, size)
+                segment.unmapped.discard(index)
 
     @staticmethod
     def _merge(a: Block, b: Block) -> Block:
@@ -196,13 +218,15 @@ class CachingAllocator:
         return first
 
     # --- memory from the driver -------------------------------------------------------------------
-    def _reserve(self, nbytes: int, request: int) -> None:
+    def _reserve(self, nbytes: int, request: int, pool: tuple | None = None) -> None:
         """Count ``nbytes`` more reserved, first giving cached memory back where the limit
-        says so; a request that still does not fit is recorded as out of memory."""
+        says so (``pool``'s oversize segments first); a request that still does not fit is
+        recorded as out of memory."""
         s = self.stats
         if self.limit is not None and s.reserved + nbytes > self.limit:
             s.releases += 1
-            self._release()
+            if not self._release_oversize(pool, request, nbytes):
+                self._release()
             if s.reserved + nbytes > self.limit:
                 s.oom.append((request, s.reserved))
         s.reserved += nbytes
@@ -211,7 +235,7 @@ class CachingAllocator:
 
     def _new_segment(self, pool: tuple, size: int) -> Block:
         nbytes = segment_size(size)
-        self._reserve(nbytes, size)
+        self._reserve(nbytes, size, pool)
         segment = Segment(next(self._serial), pool, nbytes)
         segment.first = Block(segment, 0, nbytes)
         self.segments.append(segment)
@@ -221,7 +245,7 @@ class CachingAllocator:
     def _grow(self, pool: tuple, size: int) -> Block:
         """Expandable: map pages at the end of the pool's segment until its free end holds
         ``size``; returns that end, out of its pool."""
-        page = SMALL_SEGMENT if pool[1] else LARGE_SEGMENT
+        page = page_size(pool)
         segment = self.grown.get(pool)
         if segment is None:
             segment = self.grown[pool] = Segment(next(self._serial), pool, 0, expandable=True)
@@ -254,28 +278,57 @@ class CachingAllocator:
     def _release(self) -> None:
         """Give cached memory back to the driver: every whole free segment of every pool (with
         ``max_split_size_mb`` unset, PyTorch's default, nothing is given back alone first);
-        expandable: the whole free pages at each segment's end."""
+        expandable: the whole pages of every free block."""
         for segment in list(self.segments):
             if self.expandable:
-                self._unmap_end(segment)
-            elif segment.whole_free_block():
-                self._unlist(segment.first)
-                self.segments.remove(segment)
-                self.stats.reserved -= segment.size
-                self.stats.segments -= 1
+                self._unmap_free(segment)
+            elif segment.first.free and segment.first.next is None:  # a whole free segment
+                self._give_back(segment)
 
-    def _unmap_end(self, segment: Segment) -> None:
-        page = SMALL_SEGMENT if segment.pool[1] else LARGE_SEGMENT
+    def _release_oversize(self, pool: tuple | None, size: int, nbytes: int) -> bool:
+        """``max_split_size_mb``: give back ``pool``'s free oversize segments, the smallest that
+        covers ``size`` (at least the limit), else from the largest down until they do; whether
+        they did and ``nbytes`` more then fit (else everything cached is given back)."""
+        m = self.max_split
+        if m is None or pool is None:
+            return False
+        oversize = [b for b in self.pools.get(pool, []) if b.size >= m and b.prev is b.next is None]
+        covering = [b for b in oversize if b.size >= max(size, m)]
+        freed, need = 0, max(size, m)
+        for block in covering[:1] or oversize[::-1]:
+            if freed >= need:
+                break
+            freed += block.size
+            self._give_back(block.segment)
+        return freed >= need and self.stats.reserved + nbytes <= self.limit
+
+    def _give_back(self, segment: Segment) -> None:
+        self._unlist(segment.first)
+        self.segments.remove(segment)
+        self.stats.reserved -= segment.size
+        self.stats.segments -= 1
+
+    def _unmap_free(self, segment: Segment) -> None:
+        """Unmap the whole pages of ``segment``'s free blocks (its ``unmapped`` pages); those of
+        a free end are cut off the segment."""
+        page, block = page_size(segment.pool), segment.first
+        while block is not None:
+            if block.free:
+                first, end = -(-block.offset // page), (block.offset + block.size) // page
+                pages = set(range(first, end)) - segment.unmapped
+                segment.unmapped |= pages
+                self.stats.reserved -= len(pages) * page
+            block = block.next
         end = self._last(segment)
         if end is None or not end.free:
             return
-        pages = (end.size - (-end.offset % page)) // page * page  # whole pages of the free end
-        if pages <= 0:
+        cut = (end.size - (-end.offset % page)) // page * page  # whole pages of the free end
+        if cut <= 0:
             return
+        segment.unmapped -= set(range((segment.size - cut) // page, segment.size // page))
         self._unlist(end)
-        end.size -= pages
-        segment.size -= pages
-        self.stats.reserved -= pages
+        end.size -= cut
+        segment.size -= cut
         if end.size:
             self._list(end)
         elif end.prev is not None:
@@ -284,10 +337,10 @@ class CachingAllocator:
             segment.first = None
 
 
-def replay(log, limit: int | None = None, expandable: bool = False) -> CachingAllocator:
+def replay(log, limit: int | None = None, expandable: bool = False, max_split=None):
     """Replay ``log`` (("alloc", key, bytes, stream) and ("free", key) entries, in order) on a
     new ``CachingAllocator``; returns it, with its ``stats``."""
-    allocator = CachingAllocator(limit, expandable)
+    allocator = CachingAllocator(limit, expandable, max_split)
     for entry in log:
         if entry[0] == "alloc":
             allocator.malloc(entry[1], entry[2], entry[3])
@@ -296,15 +349,30 @@ def replay(log, limit: int | None = None, expandable: bool = False) -> CachingAl
     return allocator
 
 
-def summary(log, limits: dict[str, int]) -> dict:
+def max_split_of(environ) -> int | None:
+    """``max_split_size_mb`` of ``PYTORCH_CUDA_ALLOC_CONF`` in ``environ``, in bytes (None: unset)."""
+    for option in environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(","):
+        key, _, value = option.partition(":")
+        if key.strip() == "max_split_size_mb":
+            if not value.strip().isdigit() or int(value) <= LARGE_SEGMENT // MiB:
+                raise ValueError(
+                    f"PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb is {value!r}; PyTorch takes a "
+                    "whole number of MiB above 20: set one, or leave it out (no limit)"
+                )
+            return int(value) * MiB
+    return None
+
+
+def summary(log, limits: dict[str, int], max_split: int | None = None) -> dict:
     """What a plan reports of ``log`` (``replay``'s entries): the peaks of bytes requested,
     allocated (blocks) and reserved, how many segments (or pages) were taken, and the reserved
     peak over the allocated one, with plain segments and with expandable ones; and per device of
     ``limits`` (its usable bytes), whether the step fits (no request out of memory, cached
-    segments given back first) and how often cached memory had to be given back."""
-    out = {}
+    memory given back first), with plain segments and with expandable ones
+    (``fits_expandable``), and how often cached memory had to be given back (plain)."""
+    out: dict = {"max_split_size_mb": max_split // MiB if max_split else None, "fits": {}}
     for mode, expandable in (("segments", False), ("expandable", True)):
-        s = replay(log, None, expandable).stats
+        s = replay(log, None, expandable, max_split).stats
         out[mode] = {
             "requested_peak": s.peak_requested,
             "allocated_peak": s.peak_allocated,
@@ -312,12 +380,15 @@ def summary(log, limits: dict[str, int]) -> dict:
             "driver_allocs": s.driver_allocs,
             "reserved_per_allocated": s.peak_reserved / s.peak_allocated if s.peak_allocated else 1,
         }
-    out["fits"] = {}
-    for name, limit in limits.items():
-        if out["segments"]["reserved_peak"] <= limit:
+        for name, limit in limits.items():
             # never reaching the limit, a replay against it does what the free one did
-            out["fits"][name] = {"fits": True, "releases": 0, "oom_at": []}
-            continue
-        s = replay(log, limit, False).stats
-        out["fits"][name] = {"fits": not s.oom, "releases": s.releases, "oom_at": s.oom[:1]}
+            t = (
+                replay(log, limit, expandable, max_split).stats
+                if s.peak_reserved > limit
+                else Stats()
+            )
+            if expandable:
+                out["fits"][name]["fits_expandable"] = not t.oom
+            else:
+                out["fits"][name] = {"fits": not t.oom, "releases": t.releases, "oom_at": t.oom[:1]}
     return out

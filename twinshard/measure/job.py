@@ -8,7 +8,7 @@ flag (``flags.py`` holds the spellings), or ``None``.
 
 The model (``preset``) is a twinshard preset (``tiny``, ``small``, ``medium``, ``1b``), a
 published model's shape (``PUBLISHED``: ``llama3-8b``, ``llama2-70b``, ...) or the path of a
-Hugging Face ``config.json`` (``hf.py``); ``model`` overrides its fields (``n_layers``, ...).
+Hugging Face ``config.json`` (``twinshard.hf_config``); ``model`` overrides its fields (``n_layers``, ...).
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from twinshard import hf_config
 from twinshard.commandline import impls
 from twinshard.commandline.vocabulary import DTYPES
 from twinshard.models import PRESETS, LlamaConfig
 from twinshard.ranks import devices
-
-from . import hf
 
 BASELINES = ("plain", "ddp")  # run by the bench itself, without FSDP
 SHARDED = tuple(impls.SHORT_NAMES)  # FSDP by short name
@@ -117,8 +116,8 @@ class Job:
 
     def llama(self) -> LlamaConfig:
         overrides = {"max_seq_len": max(self.seq, 16), **self.model}
-        if hf.looks_like_file(self.preset):
-            return hf.llama_config(self.preset, **overrides)
+        if hf_config.looks_like_file(self.preset):
+            return hf_config.llama_config(self.preset, **overrides)
         if self.preset in PUBLISHED:
             return LlamaConfig(**{**PUBLISHED[self.preset], **overrides})
         return LlamaConfig.preset(self.preset, **overrides)
@@ -186,7 +185,7 @@ class Job:
         return None
 
     def _model_problem(self) -> str | None:
-        if not hf.looks_like_file(self.preset) and self.preset not in (*PRESETS, *PUBLISHED):
+        if not hf_config.looks_like_file(self.preset) and self.preset not in (*PRESETS, *PUBLISHED):
             names = ", ".join((*PRESETS, *PUBLISHED))
             return f"--model {self.preset!r}: not a preset ({names}) nor a config.json path"
         try:

@@ -23,11 +23,12 @@ argument is checked before any work starts (``config.problem``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 
 from twinshard.commandline.report_files import publish
-from twinshard.measure import flags, grid
+from twinshard.measure import allocator, flags, grid
 from twinshard.measure.job import Job, positive
 
 from . import config, profiles
@@ -67,6 +68,10 @@ def configs_from(args) -> tuple[list[list[Job]], str | None]:
         wrong = positive("--ranks-per-node", args.ranks_per_node) or wrong
     points = [[grid.at(plan, point) for plan in plans] for point in grid.points(axis)]
     wrong = wrong or flags.problem([plan for row in points for plan in row], check=config.problem)
+    try:
+        allocator.max_split_of(os.environ)  # the allocator's setting the plan replays under
+    except ValueError as error:
+        wrong = wrong or str(error)
     return ([], wrong) if wrong else (points, None)
 
 

@@ -20,6 +20,7 @@ registration is process-wide and for good); ``progress`` receives a line per sta
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from unittest import mock
 
@@ -87,7 +88,9 @@ def record(config, progress=print) -> dict:
         mark=lambda phase: labels.set(*MARKS[phase]),
     )
     limits = {name: d.capacity for name, d in DEVICES.items() if name != "cpu"}
-    reserved = allocator.summary(trace.alloc_log, limits) if trace.alloc_log is not None else None
+    max_split = allocator.max_split_of(os.environ)  # the user's PYTORCH_CUDA_ALLOC_CONF
+    log = trace.alloc_log
+    reserved = allocator.summary(log, limits, max_split) if log is not None else None
     labels.remove()
     dist.destroy_process_group()
     recorded = phases[STEPS]
