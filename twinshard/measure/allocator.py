@@ -202,10 +202,10 @@ class CachingAllocator:
             self._list(tail)
         block.free = False
         segment, page = block.segment, page_size(block.segment.pool)
-        for index in [i for i in segment.unmapped if block.offset < (i + 1) * page]:
-            if index * page < block.offset + size:  # an unmapped page the request covers
-                self._reserve(page, size)
-                segment.unmapped.discard(index)
+        start, end = block.offset, block.offset + size  # its pages: those overlapping these
+        for index in [i for i in segment.unmapped if start < (i + 1) * page and i * page < end]:
+            self._reserve(page, size)
+            segment.unmapped.discard(index)
 
     @staticmethod
     def _merge(a: Block, b: Block) -> Block:
@@ -293,8 +293,8 @@ class CachingAllocator:
         if m is None or pool is None:
             return False
         oversize = [b for b in self.pools.get(pool, []) if b.size >= m and b.prev is b.next is None]
-        covering = [b for b in oversize if b.size >= max(size, m)]
         freed, need = 0, max(size, m)
+        covering = [b for b in oversize if b.size >= need]
         for block in covering[:1] or oversize[::-1]:
             if freed >= need:
                 break
