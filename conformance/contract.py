@@ -44,6 +44,7 @@ class GroupSpec:
     dtypes: list[torch.dtype]
     reshard_after_forward: bool | int | None = None  # as passed; None: the default
     unshard_in_backward: bool = True
+    cut_from: str | None = None  # a piece's: the group it was cut from (``with_pieces``)
 
     def padded(self, shard_size: int) -> int:
         """Elements once each parameter's dim 0 is padded to a multiple of the shard size."""
@@ -140,9 +141,10 @@ def expected(plan: Plan) -> list[dict[str, GroupStep]]:
             backward = None
             if g.unshard_in_backward and after != "unsharded":
                 backward = spread
-            sync = plan.sync(g.path, m)
-            all_reduce = sync and R > 1 and plan.all_reduce(g.path, m)
-            keep = not plan.reshard_after_backward(g.path, m)
+            call = g.path if g.cut_from is None else g.cut_from  # a piece: its call's settings
+            sync = plan.sync(call, m)
+            all_reduce = sync and R > 1 and plan.all_reduce(call, m)
+            keep = not plan.reshard_after_backward(call, m)
             here[g.path] = GroupStep(
                 g.path,
                 start,
@@ -195,7 +197,8 @@ def with_pieces(plan: Plan, model: nn.Module, recorded: list[str]) -> Plan:
     the implementation made itself (``norm+head``; [Note: the root's parameters in pieces] in
     ``optimized/pieces.py``). It takes the settings of the group it was cut from (the plan's
     group nearest above its first module), the root's default keeping it unsharded too, and
-    that group keeps the rest of its parameters."""
+    that group keeps the rest of its parameters. In backward a piece may be gathered as
+    early as that group ([Note: the first block in two pieces]: it is needed with it)."""
     paths = [g.path for g in plan.groups]
     pieces = [r for r in recorded if r not in paths]
     if not pieces:
@@ -216,7 +219,7 @@ def with_pieces(plan: Plan, model: nn.Module, recorded: list[str]) -> Plan:
         kept = specs[above].reshard_after_forward
         kept = False if kept is None and above == "" else kept  # the root's default
         spec = GroupSpec(piece, [p.shape for p in mine], [p.dtype for p in mine], kept)
-        spec.unshard_in_backward = specs[above].unshard_in_backward
+        spec.unshard_in_backward, spec.cut_from = specs[above].unshard_in_backward, above
         cut.append(spec)
     order = {m: i for i, (m, _) in enumerate(model.named_modules())}
     groups = group_specs(model, paths, settings, taken) + cut

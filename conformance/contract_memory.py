@@ -86,7 +86,8 @@ class Windows:
         explicit list names it. In backward a group kept from forward gathers nothing, so the
         group before it counts too: the pre-backward hooks of a root and of a piece of it
         ([Note: the root's parameters in pieces]) both hang on the model's output, in either
-        order."""
+        order. In backward a piece may be gathered as early as the group it was cut from,
+        which needs it at once ([Note: the first block in two pieces])."""
         hook = "pre_" + phase
         own = _index(self.events, hook, path)
         if own is None:
@@ -101,6 +102,9 @@ class Windows:
             step = self.steps.get(previous)
             if phase == "forward" or step is None or step.gather_backward is not None:
                 break
+        parent = self.plan.group(path).cut_from
+        if phase == "backward" and parent is not None:
+            candidates.append(self._first_of(phase, parent))
         first = min(c for c in candidates if c is not None)
         self.issue[path, phase] = (first, own)
         return first

@@ -22,6 +22,7 @@ backward continues into earlier layers.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -69,18 +70,36 @@ class FlatParamGroup(KeptBlocks):
         self.root_group = False  # the root's: see [Note: a prefetch reads the shards when ...]
         self.prefetched = False  # a forward prefetch whose copy-in is not yet ordered
         self.watched: list | None = None  # see [Note: an edit after an implicit prefetch]
+        self.pieces: list[FlatParamGroup] = []  # cut from its module (``optimized/pieces.py``)
         self.read_version = 0  # the sum of their version counters when the prefetch read them
         self.edited = False  # the next copy-in waits for an edit on the current stream
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms
         self.reductions_in_flight = 1  # set_reduce_scatter_max_input_buffers
         self.comm_memory = None  # set_allocate_memory_from_process_group_for_comm, ...symm_mem
+        self.take_params(self.params)
+
+    def take_params(self, params: list, kept: list | None = None) -> None:
+        """Hold ``params`` from now on: at construction, and when a group is cut in two
+        (``split_off``), with ``kept``, each one's kept block and view, which stay as they are."""
+        self.params, self.usage = params, {}
         self.views: dict = {}  # see [Note: the copy-out views are kept]
         self.gathered_from: dict = {}  # per ShardedParam: the DTensor its last all-gather read
         # each parameter's block, (numel, shape, contiguous strides): fixed when it was sharded
         self.blocks = {p: block_of(p.block_shape) for p in self.params}
         self.one_mesh = len(mesh_parts(self.params)) == 1
-        self.setup_kept_blocks(self.one_mesh)
+        self.setup_kept_blocks(self.one_mesh, kept)
+
+    def split_off(self, params: list) -> FlatParamGroup:
+        """A group of ``params``, some of this group's, with this group's settings; this group
+        keeps the rest. Before the first forward (``fully_shard`` of the root, [Note: the first
+        block in two pieces] in ``pieces.py``): nothing is in flight or unsharded."""
+        piece = copy.copy(self)
+        piece.pieces, piece.comms = [], copy.copy(self.comms)  # its own hooks from now on
+        kept = dict(zip(self.params, zip(self.kept_blocks, self.kept_views)))
+        for group, mine in ((piece, params), (self, [p for p in self.params if p not in params])):
+            group.take_params(mine, [kept[p] for p in mine])
+        return piece
 
     def use_comm(self, comm: CommContext) -> None:
         """Share ``comm`` (the root's) from now on."""

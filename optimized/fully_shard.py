@@ -29,7 +29,12 @@ from twinshard.reference.state import get_state
 
 from .comm import CommContext
 from .flat_group import FlatParamGroup
-from .pieces import also_on_pieces, explain_a_failed_forward, pieces_of
+from .pieces import (
+    also_on_pieces,
+    explain_a_failed_forward,
+    first_cut,
+    pieces_of,
+)
 from .state import FSDPState
 
 
@@ -96,10 +101,45 @@ def sharded(
     state.pieces = pieces
     if pieces:
         explain_a_failed_forward(module, pieces)
+    if state.group is not None:
+        state.group.pieces = [s.group for s in pieces if s.group is not None]
     for group in [s.group for s in [state, *pieces] if s.group is not None]:
         for m in group.modules_with_params():  # [Note: the kept blocks alias the sharded ...]
             m.register_load_state_dict_post_hook(lambda *args, g=group: g.keep_shards_now())
+    if in_pieces:
+        cut_first_block(module)
     return done
+
+
+def cut_first_block(module: nn.Module) -> None:
+    """Cut the first sharded block below ``module`` before its last child holding parameters
+    (``first_cut``): that child's parameters become a group of their own
+    (``FlatParamGroup.split_off``), held by a state of their own, which ``fully_shard``'s steps
+    make for the child with the block's settings and its parameters left out; see [Note: the
+    first block in two pieces] in ``pieces.py``."""
+    cut = first_cut(module)
+    if cut is None:
+        return
+    state, child, taken = cut
+    shard_module(
+        child,
+        Implementation(group_type=FlatParamGroup, state_type=FSDPState, module_type=FSDPModule),
+        mesh=state.group.info.mesh,
+        reshard_after_forward=None if state.auto_reshard_after_forward else True,
+        mp_policy=state.mp,
+        offload_policy=OffloadPolicy(),
+        ignored_params=set(child.parameters()),  # they are the block's group's, cut off below
+        shard_placement_fn=None,
+        dp_mesh_dims=None,  # the block's mesh is its data-parallel one already
+    )
+    piece = get_state(child)
+    piece.group = state.group.split_off(taken)
+    state.pieces, state.group.pieces = [piece], [piece.group]
+    explain_a_failed_forward(state.module, [piece])
+    for m in piece.group.modules_with_params():  # resharded first, as make_fsdp_modules has it
+        m.register_state_dict_pre_hook(lambda *args, g=piece.group, **kwargs: g.reshard())
+        m.register_load_state_dict_pre_hook(lambda *args, g=piece.group: g.reshard())
+        m.register_load_state_dict_post_hook(lambda *args, g=piece.group: g.keep_shards_now())
 
 
 class _Handle(UnshardHandle):

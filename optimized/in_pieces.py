@@ -4,7 +4,9 @@ The same implementation as ``twinshard.optimized`` (its ``FSDPModule``, hooks an
 whose ``fully_shard`` cuts a parent's group where its sharded children cut its parameters:
 the root of a Llama gathers its embedding first and its ``[norm, output]`` run when that run
 starts forward, and reduces that run's gradients as soon as their backward ends ([Note: the
-root's parameters in pieces] in ``pieces.py``). Name it wherever an implementation is named:
+root's parameters in pieces] in ``pieces.py``); its first block is cut before the
+feed-forward, so that neither end of the step waits for a whole block ([Note: the first block
+in two pieces]). Name it wherever an implementation is named:
 ``twinshard bench --impls optimized,twinshard.optimized.in_pieces``, ``twinshard plan``,
 ``twinshard conform twinshard.optimized.in_pieces``, the switch.
 """

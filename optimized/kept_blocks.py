@@ -61,16 +61,19 @@ def is_kept(p, kept: torch.Tensor | None) -> bool:
 class KeptBlocks(ParamGroup):
     """The kept blocks of a ``FlatParamGroup``: see [Note: the group keeps its blocks padded]."""
 
-    def setup_kept_blocks(self, one_mesh: bool) -> None:
+    def setup_kept_blocks(self, one_mesh: bool, kept: list | None = None) -> None:
         """Decide whether the group can keep its blocks, and keep them now. Not for a group of
         mixed dtypes (a frozen float8 weight beside float32 ones: its blocks are gathered as
-        bytes, each from its own tensor), nor one on several meshes (``meshes.py``)."""
+        bytes, each from its own tensor), nor one on several meshes (``meshes.py``). ``kept``:
+        each parameter's block and view, where it is kept already (``split_off``)."""
         dtypes = [p.sharded_param.dtype for p in self.params]
         self.can_keep_shards = one_mesh and dtypes.count(dtypes[0]) == len(dtypes)
         self.can_keep_shards &= all(storage_shape(p) is not None for p in self.params)
         # per parameter: its padded block, flat, (chunk * rest,); None until it moves in
         self.kept_blocks: list = [None] * len(self.params)
         self.kept_views: list = [None] * len(self.params)  # its first local_rows rows
+        if kept is not None:
+            self.kept_blocks, self.kept_views = [b for b, _ in kept], [v for _, v in kept]
         self.kept_dtypes: list = []  # their compute dtypes; set when they move in
         self.gathered_kept = False  # whether the last all-gather took every block as kept
         self.moved_blocks = False  # keep_shards moved blocks since the last all-gather

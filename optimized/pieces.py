@@ -36,6 +36,32 @@ that sums sums each element in an order that depends on where it sits in the buf
 ring, NCCL's channels), so a piece's gradients agree with those of torch's one flat
 reduce-scatter to rounding, not to the bit, as under any other grouping of the same model.
 That is why ``twinshard.optimized`` keeps torch's groups and this is a choice.
+
+[Note: the first block in two pieces]
+With the root in pieces, each end of the step still carries a whole block: the first block
+computes only once all its parameters have arrived (after the embedding), and its gradients,
+made last in backward with the embedding's, are reduced only once its whole backward is done.
+At Llama 3 70B on 1,024 H100s that is 45 ms of the first block's all-gather and 83 ms of its
+reduce-scatter exposed a step. So ``in_pieces``, when it shards a parent of sharded modules,
+also cuts the first sharded module below it that has no sharded module below it and two or
+more children holding parameters (in registration order; a Llama's ``blocks.0``, past an
+embedding sharded alone): its last child holding parameters (the feed-forward; read through a
+wrapper with one child, activation checkpointing's, but not through a compiled module nor a
+container without a forward, a ``ModuleList`` of experts that a router calls on some ranks
+only) becomes a piece of its own, unless a parameter is shared across the cut.
+In forward the block gathers the rest and the piece's all-gather goes out while the attention
+computes; in backward the piece's gradients are reduced while the attention's backward runs.
+A block's piece is needed with the block in backward (by its own backward, which comes
+first, and by a recompute of the whole block), so whatever prefetches a group in backward
+prefetches its pieces with it (``FSDPState.prefetch``), as does an explicit prefetch list in
+either pass. Planned at that job with full activation checkpointing: the first block's exposed
+all-gather 45.1 -> 12.5 ms, the exposed time at the end of backward 187.2 -> 122.8 ms, the
+FSDP overhead 293.0 -> 196.0 ms (torch's 467.6). Only the first block is cut: at 1,024 ranks
+each collective costs about 8 ms of latency on the link, which cutting every block would pay
+three times a block (0.16 s of link time a step at 8 blocks, hidden there by the compute, not
+on a network-bound job), for nothing in the middle of the step, where prefetching hides a
+whole block's collectives. The block's group is cut after both were sharded, when the
+parent is (``cut_first_block`` in ``fully_shard.py``): which block is first is known only then.
 """
 
 from __future__ import annotations
@@ -66,6 +92,67 @@ def pieces_of(module, ignored: set) -> list[list[nn.Module]]:
     if len(runs) < 2 or shared_between(module, runs, ignored):
         return []
     return runs[1:]
+
+
+def first_cut(module) -> tuple | None:
+    """Where ``in_pieces`` cuts the first block below ``module`` ([Note: the first block in two
+    pieces]): the block's state, the child that becomes a piece and the block's parameters
+    (``ShardedParam``s) it takes; None where nothing is cut (no such block, a block already in
+    pieces or of several modules, a container, a tie across the cut)."""
+    block = first_block(module)
+    state = get_state(block) if block is not None else None
+    if state is None or state.group is None or state.pieces or len(state.modules) > 1:
+        return None
+    child = last_child(block)
+    if type(child).forward is nn.Module.forward:  # a container: no forward, no hooks
+        return None
+    taken = held_only_by(state.group, child)
+    if not taken or len(taken) == len(state.group.params):
+        return None
+    return state, child, taken
+
+
+def first_block(module) -> nn.Module | None:
+    """The first sharded module below ``module`` in registration order (a Llama's first block;
+    one sharded alone without children, torchtitan's embedding, is passed over) that has no
+    sharded module below it and a child to cut (``last_child``); else None."""
+    if isinstance(module, (list, tuple)):
+        return None
+    for m in module.modules():
+        if m is module or get_state(m) is None:
+            continue
+        if any(get_state(x) is not None for x in m.modules() if x is not m):
+            return None  # sharded modules nested below: not a block
+        if last_child(m) is not None:
+            return m
+    return None
+
+
+def last_child(block: nn.Module) -> nn.Module | None:
+    """The last child of ``block`` that holds parameters, where two or more of its children
+    hold them; a module whose one child holds everything (activation checkpointing's wrapper)
+    is read through that child, a compiled one is not, nor a container without a forward of
+    its own (a ``ModuleList`` of experts, which a router may call on some ranks only)."""
+    holders = [c for c in block.children() if any(True for _ in c.parameters())]
+    own = any(True for _ in block.parameters(recurse=False))
+    if len(holders) == 1 and not own and not hasattr(block, "_orig_mod"):
+        inner = holders[0]  # a container (a ModuleList of experts) may skip some: not read
+        return None if type(inner).forward is nn.Module.forward else last_child(inner)
+    return holders[-1] if len(holders) >= 2 else None
+
+
+def held_only_by(group, module: nn.Module) -> list | None:
+    """The parameters of ``group`` (``ShardedParam``s) that only modules under ``module`` hold;
+    None where one is held there and elsewhere too (a tie across the cut)."""
+    inside = {id(m) for m in module.modules()}
+    taken = []
+    for p in group.params:
+        held = [id(owner) in inside for owner, _ in p.owners]
+        if all(held):
+            taken.append(p)
+        elif any(held):
+            return None
+    return taken
 
 
 def free_params(module: nn.Module, ignored: set) -> bool:

@@ -140,7 +140,10 @@ class FSDPState(ReferenceState):
         Marks this group ``prefetched`` where one was issued in forward, whose copy-in the
         current stream is ordered after later (see [Note: a prefetch reads the shards when it
         is issued] in ``flat_group.py``)."""
-        for group in self.prefetch_targets(hint, order):
+        targets = self.prefetch_targets(hint, order)
+        if backward or hint is not None:  # a group's pieces with it: [Note: the first block ...]
+            targets = [g for t in targets for g in (t, *getattr(t, "pieces", ()))]
+        for group in targets:
             if backward and not group.unshard_in_backward:
                 continue  # set_unshard_in_backward(False): backward does not need them
             if isinstance(group, FlatParamGroup) and group is not self.group:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from twinshard.measure.schedule.groups import find_groups
+
 from .. import models as M
 from .. import trace as T
 from ..compare import Checker
@@ -29,13 +31,11 @@ def _trace_case(
 ) -> Checker:
     """Trace one forward+backward of the per-block MLP and check it against the schedule."""
     checker = Checker("fp32")
-    plain = M.MLPStack()
-    groups = [(list(b.parameters()), unshards_block) for b in plain.blocks]
-    groups.append((list(plain.norm.parameters()) + list(plain.head.parameters()), unshards_root))
     model = M.MLPStack()
     if param != torch.float32 or reduce != torch.float32:
         kwargs["mp_policy"] = ctx.impl.MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     M.shard_blocks(ctx.impl, model, ctx.mesh, **kwargs)
+    groups = _groups(checker, model, unshards_block, unshards_root)
     x, y = M.mlp_data()(0)
     per = x.shape[0] // ctx.world
     x, y = (t[ctx.rank * per : (ctx.rank + 1) * per].to(ctx.device) for t in (x, y))
@@ -94,6 +94,23 @@ def _trace_case(
         if dtypes != {dtype}:
             checker.fail(f"{op}: dtypes {sorted(map(str, dtypes))}, the policy says {dtype}")
     return checker
+
+
+def _groups(checker: Checker, model, unshards_block: int, unshards_root: int) -> list[tuple]:
+    """The implementation's parameter groups, each with its parameters and how many times a
+    step gathers it: a block's as a block, the root's as the root. One ``fully_shard`` call is
+    one group, or several where the implementation cuts it in pieces along its modules
+    (``twinshard.optimized.in_pieces``); a group holding parameters of two calls fails."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    groups = []
+    for group in find_groups(model):
+        names = [f"{paths[id(owner)]}.{attr}".lstrip(".") for _, owner, attr in group.params]
+        calls = {".".join(n.split(".")[:2]) if n.startswith("blocks.") else "" for n in names}
+        if len(calls) > 1:
+            checker.fail(f"group {group.path or '(root)'} holds parameters of {sorted(calls)}")
+        n = unshards_block if calls != {""} else unshards_root
+        groups.append(([getattr(owner, attr) for _, owner, attr in group.params], n))
+    return groups
 
 
 @case("trace")

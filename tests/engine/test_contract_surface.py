@@ -295,10 +295,10 @@ hook = unguarded(Base.final_callback)
     stale = unused(rows, _optimized_uses() + [(None, "params", "reads", 1)])
     assert stale == ["ParamGroup.no_such_field (reads)"], stale
     rows[("ParamGroup", "finish_backward")] = "overrides"  # exists, unused
-    rows[("FSDPState", "group")] = "reads, writes"  # used, but never written
+    rows[("FSDPState", "is_root")] = "reads, writes"  # used, but never written
     stale = unused(rows, _optimized_uses())
     assert set(stale) == {
         "ParamGroup.no_such_field (reads)",
         "ParamGroup.finish_backward (overrides)",
-        "FSDPState.group (reads, writes)",
+        "FSDPState.is_root (reads, writes)",
     }, stale

@@ -7,6 +7,9 @@ on 2 gloo ranks a Llama of two blocks, sharded block by block and then at the ro
 - the step's first all-gather carries the embedding alone, the ``[norm, output]`` piece is
   gathered once the blocks have started forward, and its gradients are reduced before any
   block's while the root's (the embedding's) are reduced last;
+- the first block is cut before its feed-forward ([Note: the first block in two pieces]): the
+  piece is gathered by the block's pre-forward, gathered with its block in backward, and
+  reduced before the block's attention; the second block stays whole;
 - three AdamW steps give the reference's parameters to the bit (2 ranks: a sum of two is the
   same in any order);
 - the root's own-group methods reach the pieces: ``unshard`` and ``reshard``, an asynchronous
@@ -146,11 +149,29 @@ def test_the_first_gather_carries_the_embedding_and_the_output_is_reduced_first(
     gathers = [c for c in calls if c[0] == "all_gather"]
     reductions = [c for c in calls if c[0] in ("reduce_scatter", "all_reduce") and c[1] is not None]
     assert gathers[0][1] == "" and gathers[0][3] == ("tok_embeddings.weight",), gathers
-    assert {c[1] for c in gathers} == {"", "blocks.0", "blocks.1", "norm+output"}, gathers
+    pieces = {"blocks.0.feed_forward"}  # [Note: the first block in two pieces]
+    assert {c[1] for c in gathers} == {"", "blocks.0", "blocks.1", "norm+output"} | pieces
     order = [c[1] for c in gathers]
     assert order.index("blocks.0") < order.index("norm+output"), order  # after a block
     assert reductions[0][1] == "norm+output", reductions  # made first, reduced first
     assert reductions[-1][1] == "", reductions  # the embedding's, made last
+
+
+def test_the_first_block_is_cut_before_its_feed_forward_gathered_with_it_in_backward():
+    schedule = results()["schedule"]
+    events, calls = schedule["events"], schedule["calls"]
+    hooks = {c[1]: [] for c in calls}
+    for op, group, event, _ in calls:
+        hooks[group].append((op, events[event]))
+    piece = "blocks.0.feed_forward"
+    gathers = [c for c in calls if c[1] == piece and c[0] == "all_gather"]
+    assert gathers[0][3] == ("w1.weight", "w2.weight", "w3.weight"), gathers
+    forward, backward = [h for op, h in hooks[piece] if op == "all_gather"]
+    assert forward == ("blocks.0", "pre_forward"), hooks[piece]  # while the attention computes
+    assert ("all_gather", backward) in hooks["blocks.0"], (hooks["blocks.0"], backward)
+    order = [c[1] for c in calls if c[0] != "all_gather"]
+    assert order.index(piece) < order.index("blocks.0"), order  # reduced before the attention's
+    assert "blocks.1.feed_forward" not in hooks  # the rest of the blocks stay whole
 
 
 def test_pieces_train_as_the_reference():
@@ -187,6 +208,15 @@ class _Tree(nn.Module):
             self.add_module(f"c{i}", child)
 
 
+class _Called(_Tree):
+    """A module that runs its children in turn: it has a forward of its own."""
+
+    def forward(self, x):
+        for child in self.children():
+            x = child(x)
+        return x
+
+
 def _mark(module: nn.Module) -> nn.Module:
     module.__dict__["_twinshard_state"] = object()  # what get_state looks for: sharded
     return module
@@ -213,7 +243,7 @@ def test_which_children_make_a_piece(tree, expected):
     from twinshard.optimized.pieces import pieces_of
 
     module = tree()
-    names = {id(m): n for n, m in module.named_children()}
+    names = {id(m): n for n, m in module.named_modules()}
     assert [[names[id(m)] for m in run] for run in pieces_of(module, set())] == expected
 
 
@@ -228,3 +258,77 @@ def test_a_tie_across_pieces_or_a_list_keeps_the_group_whole():
     assert len(pieces_of(untied, set())) == 1
     assert pieces_of(untied, set(untied.c2.parameters())) == []  # ignored: no second run
     assert pieces_of([untied.c0, untied.c2], set()) == []
+
+
+@pytest.mark.parametrize(
+    "tree, expected",
+    [
+        # a block: cut before its last child holding parameters
+        (lambda: _Tree(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.ReLU()), "c2"),
+        # a wrapper whose one child holds everything: read through it
+        (lambda: _Tree(_Called(nn.LayerNorm(2), nn.Linear(2, 2))), "c0.c1"),
+        # a container without a forward (experts a router picks from): not read through
+        (lambda: _Tree(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])), None),
+        # one layer: nothing to cut
+        (lambda: _Tree(nn.Linear(2, 2), nn.ReLU()), None),
+    ],
+)  # fmt: skip
+def test_which_child_of_the_first_block_is_cut(tree, expected):
+    from twinshard.optimized.pieces import last_child
+
+    module = tree()
+    names = {id(m): n for n, m in module.named_modules()}
+    found = last_child(module)
+    assert (names[id(found)] if found is not None else None) == expected
+
+
+def test_the_first_block_is_the_first_sharded_module_with_none_below():
+    from twinshard.optimized.pieces import first_block
+
+    def block():
+        return _mark(_Called(nn.Linear(2, 2), nn.Linear(2, 2)))
+
+    root = _Tree(_mark(nn.Embedding(4, 2)), nn.ModuleList([block(), block()]))
+    assert first_block(root) is root.c1[0]  # the embedding sharded alone is passed over
+    nested = _Tree(_mark(_Tree(block())), block())
+    assert first_block(nested) is None  # a sharded module below it: not a block
+    assert first_block(_Tree(nn.Linear(2, 2))) is None
+    assert first_block([root.c0, root.c1]) is None
+
+
+def test_a_tie_across_the_cut_keeps_the_block_whole():
+    from types import SimpleNamespace as Param
+
+    from twinshard.optimized.pieces import held_only_by
+
+    first, last = nn.Linear(2, 2), nn.Linear(2, 2)
+    mine, theirs = Param(owners=[(last, "bias")]), Param(owners=[(first, "bias")])
+    tied = Param(owners=[(first, "weight"), (last, "weight")])
+    assert held_only_by(Param(params=[theirs, mine]), last) == [mine]
+    assert held_only_by(Param(params=[theirs, tied, mine]), last) is None
+
+
+def test_what_keeps_the_first_block_whole():
+    from types import SimpleNamespace as State
+
+    from twinshard.optimized.pieces import first_cut
+
+    def sharded(*children, pieces=(), owned=None):
+        block = _Called(*children)
+        first, last = block.c0, getattr(block, f"c{len(children) - 1}")
+        owned = owned or [[(first, "weight")], [(last, "weight")]]
+        params = [State(owners=owners) for owners in owned]
+        state = State(group=State(params=params), pieces=list(pieces), modules=[block])
+        block.__dict__["_twinshard_state"] = state  # what get_state looks for
+        return _Tree(block), state, params
+
+    root, state, params = sharded(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert first_cut(root) == (state, root.c0.c1, [params[1]])
+    assert first_cut(sharded(nn.Linear(2, 2), nn.Linear(2, 2), pieces=[1])[0]) is None
+    assert first_cut(sharded(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)]))[0]) is None
+    first, last = nn.Linear(2, 2), nn.Linear(2, 2)
+    tied = [[(first, "weight"), (last, "weight")], [(last, "bias")]]
+    assert first_cut(sharded(first, last, owned=tied)[0]) is None  # a tie across the cut
+    alone = [[(last, "weight")]]
+    assert first_cut(sharded(nn.Linear(2, 2), last, owned=alone)[0]) is None  # all in the child
+    assert first_cut(_Tree(nn.Linear(2, 2))) is None  # no sharded block

@@ -28,10 +28,10 @@ def test_the_overhead_floor_is_below_every_planned_overhead(monkeypatch):
 
     monkeypatch.setattr(cli, "plan", keep)
     lines, missed = floors.overhead_floor(blocks=2)
-    floor_ms = float(next(x for x in lines if "floor (the four" in x).split("**")[1].split()[0])
+    floor_ms = float(next(x for x in lines if "floor (the step" in x).split("**")[1].split()[0])
     assert set(planned) == {"optimized", floors.PIECES, "torch"}
     for impl, overhead in planned.items():
-        assert 0 < floor_ms <= overhead * 1e3, (impl, floor_ms, overhead)
+        assert 0 < floor_ms <= overhead * 1e3 + 0.05, (impl, floor_ms, overhead)  # as printed
     ours, theirs = planned[floors.PIECES] * 1e3, planned["torch"] * 1e3
     assert missed == (ours > 0.6 * theirs or ours > 1.05 * floor_ms), (ours, theirs, floor_ms)
     # recorded in a fresh process: this one did not take the fake accelerator as its own
