@@ -153,11 +153,6 @@ class CachingAllocator:
                 block = self._merge(block, other)
         self._list(block)
 
-    def fragmentation(self) -> float:
-        """The share of reserved bytes not allocated, now."""
-        s = self.stats
-        return 1 - s.allocated / s.reserved if s.reserved else 0.0
-
     # --- the pools --------------------------------------------------------------------------------
     def _list(self, block: Block) -> None:
         bisect.insort(self.pools.setdefault(block.segment.pool, []), block, key=Block.key)
@@ -251,11 +246,15 @@ class CachingAllocator:
             segment = self.grown[pool] = Segment(next(self._serial), pool, 0, expandable=True)
             self.segments.append(segment)
             self.stats.segments += 1
-        end = self._last(segment)
-        have = end.size if end is not None and end.free else 0
-        nbytes = -(-max(0, size - have) // page) * page  # whole pages, none if it holds it
-        if nbytes:
-            self._reserve(nbytes, size)
+        nbytes = 0  # pages taken for this request so far; a release may cut the free end
+        while True:
+            end = self._last(segment)
+            have = end.size if end is not None and end.free else 0
+            need = -(-max(0, size - have) // page) * page  # whole pages, none if it holds it
+            if need <= nbytes:
+                break
+            self._reserve(need - nbytes, size)
+            nbytes = need
         segment.size += nbytes
         if end is not None and end.free:
             self._unlist(end)
