@@ -75,19 +75,22 @@ def overhead_floor(blocks: int) -> tuple[list[str], bool]:
     calls = recorded["collectives"]
     gathers = [i for i, c in enumerate(calls) if c["op"] == "all_gather"][:ENDS]
     reductions = [i for i, c in enumerate(calls) if c["op"] == "reduce_scatter"][-ENDS:]
+    timed = set(gathers + reductions)
     ends = copy.deepcopy(recorded)
     rows = []
     for i, c in enumerate(ends["collectives"]):
-        if i not in gathers + reductions:
+        if i not in timed:
             c["bytes"] = 0  # free: see OnlyTheEnds
             continue
         seconds = network.seconds(c["op"], c["bytes"], c["ranks"])
         rows.append(f"| {c['op']} | {c['label']} | {c['bytes'] / 1e9:.3f} | {seconds * 1e3:.1f} |")
     impls = ("optimized", PIECES, "torch")
     plans = cli.plan([replace(job, impl=i) for i in impls], progress=False)
-    by_impl = {i: row["time"]["overhead_s"] for i, row in zip(impls, plans)}
+    plan_of = dict(zip(impls, plans))
+    by_impl = {i: plan["time"]["overhead_s"] for i, plan in plan_of.items()}
     cpu = recorded["config"]["device"] == "cpu"  # as the plan replays it
-    floor = replay(ends, device, OnlyTheEnds(network), cpu)["step_s"] - plans[1]["time"]["ideal_s"]
+    ideal = plan_of[PIECES]["time"]["ideal_s"]
+    floor = replay(ends, device, OnlyTheEnds(network), cpu)["step_s"] - ideal
     bound = targets.BOUNDS["overhead"] * by_impl["torch"]
     ours, theirs = by_impl[PIECES], by_impl["torch"]
     met_torch = ours <= PIECES_BOUND * theirs

@@ -99,11 +99,13 @@ def first_cut(module) -> tuple | None:
     pieces]): the block's state, the child that becomes a piece and the block's parameters
     (``ShardedParam``s) it takes; None where nothing is cut (no such block, a block already in
     pieces or of several modules, a container, a tie across the cut)."""
-    block = first_block(module)
-    state = get_state(block) if block is not None else None
-    if state is None or state.group is None or state.pieces or len(state.modules) > 1:
+    found = first_block(module)
+    if found is None:
         return None
-    child = last_child(block)
+    block, child = found
+    state = get_state(block)
+    if state.group is None or state.pieces or len(state.modules) > 1:
+        return None
     if type(child).forward is nn.Module.forward:  # a container: no forward, no hooks
         return None
     taken = held_only_by(state.group, child)
@@ -112,10 +114,10 @@ def first_cut(module) -> tuple | None:
     return state, child, taken
 
 
-def first_block(module) -> nn.Module | None:
+def first_block(module) -> tuple[nn.Module, nn.Module] | None:
     """The first sharded module below ``module`` in registration order (a Llama's first block;
     one sharded alone without children, torchtitan's embedding, is passed over) that has no
-    sharded module below it and a child to cut (``last_child``); else None."""
+    sharded module below it and a child to cut, with that child (``last_child``); else None."""
     if isinstance(module, (list, tuple)):
         return None
     for m in module.modules():
@@ -123,8 +125,9 @@ def first_block(module) -> nn.Module | None:
             continue
         if any(get_state(x) is not None for x in m.modules() if x is not m):
             return None  # sharded modules nested below: not a block
-        if last_child(m) is not None:
-            return m
+        child = last_child(m)
+        if child is not None:
+            return m, child
     return None
 
 

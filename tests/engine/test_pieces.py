@@ -289,7 +289,9 @@ def test_the_first_block_is_the_first_sharded_module_with_none_below():
         return _mark(_Called(nn.Linear(2, 2), nn.Linear(2, 2)))
 
     root = _Tree(_mark(nn.Embedding(4, 2)), nn.ModuleList([block(), block()]))
-    assert first_block(root) is root.c1[0]  # the embedding sharded alone is passed over
+    first, child = first_block(root)
+    assert first is root.c1[0]  # the embedding sharded alone is passed over
+    assert child is first.c1  # with the child that becomes a piece
     nested = _Tree(_mark(_Tree(block())), block())
     assert first_block(nested) is None  # a sharded module below it: not a block
     assert first_block(_Tree(nn.Linear(2, 2))) is None
