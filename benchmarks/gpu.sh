@@ -6,8 +6,10 @@
 #      fake-accelerator run's checks on the real device (real tensors, PyTorch's fake process
 #      group registered for the GPU alone, so one GPU plays rank 0 of 8, of 64 and of HSDP 8x8;
 #      host syncs, host tensors in collectives, the collectives against the CPU run's, memory
-#      against the model), and the optimized path's order of waits and events on the real
-#      streams against the stand-in streams' log (benchmarks/stream_order.py),
+#      against the model), the optimized path's order of waits and events on the real
+#      streams against the stand-in streams' log (benchmarks/stream_order.py), and torch's
+#      switches for NCCL's own memory at world size 1 (benchmarks/comm_switches.py: every
+#      buffer asked for given, no fallback, the same bits; about 20 s),
 #   2. `twinshard bench` at world size 1 with NCCL: the optimized path against torch's
 #      fully_shard (and the plain model, the step with no FSDP) on a ~1B-parameter Llama in bf16,
 #   3. the hook overhead (fake process group, 64 tiny blocks) with the GPU doing the compute,
@@ -20,6 +22,9 @@
 # DEVICE=cpu SMOKE=1 runs the same commands on the CPU with a tiny model (gloo instead of NCCL;
 # step 1 on the fake accelerator), to check the script without a GPU. The exit status is 1 if a
 # check of step 1 failed (after every step has run); it names them last.
+# Only 8 files come back from a lent machine's $OUT, and this script writes about 30: with
+# ARCHIVE set it packs the results folder into that one file at the end, whatever failed, e.g.
+#   ARCHIVE=$OUT/gpu.tar.gz OUT=/tmp/gpu LIMIT=95 timeout 455 bash benchmarks/gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/gpu}
@@ -27,6 +32,9 @@ device=${DEVICE:-cuda}
 py=${PYTHON:-python3}
 limit=${LIMIT:-150}
 mkdir -p "$out"
+if [ -n "${ARCHIVE:-}" ]; then
+    trap 'tar czf "$ARCHIVE" -C "$out" .' EXIT
+fi
 if [ "$device" = cuda ]; then
     backend=nccl
     model=(--model 1b --dtype bf16 --seq 2048 --per-rank 4)
@@ -60,6 +68,8 @@ for mesh in "8" "64" "64 --hsdp 8 --offload --reshard-after-forward 4"; do
 done
 $py benchmarks/stream_order.py --device "$accel" 2>&1 | tee "$out/stream-order.log" \
     || failed+=(stream-order)
+$py benchmarks/comm_switches.py --device "$device" --out "$out" 2>&1 \
+    | tee "$out/comm-switches.log" || failed+=(comm-switches)
 
 timeout "$limit" $py -m twinshard.cli bench --device "$device" --backend "$backend" --world 1 "${model[@]}" \
     --impls plain,optimized,torch \

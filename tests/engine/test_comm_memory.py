@@ -169,3 +169,51 @@ def _symm_mem_after_custom_all_gather():
 def test_symmetric_memory_is_refused_beside_a_custom_collective():
     said = launch(_symm_mem_after_custom_all_gather, 1)[0]
     assert said.startswith("set_symm_mem_for_comm")
+
+
+def test_the_switch_check_for_a_gpu_holds_on_gloo_and_misses_a_fallback_on_nccl(tmp_path):
+    """``benchmarks/comm_switches.py``, which ``gpu.sh`` runs on NCCL, run on the CPU as its
+    docstring says: on gloo each switch that asks for memory at one rank warns once, gets none
+    and trains to the same bits. Its verdict on NCCL rows: a fallback, a buffer not given, an
+    error or other bits are each a miss."""
+    import json
+    import subprocess
+    import sys
+
+    from benchmark_scripts import BENCHMARKS, load
+
+    command = [sys.executable, str(BENCHMARKS / "comm_switches.py"), "--device", "cpu"]
+    done = subprocess.run(
+        [*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    record = json.loads((tmp_path / "comm-switches.json").read_text())
+    rows = {row["setting"]: row for row in record["rows"]}
+    assert record["backend"] == "gloo" and record["missed"] == []
+    assert rows["process_group"]["asked"] > 0 and rows["process_group"]["given"] == 0
+    assert rows["symm_mem+force_sum"]["warnings"][0].startswith("set_symm_mem_for_comm")
+    assert rows["none"]["asked"] == 0 and rows["none"]["warnings"] == []
+
+    script = load("comm_switches")
+    same = [torch.ones(2)]
+
+    def row(setting, asked=4, given=4, said=(), params=same):
+        return {"setting": setting, "asked": asked, "given": given, "warnings": list(said),
+                "params": params}  # fmt: skip
+
+    good = [
+        row("none", 0, 0),
+        row("process_group"),
+        row("symm_mem+force_sum"),
+        row("force_sum", 0, 0),
+    ]
+    assert script.verdict(good, "nccl") == []
+    for bad in (
+        row("process_group", said=["set_allocate_memory_from_process_group_for_comm: no"]),
+        row("process_group", given=3),
+        row("symm_mem+force_sum", asked=0, given=0),
+        row("force_sum", 0, 0, params=[torch.zeros(2)]),
+        {"setting": "force_sum", "error": "RuntimeError: refused"},
+    ):
+        missed = script.verdict([good[0], bad], "nccl")
+        assert len(missed) == 1 and missed[0].startswith(bad["setting"]), missed
