@@ -70,15 +70,12 @@ ASKING = {  # the settings that ask for memory at one rank, and the switch a war
 
 def join(device: str) -> tuple[torch.device, str]:
     """Be rank 0 of a world of one on ``device``: NCCL on a GPU, gloo on the CPU."""
+    from twinshard.ranks import devices
+
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
-        torch.cuda.set_device(0)
         torch.use_deterministic_algorithms(True, warn_only=True)  # a difference shows below
-    on = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-    store = dist.HashStore()
-    dist.init_process_group(
-        backend, store=store, rank=0, world_size=1, device_id=on if device == "cuda" else None
-    )
+    on = devices.join_group(backend, 0, store=dist.HashStore(), rank=0, world_size=1)
     return on, backend
 
 

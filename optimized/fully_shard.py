@@ -104,8 +104,7 @@ def sharded(
     if state.group is not None:
         state.group.pieces = [s.group for s in pieces if s.group is not None]
     for group in [s.group for s in [state, *pieces] if s.group is not None]:
-        for m in group.modules_with_params():  # [Note: the kept blocks alias the sharded ...]
-            m.register_load_state_dict_post_hook(lambda *args, g=group: g.keep_shards_now())
+        keep_shards_after_loads(group)
     if in_pieces:
         cut_first_block(module)
     return done
@@ -139,7 +138,14 @@ def cut_first_block(module: nn.Module) -> None:
     for m in piece.group.modules_with_params():  # resharded first, as make_fsdp_modules has it
         m.register_state_dict_pre_hook(lambda *args, g=piece.group, **kwargs: g.reshard())
         m.register_load_state_dict_pre_hook(lambda *args, g=piece.group: g.reshard())
-        m.register_load_state_dict_post_hook(lambda *args, g=piece.group: g.keep_shards_now())
+    keep_shards_after_loads(piece.group)
+
+
+def keep_shards_after_loads(group: FlatParamGroup) -> None:
+    """After a ``load_state_dict`` into a module of ``group``, keep the blocks the load may have
+    replaced ([Note: the kept blocks alias the sharded parameters] in ``kept_blocks.py``)."""
+    for m in group.modules_with_params():
+        m.register_load_state_dict_post_hook(lambda *args, g=group: g.keep_shards_now())
 
 
 class _Handle(UnshardHandle):
